@@ -1,0 +1,83 @@
+// The concepts through which an inference engine plugs its own models and policies into specdec.
+//
+// A model owns no hidden sequence state: its key/value cache is an explicit object that the
+// generation loop holds, extends through forward() and prunes after a rejected draft. Tensors are
+// at::Tensor (torch::Tensor is the same type).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <concepts>
+#include <cstdint>
+
+namespace specdec {
+
+// KVCache: the per-sequence state of a LanguageModel, a run of cached positions that the
+// generation loop can shorten.
+//
+// A type C satisfies KVCache if, for `c` a C and `cc` a const C:
+//   1. `cc.length()` returns the number of positions the cache holds, convertible to int64_t.
+//   2. `c.prune(n)` drops the last n positions, for 0 <= n <= length(); afterwards the cache is in
+//      exactly the state it had when it held length() - n positions.
+// Not required: a particular storage layout, batch rows of different lengths, copyability.
+template <class C>
+concept KVCache = requires(C& c, const C& cc, int64_t n) {
+  { cc.length() } -> std::convertible_to<int64_t>;
+  c.prune(n);
+};
+
+// LanguageModel: a causal language model whose sequence state lives in an explicit cache.
+//
+// A type M satisfies LanguageModel if, for `m` an M, `cm` a const M, `cache` an M::cache_type:
+//   1. M::cache_type satisfies KVCache.
+//   2. `cm.make_cache(batch)` returns an empty M::cache_type for `batch` rows.
+//   3. `m.forward(ids, cache)` takes ids, int64 [batch, T] on cm.device(): the T tokens that
+//      follow the cache.length() cached positions. It returns logits [batch, T, vocab] (floating
+//      point), row t predicting the token after ids[:, t], and appends T positions to the cache.
+//   4. `cm.vocab_size()` is the vocabulary size V; every token id is in [0, V).
+//   5. `cm.device()` is the device of the ids it accepts and the logits it returns.
+// Optional: `cm.max_sequence_length()`, the most positions the model can attend over; generation
+// stops there when the model has it.
+// Not required: thread safety, a particular dtype, batch > 1 support beyond what make_cache takes.
+template <class M>
+concept LanguageModel =
+    KVCache<typename M::cache_type> &&
+    requires(M& m, const M& cm, const at::Tensor& ids, typename M::cache_type& cache,
+             int64_t batch) {
+      { cm.make_cache(batch) } -> std::same_as<typename M::cache_type>;
+      { m.forward(ids, cache) } -> std::convertible_to<at::Tensor>;
+      { cm.vocab_size() } -> std::convertible_to<int64_t>;
+      { cm.device() } -> std::convertible_to<at::Device>;
+    };
+
+// Target: the model whose output distribution speculative decoding reproduces exactly.
+template <class M>
+concept Target = LanguageModel<M>;
+
+// Drafter: the cheaper model that proposes draft tokens for the target to verify.
+template <class M>
+concept Drafter = LanguageModel<M>;
+
+// LogitsProcessor: a sampling policy, turning logits into a distribution and drawing from it.
+//
+// A type P satisfies LogitsProcessor if, for `p` a const P, `logits` and `probs` tensors
+// [..., vocab] and `gen` an at::Generator:
+//   1. `p(logits)` returns probabilities of the same shape (floating point, each row sums to 1);
+//      it never modifies `logits`.
+//   2. `p.sample(probs, gen)` returns int64 indices [..., 1] drawn from `probs` using only `gen`
+//      for randomness, so the same generator state gives the same indices.
+// Not required: that sample() checks `probs` (the generation loop validates distributions itself).
+template <class P>
+concept LogitsProcessor = requires(const P& p, const at::Tensor& logits, const at::Tensor& probs,
+                                   at::Generator& gen) {
+  { p(logits) } -> std::convertible_to<at::Tensor>;
+  { p.sample(probs, gen) } -> std::convertible_to<at::Tensor>;
+};
+
+// HasMaxSequenceLength: a model that states the most positions it can attend over.
+template <class M>
+concept HasMaxSequenceLength = requires(const M& cm) {
+  { cm.max_sequence_length() } -> std::convertible_to<int64_t>;
+};
+
+}  // namespace specdec

@@ -1,0 +1,107 @@
+// Internals of the generation loop: validation of the common options and the growing output.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/detail/model_runner.hpp"
+#include "specdec/options.hpp"
+#include "specdec/result.hpp"
+
+namespace specdec::detail {
+
+inline void check_tokens(std::string_view name, std::span<const int64_t> tokens, int64_t vocab) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab) {
+      throw_invalid_message(name, "[", i, "] must be in [0, vocab_size = ", vocab, "), got ",
+                            tokens[i]);
+    }
+  }
+}
+
+// Validates what every generation function takes. Throws std::invalid_argument.
+template <class Options>
+void check_common(const Options& options, std::span<const int64_t> prompt, int64_t vocab,
+                  int64_t sequence_limit) {
+  if (prompt.empty()) throw std::invalid_argument("prompt must not be empty");
+  check_tokens("prompt", prompt, vocab);
+  check_tokens("eos_token_ids", options.eos_token_ids, vocab);
+  if (options.max_new_tokens < 0) throw_invalid("max_new_tokens", "be >= 0", options.max_new_tokens);
+  if (static_cast<int64_t>(prompt.size()) > sequence_limit) {
+    throw_invalid_message("prompt length ", prompt.size(),
+                          " must not exceed the model's max_sequence_length ", sequence_limit);
+  }
+}
+
+// The sequence being generated: prompt plus output, the stopping rules and the step callback.
+class GenerationState {
+ public:
+  template <class Options>
+  GenerationState(std::span<const int64_t> prompt, const Options& options, int64_t sequence_limit)
+      : sequence_(prompt.begin(), prompt.end()),
+        prompt_length_(static_cast<int64_t>(prompt.size())),
+        end_(std::min(sequence_limit, prompt_length_ + options.max_new_tokens)),
+        eos_(options.eos_token_ids),
+        on_step_(options.on_step),
+        start_(std::chrono::steady_clock::now()) {}
+
+  // Tokens so far, prompt included.
+  [[nodiscard]] std::span<const int64_t> sequence() const noexcept { return sequence_; }
+  [[nodiscard]] int64_t length() const noexcept { return static_cast<int64_t>(sequence_.size()); }
+  // Tokens that can still be appended.
+  [[nodiscard]] int64_t room() const noexcept { return finished_ ? 0 : end_ - length(); }
+  [[nodiscard]] bool finished() const noexcept { return room() <= 0; }
+
+  GenerationStats& stats() noexcept { return stats_; }
+
+  // Appends the accepted drafts and the sampled token, stopping after an end token or at the
+  // length limit, and reports the step to the callback.
+  void emit(std::span<const int64_t> drafts, int64_t accepted, int64_t token) {
+    const int64_t position = length();
+    const auto append = [&](int64_t t) {
+      if (finished()) return;
+      sequence_.push_back(t);
+      if (std::find(eos_.begin(), eos_.end(), t) != eos_.end()) finished_ = true;
+    };
+    for (int64_t i = 0; i < accepted; ++i) append(drafts[static_cast<size_t>(i)]);
+    append(token);
+    ++stats_.steps;
+    stats_.drafted += static_cast<int64_t>(drafts.size());
+    stats_.accepted += accepted;
+    if (on_step_) {
+      on_step_(StepInfo{.step = stats_.steps - 1,
+                        .position = position,
+                        .drafts = drafts,
+                        .accepted = accepted,
+                        .token = token,
+                        .emitted = std::span<const int64_t>(sequence_).subspan(
+                            static_cast<size_t>(position))});
+    }
+  }
+
+  [[nodiscard]] GenerationResult finish() && {
+    stats_.generated = length() - prompt_length_;
+    stats_.total_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    return GenerationResult{
+        std::vector<int64_t>(sequence_.begin() + prompt_length_, sequence_.end()), stats_};
+  }
+
+ private:
+  std::vector<int64_t> sequence_;
+  int64_t prompt_length_;
+  int64_t end_;
+  std::span<const int64_t> eos_;
+  const StepCallback& on_step_;
+  std::chrono::steady_clock::time_point start_;
+  GenerationStats stats_;
+  bool finished_ = false;
+};
+
+}  // namespace specdec::detail

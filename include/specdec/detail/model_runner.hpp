@@ -1,0 +1,106 @@
+// Internals of the generation loop: a model with its cache, fed only what it has not seen yet.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <random>
+#include <span>
+#include <string_view>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+
+namespace specdec::detail {
+
+// The model's max_sequence_length(), or no limit.
+template <LanguageModel M>
+int64_t sequence_limit(const M& model) {
+  if constexpr (HasMaxSequenceLength<M>) {
+    return static_cast<int64_t>(model.max_sequence_length());
+  } else {
+    return std::numeric_limits<int64_t>::max();
+  }
+}
+
+inline at::Generator make_generator(std::optional<uint64_t> seed) {
+  const uint64_t value = seed ? *seed : (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  return at::make_generator<at::CPUGeneratorImpl>(value);
+}
+
+// Ids [1, n] on `device` for host tokens.
+inline at::Tensor host_ids(std::span<const int64_t> tokens, const at::Device& device) {
+  const auto count = static_cast<int64_t>(tokens.size());
+  return at::from_blob(const_cast<int64_t*>(tokens.data()), {1, count}, at::kLong).to(device, /*non_blocking=*/false, /*copy=*/true);
+}
+
+// Counters a runner adds to.
+struct ForwardCounters {
+  int64_t* calls;
+  double* seconds;
+};
+
+// A model, its cache and how it is fed. The sequence the model sees is `context ++ tail`: host
+// tokens followed by device tokens (drafts); forward() feeds the part not in the cache yet.
+template <LanguageModel M>
+class ModelRunner {
+ public:
+  ModelRunner(M& model, std::string_view role, bool use_cache, ForwardCounters counters)
+      : model_(model),
+        role_(role),
+        use_cache_(use_cache),
+        counters_(counters),
+        cache_(model.make_cache(1)),
+        vocab_(static_cast<int64_t>(model.vocab_size())),
+        device_(model.device()) {}
+
+  [[nodiscard]] const at::Device& device() const noexcept { return device_; }
+
+  // Logits [T, vocab] of the T positions of `context ++ tail` that were not cached. tail is int64
+  // [1, k] on this model's device or undefined.
+  at::Tensor forward(std::span<const int64_t> context, const at::Tensor& tail) {
+    if (!use_cache_) cache_ = model_.make_cache(1);
+    const auto known = static_cast<int64_t>(cache_.length());
+    const auto context_length = static_cast<int64_t>(context.size());
+    at::Tensor ids;
+    if (known < context_length) {
+      ids = host_ids(context.subspan(static_cast<size_t>(known)), device_);
+      if (tail.defined() && tail.size(1) > 0) ids = at::cat({ids, tail}, 1);
+    } else {
+      ids = tail.narrow(1, known - context_length, tail.size(1) - (known - context_length));
+    }
+    const auto start = std::chrono::steady_clock::now();
+    at::Tensor logits = model_.forward(ids, cache_);
+    *counters_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++*counters_.calls;
+    if (!logits.defined() || logits.dim() != 3 || logits.size(0) != 1 ||
+        logits.size(1) != ids.size(1) || logits.size(2) != vocab_ ||
+        !at::isFloatingType(logits.scalar_type())) {
+      throw_invalid_message(role_, ".forward must return floating-point logits [1, ", ids.size(1),
+                            ", ", vocab_, "], got ",
+                            logits.defined() ? logits.sizes() : at::IntArrayRef{});
+    }
+    return logits[0];
+  }
+
+  // Keeps at most `length` cached positions: the accepted prefix after a verification.
+  void truncate(int64_t length) {
+    const auto cached = static_cast<int64_t>(cache_.length());
+    if (use_cache_ && cached > length) cache_.prune(cached - length);
+  }
+
+ private:
+  M& model_;
+  std::string_view role_;
+  bool use_cache_;
+  ForwardCounters counters_;
+  typename M::cache_type cache_;
+  int64_t vocab_;
+  at::Device device_;
+};
+
+}  // namespace specdec::detail

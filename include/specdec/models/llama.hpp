@@ -1,0 +1,337 @@
+// A Llama-family decoder that models LanguageModel: token embedding, RMSNorm, rotary position
+// embeddings on consecutive pairs (2i, 2i+1) as in llama2.c, grouped-query attention, a SwiGLU
+// feed-forward block and an optional classifier tied to the embedding.
+//
+// The weight layout is llama2.c's (and PyTorch's nn.Linear): every projection is [out, in]. A
+// checkpoint whose rotary embedding rotates the two halves of each head (Hugging Face) loads by
+// permuting the rows of wq and wk, once, at load time.
+//
+// The forward attends over the cache and the new tokens with a causal mask; forward_with_mask()
+// takes explicit positions and a mask over the new tokens (tree attention).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/kv_cache.hpp"
+
+namespace specdec::models {
+
+struct LlamaConfig {
+  int64_t dim = 64;             // model width
+  int64_t hidden_dim = 172;     // feed-forward width
+  int64_t n_layers = 5;         // decoder layers
+  int64_t n_heads = 8;          // query heads
+  int64_t n_kv_heads = 4;       // key/value heads (grouped-query attention); divides n_heads
+  int64_t vocab_size = 512;     // vocabulary size
+  int64_t max_seq_len = 512;    // most positions; also the StaticKVCache capacity by default
+  double rope_theta = 10000.0;  // rotary embedding base
+  double norm_eps = 1e-5;       // RMSNorm epsilon
+
+  [[nodiscard]] int64_t head_dim() const noexcept { return dim / n_heads; }
+  [[nodiscard]] int64_t kv_dim() const noexcept { return head_dim() * n_kv_heads; }
+
+  // Throws std::invalid_argument naming the first field that is out of range.
+  void validate() const {
+    const std::pair<const char*, int64_t> positive[] = {
+        {"dim", dim},           {"hidden_dim", hidden_dim}, {"n_layers", n_layers},
+        {"n_heads", n_heads},   {"n_kv_heads", n_kv_heads}, {"vocab_size", vocab_size},
+        {"max_seq_len", max_seq_len}};
+    for (const auto& [name, value] : positive) {
+      if (value < 1) detail::throw_invalid(std::string("LlamaConfig::") + name, "be >= 1", value);
+    }
+    if (dim % n_heads != 0) {
+      detail::throw_invalid_message("LlamaConfig::dim (", dim, ") must be divisible by n_heads (",
+                                    n_heads, ")");
+    }
+    if (head_dim() % 2 != 0) {
+      detail::throw_invalid("LlamaConfig head_dim (dim / n_heads)", "be even for rotary embeddings",
+                            head_dim());
+    }
+    if (n_heads % n_kv_heads != 0) {
+      detail::throw_invalid_message("LlamaConfig::n_heads (", n_heads,
+                                    ") must be divisible by n_kv_heads (", n_kv_heads, ")");
+    }
+    if (!(rope_theta > 0.0)) detail::throw_invalid("LlamaConfig::rope_theta", "be > 0", rope_theta);
+    if (!(norm_eps > 0.0)) detail::throw_invalid("LlamaConfig::norm_eps", "be > 0", norm_eps);
+  }
+
+  friend std::ostream& operator<<(std::ostream& out, const LlamaConfig& c) {
+    return out << "LlamaConfig{dim=" << c.dim << ", hidden_dim=" << c.hidden_dim
+               << ", n_layers=" << c.n_layers << ", n_heads=" << c.n_heads
+               << ", n_kv_heads=" << c.n_kv_heads << ", vocab_size=" << c.vocab_size
+               << ", max_seq_len=" << c.max_seq_len << "}";
+  }
+};
+
+// One decoder layer's weights, [out, in] for every projection.
+struct LlamaLayerWeights {
+  at::Tensor attention_norm;  // [dim]
+  at::Tensor wq;              // [dim, dim]
+  at::Tensor wk;              // [kv_dim, dim]
+  at::Tensor wv;              // [kv_dim, dim]
+  at::Tensor wo;              // [dim, dim]
+  at::Tensor ffn_norm;        // [dim]
+  at::Tensor w1;              // [hidden_dim, dim]  gate
+  at::Tensor w2;              // [dim, hidden_dim]  down
+  at::Tensor w3;              // [hidden_dim, dim]  up
+};
+
+struct LlamaWeights {
+  at::Tensor token_embedding;  // [vocab, dim]
+  std::vector<LlamaLayerWeights> layers;
+  at::Tensor norm;    // [dim]
+  at::Tensor output;  // [vocab, dim]; the token embedding itself when the classifier is tied
+
+  // Random weights for `config`, scaled so that logits are well spread (for tests and benchmarks).
+  static LlamaWeights random(const LlamaConfig& config, uint64_t seed,
+                             const at::TensorOptions& options = at::kFloat,
+                             bool tied_classifier = false) {
+    config.validate();
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    const auto normal = [&](std::vector<int64_t> shape, double std) {
+      return at::normal(0.0, std, shape, gen, at::TensorOptions(at::kFloat)).to(options);
+    };
+    const auto ones = [&](int64_t n) { return at::ones({n}, options); };
+    const double d = static_cast<double>(config.dim);
+    const double h = static_cast<double>(config.hidden_dim);
+    LlamaWeights w;
+    w.token_embedding = normal({config.vocab_size, config.dim}, 1.0);
+    for (int64_t i = 0; i < config.n_layers; ++i) {
+      w.layers.push_back(LlamaLayerWeights{
+          ones(config.dim), normal({config.dim, config.dim}, 1.0 / std::sqrt(d)),
+          normal({config.kv_dim(), config.dim}, 1.0 / std::sqrt(d)),
+          normal({config.kv_dim(), config.dim}, 1.0 / std::sqrt(d)),
+          normal({config.dim, config.dim}, 0.5 / std::sqrt(d)), ones(config.dim),
+          normal({config.hidden_dim, config.dim}, 1.0 / std::sqrt(d)),
+          normal({config.dim, config.hidden_dim}, 0.5 / std::sqrt(h)),
+          normal({config.hidden_dim, config.dim}, 1.0 / std::sqrt(d))});
+    }
+    w.norm = ones(config.dim);
+    // Logits with a standard deviation of about 4: peaked but not one-hot distributions.
+    w.output = tied_classifier ? w.token_embedding
+                               : normal({config.vocab_size, config.dim}, 4.0 / std::sqrt(d));
+    return w;
+  }
+};
+
+// The reference Llama decoder. Cache is DynamicKVCache or StaticKVCache.
+template <class Cache = DynamicKVCache>
+class LlamaModel {
+ public:
+  using cache_type = Cache;
+
+  // Requires: a valid config; weights of the shapes LlamaWeights documents, all of one floating
+  //   dtype and on one device. Throws std::invalid_argument naming the first bad tensor.
+  LlamaModel(const LlamaConfig& config, LlamaWeights weights)
+      : config_(config), weights_(std::move(weights)) {
+    config_.validate();
+    check_weights();
+    const auto options = weights_.token_embedding.options();
+    const at::Tensor inv_freq = at::pow(
+        config_.rope_theta,
+        -at::arange(0, config_.head_dim(), 2, at::kDouble) / static_cast<double>(config_.head_dim()));
+    const at::Tensor angles =
+        at::outer(at::arange(config_.max_seq_len, at::kDouble), inv_freq);  // [max_seq, hd/2]
+    rope_cos_ = angles.cos().to(options);
+    rope_sin_ = angles.sin().to(options);
+  }
+
+  [[nodiscard]] const LlamaConfig& config() const noexcept { return config_; }
+  [[nodiscard]] const LlamaWeights& weights() const noexcept { return weights_; }
+  [[nodiscard]] int64_t vocab_size() const noexcept { return config_.vocab_size; }
+  [[nodiscard]] int64_t max_sequence_length() const noexcept { return config_.max_seq_len; }
+  [[nodiscard]] at::Device device() const { return weights_.token_embedding.device(); }
+  [[nodiscard]] at::ScalarType dtype() const { return weights_.token_embedding.scalar_type(); }
+
+  // An empty cache for `batch` rows (a StaticKVCache of max_seq_len positions).
+  [[nodiscard]] Cache make_cache(int64_t batch) const { return make_cache(batch, config_.max_seq_len); }
+
+  // An empty cache for `batch` rows; `capacity` bounds a StaticKVCache (ignored by a dynamic one).
+  [[nodiscard]] Cache make_cache(int64_t batch, int64_t capacity) const {
+    if (batch < 1) detail::throw_invalid("batch", "be >= 1", batch);
+    if constexpr (std::is_same_v<Cache, StaticKVCache>) {
+      return StaticKVCache(StaticKVCacheShape{.num_layers = config_.n_layers,
+                                              .batch = batch,
+                                              .kv_heads = config_.n_kv_heads,
+                                              .capacity = capacity,
+                                              .head_dim = config_.head_dim()},
+                           weights_.token_embedding.options());
+    } else {
+      return Cache(config_.n_layers);
+    }
+  }
+
+  // Requires: ids int64 [batch, T] on device(), T >= 1, tokens in [0, vocab);
+  //   cache.length() + T <= max_sequence_length().
+  // Returns: logits [batch, T, vocab] in the model's dtype; appends T positions to the cache.
+  at::Tensor forward(const at::Tensor& ids, Cache& cache) {
+    check_ids(ids, cache);
+    const int64_t past = cache.length();
+    const int64_t count = ids.size(1);
+    const at::Tensor positions =
+        at::arange(past, past + count, at::TensorOptions().dtype(at::kLong).device(device()));
+    // Causal: new token i sees every cached position and new tokens 0..i.
+    at::Tensor mask;
+    if (count > 1) {
+      const at::Tensor visible = at::ones({count, count}, at::TensorOptions().dtype(at::kBool).device(device())).tril();
+      mask = attention_bias(visible, past);
+    }
+    return run(ids, cache, positions, mask);
+  }
+
+  // Tree attention: like forward(), but new token i sits at position cache.length() + depth[i]
+  // and sees every cached position and the new tokens j with visible[i][j] (its ancestors and
+  // itself). Requires: depth int64 [T] on device(), visible bool [T, T] on device().
+  at::Tensor forward_with_mask(const at::Tensor& ids, Cache& cache, const at::Tensor& depth,
+                               const at::Tensor& visible) {
+    check_ids(ids, cache);
+    const int64_t count = ids.size(1);
+    if (!depth.defined() || depth.dim() != 1 || depth.size(0) != count) {
+      detail::throw_invalid_message("depth must be int64 [", count, "]");
+    }
+    if (!visible.defined() || visible.dim() != 2 || visible.size(0) != count ||
+        visible.size(1) != count || visible.scalar_type() != at::kBool) {
+      detail::throw_invalid_message("visible must be bool [", count, ", ", count, "]");
+    }
+    return run(ids, cache, depth.to(device()) + cache.length(), attention_bias(visible.to(device()), cache.length()));
+  }
+
+ private:
+  void check_ids(const at::Tensor& ids, const Cache& cache) const {
+    if (!ids.defined() || ids.dim() != 2 || ids.size(1) < 1 || ids.scalar_type() != at::kLong) {
+      detail::throw_invalid_message("ids must be int64 [batch, T] with T >= 1, got ",
+                                    ids.defined() ? ids.sizes() : at::IntArrayRef{});
+    }
+    if (ids.device() != device()) {
+      detail::throw_invalid_message("ids must be on the model's device ", device(), ", got ",
+                                    ids.device());
+    }
+    if (cache.length() + ids.size(1) > config_.max_seq_len) {
+      detail::throw_invalid_message("cache length ", cache.length(), " + ", ids.size(1),
+                                    " new tokens exceeds max_seq_len ", config_.max_seq_len);
+    }
+  }
+
+  // An additive bias [T, past + T]: 0 where visible, -inf elsewhere; cached positions visible.
+  at::Tensor attention_bias(const at::Tensor& visible, int64_t past) const {
+    const int64_t count = visible.size(0);
+    const at::Tensor all = at::cat(
+        {at::ones({count, past}, visible.options()), visible}, 1);
+    return at::zeros(all.sizes(), weights_.token_embedding.options())
+        .masked_fill(all.logical_not(), -std::numeric_limits<double>::infinity());
+  }
+
+  static at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight;
+  }
+
+  // Rotates consecutive pairs (2i, 2i+1) of x [B, T, heads, head_dim] by the angles of positions.
+  at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
+    const auto sizes = x.sizes();
+    const at::Tensor pairs = x.reshape({sizes[0], sizes[1], sizes[2], sizes[3] / 2, 2});
+    const at::Tensor even = pairs.select(-1, 0);
+    const at::Tensor odd = pairs.select(-1, 1);
+    return at::stack({even * cos - odd * sin, even * sin + odd * cos}, -1).reshape(sizes);
+  }
+
+  at::Tensor run(const at::Tensor& ids, Cache& cache, const at::Tensor& positions,
+                 const at::Tensor& bias) {
+    const int64_t batch = ids.size(0);
+    const int64_t count = ids.size(1);
+    const int64_t heads = config_.n_heads;
+    const int64_t kv_heads = config_.n_kv_heads;
+    const int64_t group = heads / kv_heads;
+    const int64_t head_dim = config_.head_dim();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+    // [1, T, 1, hd/2] to broadcast over batch and heads.
+    const at::Tensor cos = rope_cos_.index_select(0, positions).view({1, count, 1, head_dim / 2});
+    const at::Tensor sin = rope_sin_.index_select(0, positions).view({1, count, 1, head_dim / 2});
+    // The bias repeated for the query heads that share a key/value head: [group * T, S].
+    const at::Tensor group_bias = bias.defined() ? bias.repeat({group, 1}) : bias;
+
+    at::Tensor x = at::embedding(weights_.token_embedding, ids);
+    for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
+      const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
+      const at::Tensor h = rms_norm(x, w.attention_norm, config_.norm_eps);
+      const at::Tensor q = rotate(at::linear(h, w.wq).view({batch, count, heads, head_dim}), cos, sin);
+      const at::Tensor k = rotate(at::linear(h, w.wk).view({batch, count, kv_heads, head_dim}), cos, sin);
+      const at::Tensor v = at::linear(h, w.wv).view({batch, count, kv_heads, head_dim});
+      const auto [keys, values] = cache.update(layer, k.transpose(1, 2), v.transpose(1, 2));
+      // Queries grouped by their key/value head: [B, kv_heads, group * T, hd].
+      const at::Tensor grouped = q.transpose(1, 2).reshape({batch, kv_heads, group * count, head_dim});
+      at::Tensor scores = at::matmul(grouped, keys.transpose(2, 3)) * scale;
+      if (group_bias.defined()) scores = scores + group_bias;
+      const at::Tensor attended = at::matmul(scores.softmax(-1), values)
+                                      .view({batch, heads, count, head_dim})
+                                      .transpose(1, 2)
+                                      .reshape({batch, count, config_.dim});
+      x = x + at::linear(attended, w.wo);
+      const at::Tensor f = rms_norm(x, w.ffn_norm, config_.norm_eps);
+      x = x + at::linear(at::silu(at::linear(f, w.w1)) * at::linear(f, w.w3), w.w2);
+    }
+    cache.commit(count);
+    return at::linear(rms_norm(x, weights_.norm, config_.norm_eps), weights_.output);
+  }
+
+  void check_weights() const {
+    const auto& c = config_;
+    const at::Tensor& reference = weights_.token_embedding;
+    if (!reference.defined() || !at::isFloatingType(reference.scalar_type())) {
+      throw std::invalid_argument("LlamaWeights::token_embedding must be a floating-point tensor");
+    }
+    const auto expect = [&](const at::Tensor& t, const std::string& name,
+                            std::vector<int64_t> shape) {
+      if (!t.defined() || !t.sizes().equals(shape)) {
+        detail::throw_invalid_message("LlamaWeights::", name, " must have shape ",
+                                      at::IntArrayRef(shape), ", got ",
+                                      t.defined() ? t.sizes() : at::IntArrayRef{});
+      }
+      if (t.scalar_type() != reference.scalar_type() || t.device() != reference.device()) {
+        detail::throw_invalid_message("LlamaWeights::", name, " must be ", reference.scalar_type(),
+                                      " on ", reference.device(), " like token_embedding, got ",
+                                      t.scalar_type(), " on ", t.device());
+      }
+    };
+    expect(weights_.token_embedding, "token_embedding", {c.vocab_size, c.dim});
+    if (static_cast<int64_t>(weights_.layers.size()) != c.n_layers) {
+      detail::throw_invalid_message("LlamaWeights::layers must hold n_layers = ", c.n_layers,
+                                    " layers, got ", weights_.layers.size());
+    }
+    for (size_t i = 0; i < weights_.layers.size(); ++i) {
+      const auto& l = weights_.layers[i];
+      const std::string prefix = "layers[" + std::to_string(i) + "].";
+      expect(l.attention_norm, prefix + "attention_norm", {c.dim});
+      expect(l.wq, prefix + "wq", {c.dim, c.dim});
+      expect(l.wk, prefix + "wk", {c.kv_dim(), c.dim});
+      expect(l.wv, prefix + "wv", {c.kv_dim(), c.dim});
+      expect(l.wo, prefix + "wo", {c.dim, c.dim});
+      expect(l.ffn_norm, prefix + "ffn_norm", {c.dim});
+      expect(l.w1, prefix + "w1", {c.hidden_dim, c.dim});
+      expect(l.w2, prefix + "w2", {c.dim, c.hidden_dim});
+      expect(l.w3, prefix + "w3", {c.hidden_dim, c.dim});
+    }
+    expect(weights_.norm, "norm", {c.dim});
+    expect(weights_.output, "output", {c.vocab_size, c.dim});
+  }
+
+  LlamaConfig config_;
+  LlamaWeights weights_;
+  at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2]
+  at::Tensor rope_sin_;
+};
+
+static_assert(LanguageModel<LlamaModel<DynamicKVCache>>);
+static_assert(LanguageModel<LlamaModel<StaticKVCache>>);
+
+}  // namespace specdec::models

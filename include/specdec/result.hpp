@@ -1,0 +1,42 @@
+// What a generation function returns: the generated tokens and counters of the work it did.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace specdec {
+
+// Counters of one generation. Times are host wall-clock seconds; on an asynchronous device a
+// forward's time is the time to enqueue it, and the wait shows up in the step's synchronisation.
+struct GenerationStats {
+  int64_t drafted = 0;        // draft tokens proposed to the target
+  int64_t accepted = 0;       // draft tokens the target accepted
+  int64_t target_calls = 0;   // target forward calls
+  int64_t drafter_calls = 0;  // drafter forward calls
+  int64_t steps = 0;          // generation steps (each ends with one token sampled from the target)
+  int64_t generated = 0;      // tokens generated (the size of GenerationResult::tokens)
+  double total_seconds = 0;   // wall time of the whole call
+  double target_seconds = 0;  // wall time inside target forward calls
+  double drafter_seconds = 0; // wall time inside drafter forward calls
+
+  // accepted / drafted; 0 when nothing was drafted.
+  [[nodiscard]] double acceptance_rate() const noexcept {
+    return drafted == 0 ? 0.0 : static_cast<double>(accepted) / static_cast<double>(drafted);
+  }
+  // generated / target_calls; 0 without target calls.
+  [[nodiscard]] double tokens_per_target_call() const noexcept {
+    return target_calls == 0 ? 0.0
+                             : static_cast<double>(generated) / static_cast<double>(target_calls);
+  }
+  // Time spent outside model forwards: sampling, verification, cache pruning, bookkeeping.
+  [[nodiscard]] double library_seconds() const noexcept {
+    return total_seconds - target_seconds - drafter_seconds;
+  }
+};
+
+struct GenerationResult {
+  std::vector<int64_t> tokens;  // generated tokens, prompt excluded; an end token is included
+  GenerationStats stats;
+};
+
+}  // namespace specdec

@@ -1,0 +1,12 @@
+// specdec: lossless speculative decoding for causal language models on libtorch.
+// The umbrella header: everything except models/ and io/.
+#pragma once
+
+#include "specdec/concepts.hpp"
+#include "specdec/generate.hpp"
+#include "specdec/kv_cache.hpp"
+#include "specdec/logits_processor.hpp"
+#include "specdec/options.hpp"
+#include "specdec/result.hpp"
+#include "specdec/verification.hpp"
+#include "specdec/version.hpp"

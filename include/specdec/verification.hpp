@@ -1,0 +1,110 @@
+// The verification core: one rejection-sampling step shared by every generation function.
+//
+// Given the target's distributions at the gamma drafted positions and the one after them, and the
+// drafter's distributions at the drafted positions, it decides how many leading drafts to accept
+// and samples the token that follows them, so that the emitted tokens are distributed exactly as
+// the target's (Leviathan et al. 2023, Chen et al. 2023; seed 001):
+//   draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)), in order, until one fails;
+//   after a rejection at i the token is drawn from the residual max(0, p_i - q_i) / sum(...);
+//   when all gamma drafts are accepted it is drawn from p_gamma.
+// A deterministic drafter (n-gram, prompt lookup) is a one-hot q at its draft. With gamma = 0 the
+// step is plain sampling from p_0: autoregressive decoding uses the same core.
+//
+// The acceptance tests of all gamma positions are one tensor expression on the target's device,
+// and the step costs exactly one device-to-host synchronisation.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+
+namespace specdec {
+
+// The outcome of verify_drafts, on the host.
+struct VerifiedStep {
+  int64_t accepted = 0;         // leading drafts accepted, in [0, gamma]
+  int64_t token = 0;            // the token sampled after the accepted drafts
+  std::vector<int64_t> drafts;  // the drafts that were verified (host copy)
+};
+
+struct VerifyOptions {
+  bool skip_sample_adjustment = false;  // sample a rejected position from p instead of the
+                                        // residual: biased, for experiments only (seed 002)
+};
+
+// Verifies gamma drafts against the target in one vectorised rejection-sampling step.
+//
+// Requires: target_probs [gamma + 1, vocab], the processed target distributions predicting the
+//   gamma drafted positions and the one after them; draft_probs [gamma, vocab], the processed
+//   drafter distributions the drafts were sampled from, or an undefined tensor for deterministic
+//   drafts (q one-hot at each draft); drafts int64 [gamma] in [0, vocab); all on one device.
+//   `processor` is the policy that produced target_probs; uniforms come from `gen`.
+// Returns: the accepted count, the sampled token and the drafts, after one synchronisation.
+// Throws: std::invalid_argument on mismatched shapes, and when either distribution holds NaN or
+//   infinity (the model produced non-finite logits).
+template <LogitsProcessor P>
+[[nodiscard]] VerifiedStep verify_drafts(const at::Tensor& target_probs,
+                                         const at::Tensor& draft_probs, const at::Tensor& drafts,
+                                         const P& processor, at::Generator& gen,
+                                         const VerifyOptions& options = {}) {
+  if (!drafts.defined() || drafts.dim() != 1 || drafts.scalar_type() != at::kLong) {
+    detail::throw_invalid_message("drafts must be a 1-D int64 tensor [gamma]");
+  }
+  const int64_t gamma = drafts.size(0);
+  if (!target_probs.defined() || target_probs.dim() != 2 || target_probs.size(0) != gamma + 1 ||
+      !at::isFloatingType(target_probs.scalar_type())) {
+    detail::throw_invalid_message("target_probs must be floating point [gamma + 1 = ", gamma + 1,
+                                  ", vocab], got ",
+                                  target_probs.defined() ? target_probs.sizes() : at::IntArrayRef{});
+  }
+  const int64_t vocab = target_probs.size(1);
+  if (draft_probs.defined() &&
+      (draft_probs.dim() != 2 || draft_probs.size(0) != gamma || draft_probs.size(1) != vocab)) {
+    detail::throw_invalid_message("draft_probs must be [gamma = ", gamma, ", vocab = ", vocab,
+                                  "], got ", draft_probs.sizes());
+  }
+
+  const at::Tensor p = target_probs.to(at::kDouble);
+  const at::Tensor draft_index = drafts.to(p.device()).view({gamma, 1});
+  const at::Tensor q = draft_probs.defined()
+                           ? draft_probs.to(p.options())
+                           : at::zeros({gamma, vocab}, p.options()).scatter_(1, draft_index, 1.0);
+  const at::Tensor p_drafted = p.narrow(0, 0, gamma);
+
+  // Accept draft i when r_i < p_i(d_i) / q_i(d_i), written without the division.
+  const at::Tensor uniforms =
+      at::rand({gamma}, gen, at::TensorOptions().dtype(at::kDouble).device(gen.device()))
+          .to(p.device());
+  const at::Tensor accept = uniforms * q.gather(1, draft_index).view({gamma}) <
+                            p_drafted.gather(1, draft_index).view({gamma});
+  const at::Tensor accepted = accept.to(at::kLong).cumprod(0).sum().view({1});
+
+  // One candidate distribution per possible accepted count, then the one that applies.
+  at::Tensor corrections = p_drafted;
+  if (!options.skip_sample_adjustment) {
+    const at::Tensor residual = (p_drafted - q).clamp_min(0.0);
+    const at::Tensor mass = residual.sum(1, /*keepdim=*/true);
+    corrections = at::where(mass > 0, residual / mass.clamp_min(1e-300), p_drafted);
+  }
+  const at::Tensor candidates = at::cat({corrections, p.narrow(0, gamma, 1)}, 0);
+  const at::Tensor token = processor.sample(candidates.index_select(0, accepted), gen).view({1});
+
+  const at::Tensor finite = at::isfinite(p).all().logical_and(at::isfinite(q).all());
+  const at::Tensor host =
+      at::cat({accepted, token.to(at::kLong), finite.to(at::kLong).view({1}), draft_index.view({gamma})})
+          .cpu();
+  const int64_t* values = host.data_ptr<int64_t>();
+  if (values[2] == 0) {
+    throw std::invalid_argument(
+        "verify_drafts: the target or drafter distribution contains NaN or infinity (non-finite "
+        "logits from the model)");
+  }
+  return VerifiedStep{values[0], values[1], std::vector<int64_t>(values + 3, values + 3 + gamma)};
+}
+
+}  // namespace specdec

@@ -1,0 +1,169 @@
+// The reference Llama model: cached forwards equal forwards from scratch, pruning, batching,
+// grouped-query attention, tree attention and validation.
+#include <gtest/gtest.h>
+
+#include "specdec/models/llama.hpp"
+#include "support/llama_fixtures.hpp"
+
+namespace {
+
+using namespace specdec;
+using models::LlamaConfig;
+using models::LlamaModel;
+using models::LlamaWeights;
+
+at::Tensor ids_of(std::vector<int64_t> tokens) {
+  return at::tensor(tokens, at::kLong).view({1, -1});
+}
+
+template <class C>
+class LlamaWithCache : public ::testing::Test {
+ protected:
+  LlamaWithCache()
+      : model_(test::small_llama_config(),
+               LlamaWeights::random(test::small_llama_config(), 11, at::kDouble)) {}
+
+  // Logits [T, V] of the whole sequence computed in one forward on an empty cache.
+  at::Tensor scratch(const std::vector<int64_t>& tokens) {
+    auto cache = model_.make_cache(1);
+    return model_.forward(ids_of(tokens), cache)[0];
+  }
+
+  LlamaModel<C> model_;
+};
+using Caches = ::testing::Types<DynamicKVCache, StaticKVCache>;
+TYPED_TEST_SUITE(LlamaWithCache, Caches);
+
+TYPED_TEST(LlamaWithCache, ChunkedForwardEqualsForwardFromScratch) {
+  const std::vector<int64_t> tokens{3, 17, 5, 5, 40, 2, 9, 33, 12, 1, 0, 47};
+  const at::Tensor expected = this->scratch(tokens);
+  auto cache = this->model_.make_cache(1);
+  std::vector<at::Tensor> pieces;
+  size_t start = 0;
+  for (size_t chunk : {5u, 1u, 3u, 1u, 2u}) {
+    pieces.push_back(this->model_.forward(
+        ids_of({tokens.begin() + start, tokens.begin() + start + chunk}), cache)[0]);
+    start += chunk;
+  }
+  EXPECT_EQ(cache.length(), 12);
+  EXPECT_TRUE(at::allclose(at::cat(pieces, 0), expected, 1e-9, 1e-9));
+}
+
+TYPED_TEST(LlamaWithCache, ForwardAfterPruneEqualsForwardFromScratch) {
+  auto cache = this->model_.make_cache(1);
+  (void)this->model_.forward(ids_of({3, 17, 5, 5, 40, 2, 9, 33, 12, 1}), cache);
+  prune_cache(cache, 4);  // keep 3 17 5 5 40 2
+  const at::Tensor after_prune = this->model_.forward(ids_of({20, 21}), cache)[0];
+  const at::Tensor expected = this->scratch({3, 17, 5, 5, 40, 2, 20, 21}).narrow(0, 6, 2);
+  EXPECT_TRUE(at::allclose(after_prune, expected, 1e-9, 1e-9));
+  // Off by one position must differ: the test can see a wrong prune.
+  const at::Tensor off_by_one = this->scratch({3, 17, 5, 5, 40, 2, 9, 20, 21}).narrow(0, 7, 2);
+  EXPECT_FALSE(at::allclose(after_prune, off_by_one, 1e-6, 1e-6));
+}
+
+TYPED_TEST(LlamaWithCache, BatchRowsEqualSingleRows) {
+  const std::vector<int64_t> first{3, 17, 5, 8}, second{40, 2, 9, 33};
+  auto cache = this->model_.make_cache(2);
+  const at::Tensor batched =
+      this->model_.forward(at::cat({ids_of(first), ids_of(second)}, 0), cache);
+  EXPECT_TRUE(at::allclose(batched[0], this->scratch(first), 1e-9, 1e-9));
+  EXPECT_TRUE(at::allclose(batched[1], this->scratch(second), 1e-9, 1e-9));
+}
+
+TYPED_TEST(LlamaWithCache, TreeAttentionEqualsEachPathFromScratch) {
+  // Prefix 3 17 5, then a tree: node 0 (root, token 8) has children 1 (token 9) and 2 (token 10);
+  // node 1 has child 3 (token 11).
+  const std::vector<int64_t> parents{-1, 0, 0, 1};
+  const std::vector<int64_t> tokens{8, 9, 10, 11};
+  const std::vector<std::vector<int64_t>> paths{{8}, {8, 9}, {8, 10}, {8, 9, 11}};
+  at::Tensor visible = at::zeros({4, 4}, at::kBool);
+  std::vector<int64_t> depth(4, 0);
+  for (int64_t node = 0; node < 4; ++node) {
+    for (int64_t a = node; a >= 0; a = parents[static_cast<size_t>(a)]) {
+      visible[node][a] = true;
+      if (a != node) ++depth[static_cast<size_t>(node)];
+    }
+  }
+  auto cache = this->model_.make_cache(1);
+  (void)this->model_.forward(ids_of({3, 17, 5}), cache);
+  const at::Tensor tree = this->model_.forward_with_mask(ids_of(tokens), cache,
+                                                         at::tensor(depth, at::kLong), visible)[0];
+  for (size_t node = 0; node < 4; ++node) {
+    std::vector<int64_t> sequence{3, 17, 5};
+    sequence.insert(sequence.end(), paths[node].begin(), paths[node].end());
+    const at::Tensor expected = this->scratch(sequence)[static_cast<int64_t>(sequence.size()) - 1];
+    EXPECT_TRUE(at::allclose(tree[static_cast<int64_t>(node)], expected, 1e-9, 1e-9)) << "node " << node;
+  }
+}
+
+TEST(LlamaModel, GroupedQueryAttentionEqualsMultiHeadWithSharedKeys) {
+  const LlamaConfig grouped = test::small_llama_config();  // 4 query heads, 2 kv heads
+  LlamaConfig multi = grouped;
+  multi.n_kv_heads = grouped.n_heads;
+  const LlamaWeights weights = LlamaWeights::random(grouped, 5, at::kDouble);
+  LlamaWeights repeated = weights;
+  const int64_t group = grouped.n_heads / grouped.n_kv_heads;
+  for (auto& layer : repeated.layers) {
+    // Query head h reads kv head h / group: repeat each kv head's rows group times.
+    layer.wk = layer.wk.view({grouped.n_kv_heads, 1, grouped.head_dim(), grouped.dim})
+                   .expand({grouped.n_kv_heads, group, grouped.head_dim(), grouped.dim})
+                   .reshape({multi.kv_dim(), grouped.dim});
+    layer.wv = layer.wv.view({grouped.n_kv_heads, 1, grouped.head_dim(), grouped.dim})
+                   .expand({grouped.n_kv_heads, group, grouped.head_dim(), grouped.dim})
+                   .reshape({multi.kv_dim(), grouped.dim});
+  }
+  LlamaModel<> gqa(grouped, weights);
+  LlamaModel<> mha(multi, repeated);
+  auto gqa_cache = gqa.make_cache(1);
+  auto mha_cache = mha.make_cache(1);
+  const at::Tensor ids = ids_of({1, 2, 3, 4, 5, 6});
+  EXPECT_TRUE(at::allclose(gqa.forward(ids, gqa_cache), mha.forward(ids, mha_cache), 1e-9, 1e-9));
+}
+
+TEST(LlamaModel, RejectsBadConfigAndWeightsNamingThem) {
+  LlamaConfig config = test::small_llama_config();
+  config.n_kv_heads = 3;
+  EXPECT_THROW(config.validate(), std::invalid_argument);
+  config = test::small_llama_config();
+  config.dim = 0;
+  EXPECT_THROW(config.validate(), std::invalid_argument);
+
+  config = test::small_llama_config();
+  LlamaWeights weights = LlamaWeights::random(config, 1);
+  weights.layers[1].w2 = at::zeros({config.dim, config.hidden_dim + 1});
+  try {
+    LlamaModel<> model(config, weights);
+    FAIL() << "accepted a w2 of the wrong shape";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("layers[1].w2"), std::string::npos) << e.what();
+  }
+  weights = LlamaWeights::random(config, 1);
+  weights.norm = weights.norm.to(at::kDouble);
+  EXPECT_THROW(LlamaModel<>(config, weights), std::invalid_argument);
+}
+
+TEST(LlamaModel, RejectsBadIdsAndSequencesPastTheLimit) {
+  const LlamaConfig config = test::small_llama_config();
+  LlamaModel<StaticKVCache> model(config, LlamaWeights::random(config, 1));
+  auto cache = model.make_cache(1);
+  EXPECT_THROW((void)model.forward(at::ones({1, 3}, at::kInt), cache), std::invalid_argument);
+  EXPECT_THROW((void)model.forward(at::ones({3}, at::kLong), cache), std::invalid_argument);
+  EXPECT_THROW((void)model.forward(at::ones({1, config.max_seq_len + 1}, at::kLong), cache),
+               std::invalid_argument);
+  EXPECT_EQ(cache.length(), 0);
+  EXPECT_THROW((void)model.make_cache(0), std::invalid_argument);
+}
+
+TEST(LlamaModel, RunsOnCudaWhenAvailable) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  const LlamaConfig config = test::small_llama_config();
+  const LlamaWeights cpu_weights = LlamaWeights::random(config, 3, at::kFloat);
+  LlamaModel<> cpu(config, cpu_weights);
+  LlamaModel<StaticKVCache> cuda(config, LlamaWeights::random(config, 3, at::TensorOptions(at::kFloat).device(at::kCUDA)));
+  auto cpu_cache = cpu.make_cache(1);
+  auto cuda_cache = cuda.make_cache(1);
+  const at::Tensor ids = ids_of({1, 2, 3, 4});
+  EXPECT_TRUE(at::allclose(cpu.forward(ids, cpu_cache), cuda.forward(ids.cuda(), cuda_cache).cpu(), 1e-4, 1e-4));
+}
+
+}  // namespace

@@ -1,0 +1,173 @@
+// The verification core and the exactness of the output distribution under sampling.
+//
+// Distributions are checked with a chi-square test at a false-failure rate of about 1e-6, counting
+// any sample outside the support as a failure; each test also shows that the same harness rejects
+// a deliberately biased variant (skip_sample_adjustment), so it has the power to see a bias.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <vector>
+
+#include "specdec/generate.hpp"
+#include "specdec/verification.hpp"
+#include "support/statistics.hpp"
+#include "support/toy_models.hpp"
+
+namespace {
+
+using namespace specdec;
+constexpr double kZ = 4.75;  // normal quantile of a 1e-6 tail
+
+at::Tensor probs_of(std::vector<std::vector<double>> rows) {
+  std::vector<at::Tensor> tensors;
+  for (auto& row : rows) tensors.push_back(at::tensor(row, at::kDouble));
+  return at::stack(tensors);
+}
+
+TEST(VerifyDrafts, GreedyAcceptsTheLeadingMatchesAndCorrectsTheFirstMismatch) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  // Target argmax per position: 2, 0, 3, 1.
+  const at::Tensor logits = probs_of({{0, 1, 5, 2}, {4, 1, 0, 0}, {0, 0, 1, 2}, {0, 3, 1, 0}});
+  const GreedyProcessor greedy;
+  const at::Tensor p = greedy(logits);
+  const auto check = [&](std::vector<int64_t> drafts, int64_t accepted, int64_t token) {
+    const auto d = at::tensor(drafts, at::kLong);
+    const at::Tensor q = greedy(at::one_hot(d, 4).to(at::kDouble));
+    const VerifiedStep step = verify_drafts(p, q, d, greedy, gen);
+    EXPECT_EQ(step.accepted, accepted);
+    EXPECT_EQ(step.token, token);
+    EXPECT_EQ(step.drafts, drafts);
+    const VerifiedStep deterministic = verify_drafts(p, at::Tensor(), d, greedy, gen);
+    EXPECT_EQ(deterministic.accepted, accepted);
+    EXPECT_EQ(deterministic.token, token);
+  };
+  check({2, 0, 3}, 3, 1);
+  check({2, 0, 1}, 2, 3);
+  check({1, 0, 3}, 0, 2);
+  check({2, 3, 3}, 1, 0);
+}
+
+TEST(VerifyDrafts, WithoutDraftsSamplesTheTarget) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(2);
+  const VerifiedStep step = verify_drafts(probs_of({{0, 0, 1, 0}}), at::Tensor(),
+                                          at::empty({0}, at::kLong), MultinomialProcessor{}, gen);
+  EXPECT_EQ(step.accepted, 0);
+  EXPECT_EQ(step.token, 2);
+}
+
+TEST(VerifyDrafts, RejectsMismatchedShapesAndNonFiniteDistributions) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const GreedyProcessor greedy;
+  const at::Tensor drafts = at::tensor({1, 2}, at::kLong);
+  EXPECT_THROW((void)verify_drafts(at::ones({2, 4}) / 4, at::Tensor(), drafts, greedy, gen),
+               std::invalid_argument);
+  EXPECT_THROW((void)verify_drafts(at::ones({3, 4}) / 4, at::ones({2, 5}) / 5, drafts, greedy, gen),
+               std::invalid_argument);
+  EXPECT_THROW((void)verify_drafts(at::ones({3, 4}) / 4, at::Tensor(), drafts.to(at::kInt), greedy, gen),
+               std::invalid_argument);
+  at::Tensor nan = at::ones({3, 4}) / 4;
+  nan[2][1] = NAN;
+  EXPECT_THROW((void)verify_drafts(nan, at::Tensor(), drafts, greedy, gen), std::invalid_argument);
+  EXPECT_THROW((void)verify_drafts(at::ones({3, 4}) / 4, nan.narrow(0, 1, 2), drafts, greedy, gen),
+               std::invalid_argument);
+}
+
+// Emitted-token distribution of verify_drafts when the target's distribution is the same P at
+// every position: every emitted token must be distributed as P.
+test::ChiSquare first_token_fit(const at::Tensor& target, const at::Tensor& draft, bool one_hot_drafts,
+                          bool skip_adjustment, int64_t samples) {
+  const int64_t gamma = 3;
+  const MultinomialProcessor processor;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(17);
+  const at::Tensor p = target.expand({gamma + 1, target.size(0)}).contiguous();
+  const at::Tensor q = draft.expand({gamma, draft.size(0)}).contiguous();
+  std::map<int64_t, int64_t> observed;
+  for (int64_t i = 0; i < samples; ++i) {
+    // One-hot drafts: always draft token 0 (a deterministic drafter such as an n-gram table).
+    const at::Tensor drafts = one_hot_drafts ? at::zeros({gamma}, at::kLong)
+                                             : processor.sample(q, gen).view({gamma});
+    const VerifiedStep step =
+        verify_drafts(p, one_hot_drafts ? at::Tensor() : q, drafts, processor, gen,
+                      {.skip_sample_adjustment = skip_adjustment});
+    ++observed[step.accepted > 0 ? step.drafts[0] : step.token];
+  }
+  std::map<int64_t, double> expected;
+  for (int64_t v = 0; v < target.size(0); ++v) expected[v] = target[v].item<double>();
+  return test::chi_square(observed, expected, samples);
+}
+
+TEST(VerifyDrafts, EmittedTokensFollowTheTargetForSampledAndDeterministicDrafts) {
+  const at::Tensor target = at::tensor({0.1, 0.4, 0.3, 0.2, 0.0}, at::kDouble);
+  const at::Tensor draft = at::tensor({0.5, 0.1, 0.1, 0.1, 0.2}, at::kDouble);
+  for (bool one_hot : {false, true}) {
+    const auto exact = first_token_fit(target, draft, one_hot, false, 20000);
+    EXPECT_EQ(exact.outside_support, 0);
+    EXPECT_LT(exact.statistic, test::chi_square_quantile(exact.dof, kZ)) << "one_hot " << one_hot;
+    // Power: sampling a rejected position from p instead of the residual over-weights the draft
+    // (for a one-hot draft P(d) becomes p(2 - p), the bias of seed 000's loop).
+    const auto biased = first_token_fit(target, draft, one_hot, true, 20000);
+    EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, kZ)) << "one_hot " << one_hot;
+  }
+}
+
+// End to end: speculative_generate on Markov chains whose sequence probabilities are exact.
+const at::Tensor& target_transitions() {
+  static const at::Tensor t = probs_of({{.1, .2, .3, .4}, {.4, .3, .2, .1}, {.2, .3, .26, .24}, {.12, .5, .08, .3}});
+  return t;
+}
+const at::Tensor& drafter_transitions() {
+  static const at::Tensor t = probs_of({{.4, .3, .2, .1}, {.1, .1, .4, .4}, {.7, .1, .1, .1}, {.25, .25, .25, .25}});
+  return t;
+}
+
+template <class P>
+test::ChiSquare sequence_fit(const P& processor, int64_t gamma, bool skip_adjustment, int64_t samples) {
+  test::MarkovModel target(target_transitions());
+  test::MarkovModel drafter(drafter_transitions());
+  const std::vector<int64_t> prompt{0};
+  constexpr int64_t kLength = 3;
+  std::map<std::vector<int64_t>, int64_t> observed;
+  for (int64_t i = 0; i < samples; ++i) {
+    const auto result = speculative_generate(
+        drafter, target, prompt,
+        {.max_new_tokens = kLength, .seed = static_cast<uint64_t>(1000 + i), .gamma = gamma,
+         .first_target = false, .skip_sample_adjustment = skip_adjustment},
+        processor);
+    ++observed[result.tokens];
+  }
+  // Exact: the product of the processed transition probabilities along the sequence.
+  const at::Tensor step = processor(target.logits()).to(at::kDouble);
+  std::map<std::vector<int64_t>, double> expected;
+  for (int64_t a = 0; a < 4; ++a) {
+    for (int64_t b = 0; b < 4; ++b) {
+      for (int64_t c = 0; c < 4; ++c) {
+        expected[{a, b, c}] =
+            (step[0][a] * step[a][b] * step[b][c]).template item<double>();
+      }
+    }
+  }
+  return test::chi_square(observed, expected, samples);
+}
+
+template <class P>
+void expect_exact_and_detectable(const P& processor) {
+  constexpr int64_t kSamples = 8000;
+  for (int64_t gamma : {1, 2}) {
+    const auto exact = sequence_fit(processor, gamma, false, kSamples);
+    EXPECT_EQ(exact.outside_support, 0) << processor << " gamma " << gamma;
+    EXPECT_GE(exact.min_expected, 5.0);
+    EXPECT_LT(exact.statistic, test::chi_square_quantile(exact.dof, kZ))
+        << processor << " gamma " << gamma;
+  }
+  const auto biased = sequence_fit(processor, 2, true, kSamples);
+  EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, kZ)) << processor;
+}
+
+TEST(SpeculativeDistribution, MultinomialEqualsTarget) { expect_exact_and_detectable(MultinomialProcessor{1.0}); }
+TEST(SpeculativeDistribution, TopKEqualsTarget) { expect_exact_and_detectable(TopKProcessor{2}); }
+TEST(SpeculativeDistribution, NucleusEqualsTarget) { expect_exact_and_detectable(NucleusProcessor{0.85}); }
+TEST(SpeculativeDistribution, TopKNucleusAtTemperatureEqualsTarget) {
+  expect_exact_and_detectable(TopKNucleusProcessor(3, 0.9, 0.7));
+}
+
+}  // namespace
