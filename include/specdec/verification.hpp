@@ -69,35 +69,44 @@ template <LogitsProcessor P>
                                   "], got ", draft_probs.sizes());
   }
 
-  const at::Tensor p = target_probs.to(at::kDouble);
-  const at::Tensor draft_index = drafts.to(p.device()).view({gamma, 1});
-  const at::Tensor q = draft_probs.defined()
-                           ? draft_probs.to(p.options())
-                           : at::zeros({gamma, vocab}, p.options()).scatter_(1, draft_index, 1.0);
-  const at::Tensor p_drafted = p.narrow(0, 0, gamma);
+  const at::Device device = target_probs.device();
+  const auto as_double = at::TensorOptions().dtype(at::kDouble).device(device);
+  const at::Tensor draft_index = drafts.to(device).view({gamma, 1});
 
-  // Accept draft i when r_i < p_i(d_i) / q_i(d_i), written without the division.
+  // Accept draft i when r_i < p_i(d_i) / q_i(d_i), written without the division; a deterministic
+  // draft has q_i(d_i) = 1.
+  const at::Tensor p_drafted =
+      target_probs.narrow(0, 0, gamma).gather(1, draft_index).view({gamma}).to(at::kDouble);
+  const at::Tensor q_drafted =
+      draft_probs.defined()
+          ? draft_probs.to(device).gather(1, draft_index).view({gamma}).to(at::kDouble)
+          : at::ones({gamma}, as_double);
   const at::Tensor uniforms =
-      at::rand({gamma}, gen, at::TensorOptions().dtype(at::kDouble).device(gen.device()))
-          .to(p.device());
-  const at::Tensor accept = uniforms * q.gather(1, draft_index).view({gamma}) <
-                            p_drafted.gather(1, draft_index).view({gamma});
-  const at::Tensor accepted = accept.to(at::kLong).cumprod(0).sum().view({1});
+      at::rand({gamma}, gen, at::TensorOptions().dtype(at::kDouble).device(gen.device())).to(device);
+  const at::Tensor accepted = (uniforms * q_drafted < p_drafted).to(at::kLong).cumprod(0).sum().view({1});
 
-  // One candidate distribution per possible accepted count, then the one that applies.
-  at::Tensor corrections = p_drafted;
-  if (!options.skip_sample_adjustment) {
-    const at::Tensor residual = (p_drafted - q).clamp_min(0.0);
+  // The distribution of the next token, built for the accepted row only: the normalised residual
+  // max(0, p_n - q_n) after a rejection at n, p_gamma when every draft was accepted (q_gamma = 0).
+  const at::Tensor p_row = target_probs.index_select(0, accepted).to(at::kDouble);
+  at::Tensor next = p_row;
+  if (gamma > 0 && !options.skip_sample_adjustment) {
+    const at::Tensor row = accepted.clamp_max(gamma - 1);
+    const at::Tensor q_row =
+        draft_probs.defined()
+            ? draft_probs.to(device).index_select(0, row).to(at::kDouble)
+            : at::zeros({1, vocab}, as_double).scatter_(1, draft_index.index_select(0, row), 1.0);
+    const at::Tensor residual = (p_row - q_row * (accepted < gamma)).clamp_min(0.0);
     const at::Tensor mass = residual.sum(1, /*keepdim=*/true);
-    corrections = at::where(mass > 0, residual / mass.clamp_min(1e-300), p_drafted);
+    next = at::where(mass > 0, residual / mass.clamp_min(1e-300), p_row);
   }
-  const at::Tensor candidates = at::cat({corrections, p.narrow(0, gamma, 1)}, 0);
-  const at::Tensor token = processor.sample(candidates.index_select(0, accepted), gen).view({1});
+  const at::Tensor token = processor.sample(next, gen).view({1});
 
-  const at::Tensor finite = at::isfinite(p).all().logical_and(at::isfinite(q).all());
-  const at::Tensor host =
-      at::cat({accepted, token.to(at::kLong), finite.to(at::kLong).view({1}), draft_index.view({gamma})})
-          .cpu();
+  // Probabilities are non-negative, so a sum is finite exactly when every entry is.
+  at::Tensor finite = at::isfinite(target_probs.sum());
+  if (draft_probs.defined()) finite = finite.logical_and(at::isfinite(draft_probs.sum()).to(device));
+  const at::Tensor host = at::cat({accepted, token.to(at::kLong), finite.to(at::kLong).view({1}),
+                                   draft_index.view({gamma})})
+                              .cpu();
   const int64_t* values = host.data_ptr<int64_t>();
   if (values[2] == 0) {
     throw std::invalid_argument(

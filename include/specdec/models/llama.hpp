@@ -19,6 +19,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "specdec/concepts.hpp"
@@ -105,6 +106,9 @@ struct LlamaWeights {
     const auto ones = [&](int64_t n) { return at::ones({n}, options); };
     const double d = static_cast<double>(config.dim);
     const double h = static_cast<double>(config.hidden_dim);
+    // Each layer's residual update is small beside the embedding, as in trained models where
+    // early layers already predict much of what the last layer does.
+    const double residual = 0.2;
     LlamaWeights w;
     w.token_embedding = normal({config.vocab_size, config.dim}, 1.0);
     for (int64_t i = 0; i < config.n_layers; ++i) {
@@ -112,9 +116,9 @@ struct LlamaWeights {
           ones(config.dim), normal({config.dim, config.dim}, 1.0 / std::sqrt(d)),
           normal({config.kv_dim(), config.dim}, 1.0 / std::sqrt(d)),
           normal({config.kv_dim(), config.dim}, 1.0 / std::sqrt(d)),
-          normal({config.dim, config.dim}, 0.5 / std::sqrt(d)), ones(config.dim),
+          normal({config.dim, config.dim}, residual / std::sqrt(d)), ones(config.dim),
           normal({config.hidden_dim, config.dim}, 1.0 / std::sqrt(d)),
-          normal({config.dim, config.hidden_dim}, 0.5 / std::sqrt(h)),
+          normal({config.dim, config.hidden_dim}, residual / std::sqrt(h)),
           normal({config.hidden_dim, config.dim}, 1.0 / std::sqrt(d))});
     }
     w.norm = ones(config.dim);
@@ -133,6 +137,9 @@ class LlamaModel {
 
   // Requires: a valid config; weights of the shapes LlamaWeights documents, all of one floating
   //   dtype and on one device. Throws std::invalid_argument naming the first bad tensor.
+  explicit LlamaModel(std::pair<LlamaConfig, LlamaWeights> config_and_weights)
+      : LlamaModel(config_and_weights.first, std::move(config_and_weights.second)) {}
+
   LlamaModel(const LlamaConfig& config, LlamaWeights weights)
       : config_(config), weights_(std::move(weights)) {
     config_.validate();
@@ -330,6 +337,22 @@ class LlamaModel {
   at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2]
   at::Tensor rope_sin_;
 };
+
+// The config and weights of the model's first `n_layers` layers with the same embedding, final
+// norm and classifier: a cheap self-speculative drafter ("layer skip") that shares the target's
+// tensors without copying them. Requires 1 <= n_layers <= config.n_layers.
+inline std::pair<LlamaConfig, LlamaWeights> truncated(const LlamaConfig& config,
+                                                      const LlamaWeights& weights,
+                                                      int64_t n_layers) {
+  if (n_layers < 1 || n_layers > config.n_layers) {
+    detail::throw_invalid_message("n_layers must be in [1, ", config.n_layers, "], got ", n_layers);
+  }
+  LlamaConfig shallow = config;
+  shallow.n_layers = n_layers;
+  LlamaWeights kept = weights;
+  kept.layers.resize(static_cast<size_t>(n_layers));
+  return {shallow, std::move(kept)};
+}
 
 static_assert(LanguageModel<LlamaModel<DynamicKVCache>>);
 static_assert(LanguageModel<LlamaModel<StaticKVCache>>);
