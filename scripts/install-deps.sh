@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what specdec needs on Debian 12 (bookworm): a C++20 compiler, CMake, Ninja, libtorch
+# (CPU), OpenBLAS (without it libtorch falls back to a reference BLAS about 25x slower),
+# GoogleTest and Google Benchmark. Idempotent: installs only what is missing.
+set -euo pipefail
+
+packages=(g++ cmake ninja-build libtorch-dev libopenblas0-pthread libgtest-dev libbenchmark-dev)
+
+missing=()
+for package in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$package")
+  fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+echo "installing: ${missing[*]}"
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  sudo="sudo"
+fi
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
