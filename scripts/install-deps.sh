@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs what specdec needs on Debian 12 (bookworm): a C++20 compiler, CMake, Ninja, libtorch
 # (CPU), OpenBLAS (without it libtorch falls back to a reference BLAS about 25x slower),
-# GoogleTest and Google Benchmark. Idempotent: installs only what is missing.
+# GoogleTest, Google Benchmark and nlohmann-json (for the checkpoint loaders). Idempotent: installs only what is missing.
 set -euo pipefail
 
-packages=(g++ cmake ninja-build libtorch-dev libopenblas0-pthread libgtest-dev libbenchmark-dev)
+packages=(g++ cmake ninja-build libtorch-dev libopenblas0-pthread libgtest-dev libbenchmark-dev
+  nlohmann-json3-dev)
 
 missing=()
 for package in "${packages[@]}"; do

@@ -1,0 +1,267 @@
+// specdec-generate: text in, text out, with speculative or autoregressive decoding.
+//
+// By default it runs the bundled pair (models/bundled: a byte-level target and a drafter trained
+// on Python sources); --target/--drafter take a llama2.c checkpoint file or a Hugging Face Llama
+// folder, and --tokenizer a llama2.c tokenizer file.
+#include <specdec/io/checkpoint.hpp>
+#include <specdec/io/tokenizer.hpp>
+#include <specdec/models/llama.hpp>
+#include <specdec/specdec.hpp>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <variant>
+
+#ifndef SPECDEC_BUNDLED_MODELS_DIR
+#define SPECDEC_BUNDLED_MODELS_DIR "models/bundled"
+#endif
+
+namespace {
+
+using namespace specdec;
+using Model = models::LlamaModel<StaticKVCache>;
+
+constexpr std::string_view kUsage = R"(usage: specdec-generate [options]
+Generates a continuation of a prompt and prints it as it is produced, then statistics.
+
+models
+  --target PATH          target: llama2.c .bin file or Hugging Face Llama folder
+                         (default: the bundled target, )" SPECDEC_BUNDLED_MODELS_DIR R"(/target)
+  --drafter PATH         drafter, same formats (default: the bundled drafter)
+  --tokenizer PATH       llama2.c tokenizer file; without it the models are byte-level
+decoding
+  --mode MODE            speculative (default) or autoregressive
+  --prompt TEXT          the prompt (default: a line of Python)
+  --gamma N              drafts per step (default 4)
+  --max-new-tokens N     tokens to generate (default 200)
+  --temperature T        0 = greedy (default); > 0 samples
+  --top-k K              keep the K most probable tokens (with --temperature > 0)
+  --top-p P              keep the nucleus of mass P (with --temperature > 0)
+  --seed N               sampling seed (default 0)
+  --eos ID               an end token id (repeatable; llama2.c models default to 2)
+output
+  --compare              also run autoregressive decoding and print the speedup
+  --trace                show every step: accepted drafts, rejected drafts, the target's token
+  --json                 print the statistics as one JSON object instead of text
+  --help                 this text
+)";
+
+struct Arguments {
+  std::string target = SPECDEC_BUNDLED_MODELS_DIR "/target";
+  std::string drafter = SPECDEC_BUNDLED_MODELS_DIR "/drafter";
+  std::string tokenizer;
+  std::string mode = "speculative";
+  std::string prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n";
+  int64_t gamma = 4;
+  int64_t max_new_tokens = 200;
+  double temperature = 0.0;
+  int64_t top_k = 0;
+  double top_p = 1.0;
+  uint64_t seed = 0;
+  std::vector<int64_t> eos;
+  bool compare = false, trace = false, json = false;
+};
+
+Arguments parse(int argc, char** argv) {
+  Arguments a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view flag = argv[i];
+    if (flag == "--help") { std::cout << kUsage; std::exit(0); }
+    if (flag == "--compare") { a.compare = true; continue; }
+    if (flag == "--trace") { a.trace = true; continue; }
+    if (flag == "--json") { a.json = true; continue; }
+    if (i + 1 >= argc) throw std::invalid_argument(std::string(flag) + " needs a value (see --help)");
+    const std::string v = argv[++i];
+    if (flag == "--target") a.target = v;
+    else if (flag == "--drafter") a.drafter = v;
+    else if (flag == "--tokenizer") a.tokenizer = v;
+    else if (flag == "--mode") a.mode = v;
+    else if (flag == "--prompt") a.prompt = v;
+    else if (flag == "--gamma") a.gamma = std::stoll(v);
+    else if (flag == "--max-new-tokens") a.max_new_tokens = std::stoll(v);
+    else if (flag == "--temperature") a.temperature = std::stod(v);
+    else if (flag == "--top-k") a.top_k = std::stoll(v);
+    else if (flag == "--top-p") a.top_p = std::stod(v);
+    else if (flag == "--seed") a.seed = std::stoull(v);
+    else if (flag == "--eos") a.eos.push_back(std::stoll(v));
+    else throw std::invalid_argument("unknown option " + std::string(flag) + " (see --help)");
+  }
+  if (a.mode != "speculative" && a.mode != "autoregressive") {
+    throw std::invalid_argument("--mode must be speculative or autoregressive, got " + a.mode);
+  }
+  if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
+  return a;
+}
+
+using Processor = std::variant<GreedyProcessor, MultinomialProcessor, TopKProcessor, NucleusProcessor,
+                               TopKNucleusProcessor>;
+Processor make_processor(const Arguments& a) {
+  if (a.temperature == 0) return GreedyProcessor{};
+  if (a.top_k > 0 && a.top_p < 1) return TopKNucleusProcessor(a.top_k, a.top_p, a.temperature);
+  if (a.top_k > 0) return TopKProcessor(a.top_k, a.temperature);
+  if (a.top_p < 1) return NucleusProcessor(a.top_p, a.temperature);
+  return MultinomialProcessor(a.temperature);
+}
+
+// Text of tokens, through the llama2.c tokenizer or as bytes.
+class Text {
+ public:
+  explicit Text(const std::string& tokenizer_path, int64_t vocab) {
+    if (!tokenizer_path.empty()) tokenizer_ = io::Llama2cTokenizer::load(tokenizer_path, vocab);
+    else if (vocab != io::ByteTokenizer::vocab_size()) {
+      throw std::invalid_argument("a model with vocabulary " + std::to_string(vocab) +
+                                  " needs --tokenizer (byte-level models have 256 tokens)");
+    }
+  }
+  [[nodiscard]] bool llama2c() const { return tokenizer_.has_value(); }
+  [[nodiscard]] std::vector<int64_t> encode(const std::string& text) const {
+    return tokenizer_ ? tokenizer_->encode(text) : bytes_.encode(text);
+  }
+  [[nodiscard]] std::string piece(int64_t previous, int64_t token) const {
+    return tokenizer_ ? tokenizer_->decode_piece(previous, token) : bytes_.decode_piece(previous, token);
+  }
+
+ private:
+  std::optional<io::Llama2cTokenizer> tokenizer_;
+  io::ByteTokenizer bytes_;
+};
+
+struct Colors {
+  const char* accepted = "";
+  const char* rejected = "";
+  const char* target = "";
+  const char* reset = "";
+};
+
+nlohmann::json stats_json(const GenerationStats& s) {
+  return {{"generated", s.generated}, {"steps", s.steps}, {"drafted", s.drafted}, {"accepted", s.accepted},
+          {"acceptance_rate", s.acceptance_rate()}, {"target_calls", s.target_calls},
+          {"drafter_calls", s.drafter_calls}, {"tokens_per_target_call", s.tokens_per_target_call()},
+          {"total_seconds", s.total_seconds}, {"target_seconds", s.target_seconds},
+          {"drafter_seconds", s.drafter_seconds},
+          {"tokens_per_second", s.total_seconds > 0 ? s.generated / s.total_seconds : 0.0}};
+}
+
+int run(const Arguments& a) {
+  const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target);
+  Model target(target_checkpoint.config, target_checkpoint.weights);
+  const Text text(a.tokenizer, target.vocab_size());
+  std::optional<Model> drafter;
+  if (a.mode == "speculative") {
+    const io::LlamaCheckpoint drafter_checkpoint = io::load_llama(a.drafter);
+    drafter.emplace(drafter_checkpoint.config, drafter_checkpoint.weights);
+  }
+  const std::vector<int64_t> prompt = text.encode(a.prompt);
+  std::vector<int64_t> eos = a.eos;
+  if (eos.empty() && text.llama2c()) eos.push_back(io::Llama2cTokenizer::kEos);
+  const Processor processor = make_processor(a);
+  const bool color = isatty(fileno(stdout)) != 0;
+  const Colors colors = color ? Colors{"\033[32m", "\033[9;31m", "\033[1;34m", "\033[0m"} : Colors{};
+  const bool show_text = !a.json;
+
+  int64_t previous = prompt.back();
+  const auto on_step = [&](const StepInfo& step) {
+    if (!show_text) return;
+    if (a.trace) {
+      const size_t accepted = std::min(step.emitted.size(), static_cast<size_t>(step.accepted));
+      std::cout << colors.accepted;
+      for (size_t i = 0; i < accepted; ++i) {
+        std::cout << (color ? "" : "[+") << text.piece(previous, step.emitted[i]) << (color ? "" : "]");
+        previous = step.emitted[i];
+      }
+      std::cout << colors.reset;
+      if (step.emitted.size() > accepted) {  // the target's token was emitted too
+        if (step.accepted < static_cast<int64_t>(step.drafts.size())) {
+          std::cout << colors.rejected << (color ? "" : "[-")
+                    << text.piece(previous, step.drafts[static_cast<size_t>(step.accepted)])
+                    << (color ? "" : "]") << colors.reset;
+        }
+        std::cout << colors.target << (color ? "" : "[*") << text.piece(previous, step.token)
+                  << (color ? "" : "]") << colors.reset;
+        previous = step.token;
+      }
+      std::cout << std::flush;
+      return;
+    }
+    for (const int64_t token : step.emitted) {
+      std::cout << text.piece(previous, token);
+      previous = token;
+    }
+    std::cout << std::flush;
+  };
+
+  if (show_text) {
+    std::cout << "target:  " << a.target << " (" << target_checkpoint.format << ", " << target.config() << ")\n";
+    if (drafter) std::cout << "drafter: " << a.drafter << " (" << drafter->config() << ")\n";
+    std::visit([&](const auto& p) { std::cout << "mode: " << a.mode << ", " << p << ", gamma " << a.gamma << "\n"; }, processor);
+    if (a.trace) {
+      std::cout << (color ? "trace: \033[32maccepted drafts\033[0m, \033[9;31mrejected draft\033[0m, \033[1;34mthe target's token\033[0m\n"
+                          : "trace: [+accepted draft] [-rejected draft] [*the target's token]\n");
+    }
+    std::cout << "\n" << a.prompt << std::flush;
+  }
+  const GenerationResult result = std::visit(
+      [&](const auto& p) {
+        if (drafter) {
+          return speculative_generate(*drafter, target, prompt,
+                                      {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed,
+                                       .on_step = on_step, .gamma = a.gamma}, p);
+        }
+        return autoregressive_generate(target, prompt,
+                                       {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                        .seed = a.seed, .on_step = on_step}, p);
+      },
+      processor);
+  std::optional<GenerationResult> baseline;
+  if (a.compare && drafter) {
+    baseline = std::visit([&](const auto& p) {
+      return autoregressive_generate(target, prompt, {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed}, p);
+    }, processor);
+  }
+
+  const GenerationStats& s = result.stats;
+  if (a.json) {
+    nlohmann::json out{{"mode", a.mode}, {"gamma", a.gamma}, {"stats", stats_json(s)}};
+    if (baseline) {
+      out["autoregressive"] = stats_json(baseline->stats);
+      out["speedup"] = baseline->stats.total_seconds / s.total_seconds;
+      out["identical_to_autoregressive"] = baseline->tokens == result.tokens;
+    }
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << std::fixed << std::setprecision(2) << "\n\n"
+            << s.generated << " tokens in " << s.total_seconds << " s: " << s.generated / s.total_seconds
+            << " tokens/s; " << s.target_calls << " target calls (" << s.tokens_per_target_call()
+            << " tokens each)";
+  if (drafter) {
+    std::cout << ", " << s.drafter_calls << " drafter calls, acceptance rate " << s.acceptance_rate();
+  }
+  std::cout << "\n";
+  if (baseline) {
+    const auto& b = baseline->stats;
+    std::cout << "autoregressive: " << b.generated << " tokens in " << b.total_seconds << " s: "
+              << b.generated / b.total_seconds << " tokens/s; speedup " << b.total_seconds / s.total_seconds
+              << "x; output identical: " << (baseline->tokens == result.tokens ? "yes" : "no") << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::cerr << "specdec-generate: " << e.what() << "\n";
+    return 2;
+  }
+}

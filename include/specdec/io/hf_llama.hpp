@@ -1,0 +1,232 @@
+// Hugging Face Llama checkpoints: config.json plus model.safetensors, or shards listed in
+// model.safetensors.index.json, with the LlamaForCausalLM tensor names. Loads fp32, fp16 and bf16
+// weights into the reference model, and writes the same layout.
+//
+// Hugging Face stores wq and wk with the two halves of every head rotated together ("rotate
+// half"); the reference model rotates consecutive pairs as llama2.c does, so the rows of wq and wk
+// are permuted once here, on load and on save.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "specdec/io/errors.hpp"
+#include "specdec/io/safetensors.hpp"
+#include "specdec/models/llama.hpp"
+
+namespace specdec::io {
+namespace detail {
+
+inline nlohmann::json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw_format(path, "cannot open file");
+  in.seekg(0, std::ios::end);
+  const auto size = static_cast<uint64_t>(in.tellg());
+  if (size > (64u << 20)) throw_format(path, "JSON file of ", size, " bytes exceeds 64 MiB");
+  in.seekg(0);
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw_format(path, "malformed JSON: ", e.what());
+  }
+}
+
+// Rows of a [heads * head_dim, in] projection from rotate-half order to consecutive pairs.
+inline at::Tensor unpermute_rotary(const at::Tensor& w, int64_t heads) {
+  const int64_t rows = w.size(0), columns = w.size(1);
+  return w.reshape({heads, 2, rows / heads / 2, columns}).transpose(1, 2).reshape({rows, columns});
+}
+
+// The inverse: consecutive pairs to rotate-half order.
+inline at::Tensor permute_rotary(const at::Tensor& w, int64_t heads) {
+  const int64_t rows = w.size(0), columns = w.size(1);
+  return w.reshape({heads, rows / heads / 2, 2, columns}).transpose(1, 2).reshape({rows, columns});
+}
+
+template <class T>
+T config_value(const nlohmann::json& config, const std::filesystem::path& path, const char* key) {
+  if (!config.contains(key)) throw_format(path, "missing key '", key, "'");
+  try {
+    return config.at(key).get<T>();
+  } catch (const nlohmann::json::exception&) {
+    throw_format(path, "key '", key, "' has the wrong type: ", config.at(key).dump());
+  }
+}
+
+template <class T>
+T config_value_or(const nlohmann::json& config, const std::filesystem::path& path, const char* key, T fallback) {
+  if (!config.contains(key) || config.at(key).is_null()) return fallback;
+  return config_value<T>(config, path, key);
+}
+
+}  // namespace detail
+
+struct HfLlamaCheckpoint {
+  models::LlamaConfig config;
+  models::LlamaWeights weights;
+  bool tied_classifier = false;
+};
+
+// Reads the LlamaConfig of a Hugging Face config.json. Throws FormatError on a missing key, a
+// wrong type, an architecture other than Llama, or rope scaling the model does not implement.
+inline std::pair<models::LlamaConfig, bool> load_hf_llama_config(const std::filesystem::path& file) {
+  const nlohmann::json json = detail::read_json(file);
+  if (!json.is_object()) detail::throw_format(file, "not a JSON object");
+  const auto model_type = detail::config_value_or<std::string>(json, file, "model_type", "llama");
+  if (model_type != "llama") detail::throw_format(file, "model_type '", model_type, "' is not 'llama'");
+  if (json.contains("rope_scaling") && !json["rope_scaling"].is_null()) {
+    detail::throw_format(file, "rope_scaling ", json["rope_scaling"].dump(), " is not supported");
+  }
+  models::LlamaConfig config;
+  config.dim = detail::config_value<int64_t>(json, file, "hidden_size");
+  config.hidden_dim = detail::config_value<int64_t>(json, file, "intermediate_size");
+  config.n_layers = detail::config_value<int64_t>(json, file, "num_hidden_layers");
+  config.n_heads = detail::config_value<int64_t>(json, file, "num_attention_heads");
+  config.n_kv_heads = detail::config_value_or<int64_t>(json, file, "num_key_value_heads", config.n_heads);
+  config.vocab_size = detail::config_value<int64_t>(json, file, "vocab_size");
+  config.max_seq_len = detail::config_value<int64_t>(json, file, "max_position_embeddings");
+  config.rope_theta = detail::config_value_or<double>(json, file, "rope_theta", 10000.0);
+  config.norm_eps = detail::config_value_or<double>(json, file, "rms_norm_eps", 1e-6);
+  if (config.n_heads > 0 && json.contains("head_dim") &&
+      detail::config_value<int64_t>(json, file, "head_dim") * config.n_heads != config.dim) {
+    detail::throw_format(file, "head_dim * num_attention_heads must equal hidden_size");
+  }
+  try {
+    config.validate();
+  } catch (const std::invalid_argument& e) {
+    detail::throw_format(file, e.what());
+  }
+  return {config, detail::config_value_or<bool>(json, file, "tie_word_embeddings", false)};
+}
+
+// Loads a Hugging Face Llama checkpoint folder into weights of `options` (dtype, device).
+// Throws FormatError naming the file for anything missing, malformed or of the wrong shape.
+inline HfLlamaCheckpoint load_hf_llama(const std::filesystem::path& folder,
+                                       const at::TensorOptions& options = at::kFloat) {
+  HfLlamaCheckpoint checkpoint;
+  std::tie(checkpoint.config, checkpoint.tied_classifier) = load_hf_llama_config(folder / "config.json");
+  const models::LlamaConfig& c = checkpoint.config;
+
+  // The shard files: one model.safetensors or those of the index.
+  std::set<std::string> files;
+  const auto index_path = folder / "model.safetensors.index.json";
+  if (std::filesystem::exists(folder / "model.safetensors")) {
+    files.insert("model.safetensors");
+  } else if (std::filesystem::exists(index_path)) {
+    const nlohmann::json index = detail::read_json(index_path);
+    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+      detail::throw_format(index_path, "needs an object 'weight_map'");
+    }
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      const std::string shard = file.is_string() ? file.get<std::string>() : std::string();
+      if (shard.empty() || shard.find('/') != std::string::npos || shard.find('\\') != std::string::npos ||
+          shard == "." || shard == "..") {
+        detail::throw_format(index_path, "tensor '", name, "' maps to an invalid file name ", file.dump());
+      }
+      files.insert(shard);
+    }
+  } else {
+    detail::throw_format(folder, "has neither model.safetensors nor model.safetensors.index.json");
+  }
+  std::map<std::string, std::pair<at::Tensor, std::filesystem::path>> tensors;
+  for (const auto& file : files) {
+    for (auto& [name, tensor] : load_safetensors(folder / file).tensors) {
+      tensors[name] = {std::move(tensor), folder / file};
+    }
+  }
+  const auto take = [&](const std::string& name, std::vector<int64_t> shape) {
+    const auto it = tensors.find(name);
+    if (it == tensors.end()) detail::throw_format(folder, "tensor '", name, "' is missing");
+    const auto& [tensor, file] = it->second;
+    if (!tensor.sizes().equals(shape)) {
+      detail::throw_format(file, "tensor '", name, "' has shape ", tensor.sizes(), ", expected ",
+                           at::IntArrayRef(shape));
+    }
+    if (!at::isFloatingType(tensor.scalar_type())) {
+      detail::throw_format(file, "tensor '", name, "' is not floating point");
+    }
+    return tensor.to(options);
+  };
+  models::LlamaWeights& w = checkpoint.weights;
+  w.token_embedding = take("model.embed_tokens.weight", {c.vocab_size, c.dim});
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    w.layers.push_back(models::LlamaLayerWeights{
+        take(p + "input_layernorm.weight", {c.dim}),
+        detail::unpermute_rotary(take(p + "self_attn.q_proj.weight", {c.dim, c.dim}), c.n_heads),
+        detail::unpermute_rotary(take(p + "self_attn.k_proj.weight", {c.kv_dim(), c.dim}), c.n_kv_heads),
+        take(p + "self_attn.v_proj.weight", {c.kv_dim(), c.dim}),
+        take(p + "self_attn.o_proj.weight", {c.dim, c.dim}),
+        take(p + "post_attention_layernorm.weight", {c.dim}),
+        take(p + "mlp.gate_proj.weight", {c.hidden_dim, c.dim}),
+        take(p + "mlp.down_proj.weight", {c.dim, c.hidden_dim}),
+        take(p + "mlp.up_proj.weight", {c.hidden_dim, c.dim})});
+  }
+  w.norm = take("model.norm.weight", {c.dim});
+  w.output = checkpoint.tied_classifier && !tensors.count("lm_head.weight")
+                 ? w.token_embedding
+                 : take("lm_head.weight", {c.vocab_size, c.dim});
+  return checkpoint;
+}
+
+// Writes config.json and model.safetensors for `weights` stored as `storage` (fp32, fp16, bf16).
+// The classifier is written as tied when weights.output is the token embedding tensor itself.
+// `extra_config` entries (bos_token_id, eos_token_id, ...) are added to config.json.
+inline void save_hf_llama(const std::filesystem::path& folder, const models::LlamaConfig& c,
+                          const models::LlamaWeights& w, at::ScalarType storage = at::kFloat,
+                          const nlohmann::json& extra_config = nlohmann::json::object(),
+                          const std::map<std::string, std::string>& metadata = {}) {
+  c.validate();
+  std::filesystem::create_directories(folder);
+  const bool tied = w.output.is_same(w.token_embedding);
+  const auto stored = [&](const at::Tensor& t) { return t.detach().to(at::kCPU, storage).contiguous(); };
+  std::map<std::string, at::Tensor> tensors;
+  tensors["model.embed_tokens.weight"] = stored(w.token_embedding);
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const auto& l = w.layers[i];
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    tensors[p + "input_layernorm.weight"] = stored(l.attention_norm);
+    tensors[p + "self_attn.q_proj.weight"] = stored(detail::permute_rotary(l.wq, c.n_heads));
+    tensors[p + "self_attn.k_proj.weight"] = stored(detail::permute_rotary(l.wk, c.n_kv_heads));
+    tensors[p + "self_attn.v_proj.weight"] = stored(l.wv);
+    tensors[p + "self_attn.o_proj.weight"] = stored(l.wo);
+    tensors[p + "post_attention_layernorm.weight"] = stored(l.ffn_norm);
+    tensors[p + "mlp.gate_proj.weight"] = stored(l.w1);
+    tensors[p + "mlp.down_proj.weight"] = stored(l.w2);
+    tensors[p + "mlp.up_proj.weight"] = stored(l.w3);
+  }
+  tensors["model.norm.weight"] = stored(w.norm);
+  if (!tied) tensors["lm_head.weight"] = stored(w.output);
+  auto meta = metadata;
+  meta.emplace("format", "pt");
+  save_safetensors(folder / "model.safetensors", tensors, meta);
+
+  nlohmann::json config = {
+      {"architectures", {"LlamaForCausalLM"}},
+      {"model_type", "llama"},
+      {"hidden_size", c.dim},
+      {"intermediate_size", c.hidden_dim},
+      {"num_hidden_layers", c.n_layers},
+      {"num_attention_heads", c.n_heads},
+      {"num_key_value_heads", c.n_kv_heads},
+      {"vocab_size", c.vocab_size},
+      {"max_position_embeddings", c.max_seq_len},
+      {"rope_theta", c.rope_theta},
+      {"rms_norm_eps", c.norm_eps},
+      {"hidden_act", "silu"},
+      {"tie_word_embeddings", tied},
+      {"torch_dtype", storage == at::kHalf ? "float16" : storage == at::kBFloat16 ? "bfloat16" : "float32"}};
+  config.update(extra_config);
+  std::ofstream out(folder / "config.json");
+  out << config.dump(2) << "\n";
+  if (!out) throw std::runtime_error("failed writing " + (folder / "config.json").string());
+}
+
+}  // namespace specdec::io

@@ -1,0 +1,361 @@
+// Checkpoint and tokenizer loaders: real checkpoints against an independent reference, round
+// trips through every format, and corrupt files rejected with errors naming the file.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <random>
+
+#include "specdec/generate.hpp"
+#include "specdec/io/checkpoint.hpp"
+#include "specdec/io/tokenizer.hpp"
+#include "support/llama_fixtures.hpp"
+#include "support/models_dir.hpp"
+#include "support/naive_llama.hpp"
+
+namespace {
+
+using namespace specdec;
+namespace fs = std::filesystem;
+
+// A fresh folder per test, removed afterwards.
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = fs::temp_directory_path() /
+            ("specdec_" + std::string(info->test_suite_name()) + "_" + info->name() + "_" +
+             std::to_string(std::random_device{}()));
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+void write_file(const fs::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Runs `load` and expects a FormatError whose message names the file and contains `problem`.
+template <class F>
+void expect_format_error(F load, const fs::path& file, const std::string& problem) {
+  try {
+    load();
+    FAIL() << "loaded a corrupt file, expected: " << problem;
+  } catch (const io::FormatError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find(file.filename().string()), std::string::npos) << message;
+    EXPECT_NE(message.find(problem), std::string::npos) << message;
+  }
+}
+
+at::Tensor logits_of(const models::LlamaConfig& config, const models::LlamaWeights& weights,
+                     const std::vector<int64_t>& tokens) {
+  models::LlamaModel<> model(config, weights);
+  auto cache = model.make_cache(1);
+  return model.forward(at::tensor(tokens, at::kLong).view({1, -1}), cache);
+}
+
+const std::vector<int64_t> kReadmeStart{1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426};
+
+TEST(Llama2c, Stories260KContinuesBosAsTheReferenceDoes) {
+  SPECDEC_REQUIRE_MODEL(path, "stories260K/stories260K.bin");
+  const io::Llama2cCheckpoint checkpoint = io::load_llama2c(path);
+  EXPECT_EQ(checkpoint.version, 0);
+  EXPECT_TRUE(checkpoint.shared_classifier);
+  EXPECT_EQ(checkpoint.config.dim, 64);
+  EXPECT_EQ(checkpoint.config.n_kv_heads, 4);
+  const std::vector<int64_t> bos{1};
+  const auto reference = test::naive_greedy(test::NaiveLlama(checkpoint.config, checkpoint.weights), bos, 120);
+  EXPECT_TRUE(std::equal(kReadmeStart.begin() + 1, kReadmeStart.end(), reference.begin()));
+  models::LlamaModel<DynamicKVCache> dynamic_model(checkpoint.config, checkpoint.weights);
+  models::LlamaModel<StaticKVCache> static_model(checkpoint.config, checkpoint.weights);
+  for (bool use_cache : {true, false}) {
+    const GenerationOptions options{.max_new_tokens = 120, .use_cache = use_cache};
+    EXPECT_EQ(autoregressive_generate(dynamic_model, bos, options).tokens, reference) << use_cache;
+    EXPECT_EQ(autoregressive_generate(static_model, bos, options).tokens, reference) << use_cache;
+  }
+}
+
+TEST(Llama2c, SpeculativeWithLlama2xsDrafterEqualsAutoregressive) {
+  SPECDEC_REQUIRE_MODEL(target_path, "stories260K/stories260K.bin");
+  SPECDEC_REQUIRE_MODEL(drafter_path, "llama2xs/model.bin");
+  const auto t = io::load_llama2c(target_path);
+  const auto d = io::load_llama2c(drafter_path);
+  models::LlamaModel<StaticKVCache> target(t.config, t.weights);
+  models::LlamaModel<StaticKVCache> drafter(d.config, d.weights);
+  const std::vector<int64_t> bos{1};
+  const auto reference = autoregressive_generate(target, bos, {.max_new_tokens = 200});
+  for (int64_t gamma : {1, 4, 7}) {
+    const auto result = speculative_generate(drafter, target, bos, {.max_new_tokens = 200, .gamma = gamma});
+    // llama2xs holds 256 positions: generation stops there for both.
+    EXPECT_EQ(result.tokens, std::vector<int64_t>(reference.tokens.begin(), reference.tokens.begin() + 200));
+    EXPECT_GT(result.stats.acceptance_rate(), 0.3);
+    ::testing::Test::RecordProperty("acceptance_gamma_" + std::to_string(gamma),
+                                    std::to_string(result.stats.acceptance_rate()));
+    std::cout << "stories260K <- llama2xs, gamma " << gamma << ": acceptance rate "
+              << result.stats.acceptance_rate() << ", tokens per target call "
+              << result.stats.tokens_per_target_call() << "\n";
+  }
+}
+
+TEST(Llama2cTokenizer, EncodesAsSentencePieceAndRoundTrips) {
+  SPECDEC_REQUIRE_MODEL(path, "stories260K/tok512.bin");
+  const auto tokenizer = io::Llama2cTokenizer::load(path, 512);
+  // Expected ids from SentencePiece with tok512.model, BOS prepended.
+  EXPECT_EQ(tokenizer.encode("Once upon a time, there was a little girl named Lily."), kReadmeStart);
+  EXPECT_EQ(tokenizer.encode("The cat sat on the mat."),
+            (std::vector<int64_t>{1, 291, 280, 294, 262, 294, 353, 265, 284, 294, 426}));
+  EXPECT_EQ(tokenizer.encode("héllo wörld ✓ 日本"),
+            (std::vector<int64_t>{1, 270, 485, 306, 414, 263, 198, 185, 420, 341, 410, 229, 159, 150,
+                                  410, 233, 154, 168, 233, 159, 175}));
+  for (const std::string text : {"Tom and Sue went to the park!", "tabs\tand\nnewlines", "bytes \x01\x7f\xff end",
+                                 "emoji 🙂 and ünïcödé", "  two leading spaces", "x"}) {
+    const auto ids = tokenizer.encode(text);
+    EXPECT_EQ(tokenizer.decode(std::span(ids).subspan(1), io::Llama2cTokenizer::kBos), text);
+    EXPECT_EQ(tokenizer.encode(text, /*bos=*/false).front(), ids[1]);
+  }
+  EXPECT_EQ(tokenizer.encode(""), std::vector<int64_t>{1});
+  EXPECT_THROW((void)tokenizer.decode_piece(-1, 512), std::invalid_argument);
+}
+
+TEST(ByteTokenizer, RoundTripsEveryByte) {
+  std::string all;
+  for (int b = 0; b < 256; ++b) all += static_cast<char>(b);
+  const io::ByteTokenizer bytes;
+  const auto ids = bytes.encode(all);
+  EXPECT_EQ(ids.size(), 256u);
+  EXPECT_EQ(ids[200], 200);
+  EXPECT_EQ(bytes.decode(ids), all);
+  EXPECT_THROW((void)bytes.decode_piece(-1, 256), std::invalid_argument);
+}
+
+TEST(HfLlama, RoundTripGivesIdenticalLogits) {
+  SPECDEC_REQUIRE_MODEL(path, "stories260K/stories260K.bin");
+  const auto original = io::load_llama2c(path);
+  const std::vector<int64_t> tokens{1, 403, 407, 261, 378, 432, 383};
+  const at::Tensor expected = logits_of(original.config, original.weights, tokens);
+  TempDir dir;
+  io::save_hf_llama(dir.path() / "fp32", original.config, original.weights, at::kFloat);
+  const auto loaded = io::load_hf_llama(dir.path() / "fp32");
+  EXPECT_TRUE(loaded.tied_classifier);
+  EXPECT_TRUE(at::equal(logits_of(loaded.config, loaded.weights, tokens), expected));
+  for (auto storage : {at::kHalf, at::kBFloat16}) {
+    io::save_hf_llama(dir.path() / "half", original.config, original.weights, storage);
+    const auto half = io::load_llama(dir.path() / "half");
+    EXPECT_EQ(half.format, "huggingface");
+    const at::Tensor logits = logits_of(half.config, half.weights, tokens);
+    EXPECT_LT((logits - expected).abs().max().item<float>(), 0.05 * expected.abs().max().item<float>()) << storage;
+    EXPECT_TRUE(at::equal(logits.argmax(-1), expected.argmax(-1))) << storage;
+  }
+}
+
+TEST(HfLlama, LoadsShardedCheckpointsAndUntiedClassifiers) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto weights = models::LlamaWeights::random(config, 9);  // untied classifier
+  TempDir dir;
+  io::save_hf_llama(dir.path(), config, weights);
+  // Split model.safetensors into two shards listed by an index.
+  auto contents = io::load_safetensors(dir.path() / "model.safetensors");
+  std::map<std::string, at::Tensor> first, second;
+  nlohmann::json map;
+  for (const auto& [name, tensor] : contents.tensors) {
+    const bool in_first = name.find("layers.1.") == std::string::npos;
+    (in_first ? first : second)[name] = tensor;
+    map[name] = in_first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+  }
+  io::save_safetensors(dir.path() / "model-00001-of-00002.safetensors", first);
+  io::save_safetensors(dir.path() / "model-00002-of-00002.safetensors", second);
+  fs::remove(dir.path() / "model.safetensors");
+  write_file(dir.path() / "model.safetensors.index.json", nlohmann::json{{"weight_map", map}}.dump());
+  const auto loaded = io::load_hf_llama(dir.path());
+  EXPECT_FALSE(loaded.tied_classifier);
+  const std::vector<int64_t> tokens{3, 1, 4, 1, 5};
+  EXPECT_TRUE(at::equal(logits_of(loaded.config, loaded.weights, tokens), logits_of(config, weights, tokens)));
+  // A shard named outside the folder is refused.
+  map["model.norm.weight"] = "../escape.safetensors";
+  write_file(dir.path() / "model.safetensors.index.json", nlohmann::json{{"weight_map", map}}.dump());
+  expect_format_error([&] { (void)io::load_hf_llama(dir.path()); }, "model.safetensors.index.json", "invalid file name");
+}
+
+TEST(Llama2c, Version1And2RoundTrip) {
+  SPECDEC_REQUIRE_MODEL(path, "stories260K/stories260K.bin");
+  const auto original = io::load_llama2c(path);
+  const std::vector<int64_t> tokens{1, 403, 407, 261, 378};
+  const at::Tensor expected = logits_of(original.config, original.weights, tokens);
+  TempDir dir;
+  io::save_llama2c(dir.path() / "v1.bin", original.config, original.weights, 1);
+  const auto v1 = io::load_llama2c(dir.path() / "v1.bin");
+  EXPECT_EQ(v1.version, 1);
+  EXPECT_TRUE(at::equal(logits_of(v1.config, v1.weights, tokens), expected));
+  io::save_llama2c(dir.path() / "v2.bin", original.config, original.weights, 2, 32);
+  const auto v2 = io::load_llama2c(dir.path() / "v2.bin");
+  EXPECT_EQ(v2.version, 2);
+  // Q8_0 keeps logits within a few percent of their range, and the predicted tokens.
+  const at::Tensor quantized = logits_of(v2.config, v2.weights, tokens);
+  EXPECT_LT((quantized - expected).abs().max().item<float>(), 0.05 * expected.abs().max().item<float>());
+  EXPECT_TRUE(at::equal(quantized.argmax(-1), expected.argmax(-1)));
+  // Untied classifier through version 1.
+  const auto config = test::small_llama_config();
+  const auto untied = models::LlamaWeights::random(config, 4);
+  io::save_llama2c(dir.path() / "untied.bin", config, untied, 1);
+  const auto loaded = io::load_llama2c(dir.path() / "untied.bin");
+  EXPECT_FALSE(loaded.shared_classifier);
+  const std::vector<int64_t> small_tokens{1, 40, 7, 26, 3};
+  EXPECT_TRUE(at::equal(logits_of(loaded.config, loaded.weights, small_tokens),
+                        logits_of(config, untied, small_tokens)));
+}
+
+TEST(Llama2c, RejectsCorruptCheckpoints) {
+  SPECDEC_REQUIRE_MODEL(path, "stories260K/stories260K.bin");
+  const std::string bytes = read_file(path);
+  TempDir dir;
+  const fs::path file = dir.path() / "corrupt.bin";
+  const auto load = [&] { (void)io::load_llama2c(file); };
+  write_file(file, bytes.substr(0, bytes.size() - 100));
+  expect_format_error(load, file, "truncated");
+  write_file(file, bytes + "extra");
+  expect_format_error(load, file, "oversized");
+  write_file(file, bytes.substr(0, 10));
+  expect_format_error(load, file, "truncated");
+  std::string huge = bytes;
+  const int32_t big = 1 << 24;
+  std::memcpy(huge.data(), &big, 4);  // dim = 2^24: the implied size dwarfs the file
+  write_file(file, huge);
+  expect_format_error(load, file, "truncated");
+  std::string negative = bytes;
+  const int32_t minus = -8;
+  std::memcpy(negative.data() + 12, &minus, 4);  // n_heads = -8
+  write_file(file, negative);
+  expect_format_error(load, file, "out of range");
+  std::string odd = bytes;
+  const int32_t three = 3;
+  std::memcpy(odd.data() + 16, &three, 4);  // n_kv_heads = 3 does not divide 8 heads
+  write_file(file, odd);
+  expect_format_error(load, file, "n_kv_heads");
+  std::string version = bytes;
+  const uint32_t magic = 0x616b3432;
+  const int32_t seven = 7;
+  std::memcpy(version.data(), &magic, 4);
+  std::memcpy(version.data() + 4, &seven, 4);
+  write_file(file, version);
+  expect_format_error(load, file, "unsupported llama2.c version 7");
+  write_file(file, "");
+  expect_format_error(load, file, "truncated");
+  expect_format_error([&] { (void)io::load_llama(dir.path() / "missing.bin"); }, "missing.bin", "no such file");
+}
+
+TEST(Llama2cTokenizer, RejectsCorruptFiles) {
+  SPECDEC_REQUIRE_MODEL(path, "stories260K/tok512.bin");
+  const std::string bytes = read_file(path);
+  TempDir dir;
+  const fs::path file = dir.path() / "tok.bin";
+  const auto load = [&] { (void)io::Llama2cTokenizer::load(file, 512); };
+  write_file(file, bytes.substr(0, bytes.size() - 3));
+  expect_format_error(load, file, "truncated");
+  write_file(file, bytes + "x");
+  expect_format_error(load, file, "bytes follow");
+  std::string long_token = bytes;
+  const int32_t length = 1000;
+  std::memcpy(long_token.data() + 8, &length, 4);  // token 0 claims 1000 bytes, max is smaller
+  write_file(file, long_token);
+  expect_format_error(load, file, "outside [0, max_token_length");
+  std::string bad_max = bytes;
+  const int32_t zero = 0;
+  std::memcpy(bad_max.data(), &zero, 4);
+  write_file(file, bad_max);
+  expect_format_error(load, file, "max_token_length 0");
+  EXPECT_THROW((void)io::Llama2cTokenizer::load(path, 1), std::invalid_argument);
+}
+
+TEST(Safetensors, RoundTripsDtypesAndMetadata) {
+  TempDir dir;
+  const std::map<std::string, at::Tensor> tensors{
+      {"a", at::arange(6, at::kFloat).view({2, 3})},  {"b", at::ones({4}, at::kHalf)},
+      {"c", at::arange(5, at::kLong)},                 {"d", at::zeros({0, 3}, at::kBFloat16)},
+      {"e", at::tensor({1, 0, 1}).to(at::kBool)}};
+  io::save_safetensors(dir.path() / "x.safetensors", tensors, {{"note", "hello"}});
+  const auto loaded = io::load_safetensors(dir.path() / "x.safetensors");
+  EXPECT_EQ(loaded.metadata.at("note"), "hello");
+  ASSERT_EQ(loaded.tensors.size(), tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    EXPECT_EQ(loaded.tensors.at(name).scalar_type(), tensor.scalar_type()) << name;
+    EXPECT_TRUE(at::equal(loaded.tensors.at(name), tensor)) << name;
+  }
+  EXPECT_FALSE(fs::exists(dir.path() / "x.safetensors.partial"));
+}
+
+// A safetensors file with the given JSON header and data bytes.
+void write_safetensors(const fs::path& path, const std::string& header, const std::string& data) {
+  std::string bytes(8, '\0');
+  const uint64_t length = header.size();
+  std::memcpy(bytes.data(), &length, 8);
+  write_file(path, bytes + header + data);
+}
+
+TEST(Safetensors, RejectsCorruptFiles) {
+  TempDir dir;
+  const fs::path file = dir.path() / "bad.safetensors";
+  const auto load = [&] { (void)io::load_safetensors(file); };
+  const std::string data(16, '\0');
+  write_safetensors(file, R"({"t": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}})", data);
+  EXPECT_NO_THROW(load());
+  write_safetensors(file, R"({"t": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]})", data);
+  expect_format_error(load, file, "malformed JSON");
+  write_safetensors(file, R"({"t": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 32]}})", data);
+  expect_format_error(load, file, "outside the data buffer");
+  write_safetensors(file, R"({"t": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 16]}})", data);
+  expect_format_error(load, file, "needs 24");
+  write_safetensors(file, R"({"t": {"dtype": "Q4", "shape": [2, 2], "data_offsets": [0, 16]}})", data);
+  expect_format_error(load, file, "unsupported dtype");
+  write_safetensors(file, R"({"t": {"dtype": "F32", "shape": [-2, 2], "data_offsets": [0, 16]}})", data);
+  expect_format_error(load, file, "invalid dimension");
+  write_safetensors(file, R"({"t": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 16]}})", data);
+  expect_format_error(load, file, "larger than the file");
+  write_safetensors(file, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", data);
+  expect_format_error(load, file, "overlap");
+  write_safetensors(file, R"([1, 2])", data);
+  expect_format_error(load, file, "not an object");
+  std::string huge_header(8, '\0');
+  const uint64_t length = uint64_t{1} << 40;
+  std::memcpy(huge_header.data(), &length, 8);
+  write_file(file, huge_header + "{}");
+  expect_format_error(load, file, "header length");
+  write_file(file, "abc");
+  expect_format_error(load, file, "truncated");
+}
+
+TEST(HfLlama, RejectsBadConfigs) {
+  const models::LlamaConfig config = test::small_llama_config();
+  TempDir dir;
+  io::save_hf_llama(dir.path(), config, models::LlamaWeights::random(config, 2));
+  auto json = nlohmann::json::parse(read_file(dir.path() / "config.json"));
+  const auto with = [&](const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json copy = json;
+    change(copy);
+    write_file(dir.path() / "config.json", copy.dump());
+  };
+  const auto load = [&] { (void)io::load_hf_llama(dir.path()); };
+  with([](auto& j) { j.erase("hidden_size"); });
+  expect_format_error(load, "config.json", "missing key 'hidden_size'");
+  with([](auto& j) { j["num_hidden_layers"] = "five"; });
+  expect_format_error(load, "config.json", "'num_hidden_layers' has the wrong type");
+  with([](auto& j) { j["num_key_value_heads"] = 3; });
+  expect_format_error(load, "config.json", "n_kv_heads");
+  with([](auto& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; });
+  expect_format_error(load, "config.json", "rope_scaling");
+  with([](auto& j) { j["model_type"] = "mistral"; });
+  expect_format_error(load, "config.json", "model_type 'mistral'");
+  with([](auto& j) { j["hidden_size"] = 64; });
+  expect_format_error(load, "model.safetensors", "has shape");
+  write_file(dir.path() / "config.json", "{not json");
+  expect_format_error(load, "config.json", "malformed JSON");
+}
+
+}  // namespace

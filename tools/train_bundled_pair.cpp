@@ -1,0 +1,194 @@
+// Trains the bundled target/drafter pair: two byte-level Llama models on the Python standard
+// library sources that Debian installs with python3 (every top-level *.py file of
+// /usr/lib/python3.11, sorted by name; every tenth file is held out). The target learns from the
+// bytes; the drafter, 7x cheaper per token, learns to match the target's distributions
+// (distillation), which is what speculative decoding rewards. Writes Hugging Face folders
+// (config.json + fp16 model.safetensors) that io::load_hf_llama reads.
+//
+//   train_bundled_pair [--data DIR] [--out DIR] [--target-steps N] [--drafter-steps N]
+//                      [--seed N] [--threads N]
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "specdec/io/hf_llama.hpp"
+#include "specdec/models/llama.hpp"
+#include "specdec/text/python_corpus.hpp"
+
+namespace {
+
+using specdec::models::LlamaConfig;
+using specdec::models::LlamaLayerWeights;
+using specdec::models::LlamaModel;
+using specdec::models::LlamaWeights;
+
+struct Arguments {
+  std::filesystem::path data = "/usr/lib/python3.11";
+  std::filesystem::path out = "models/bundled";
+  int64_t target_steps = 1500;
+  int64_t drafter_steps = 1000;
+  uint64_t seed = 20261122;
+  int threads = 2;
+};
+
+Arguments parse(int argc, char** argv) {
+  Arguments args;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--data") args.data = value;
+    else if (flag == "--out") args.out = value;
+    else if (flag == "--target-steps") args.target_steps = std::stoll(value);
+    else if (flag == "--drafter-steps") args.drafter_steps = std::stoll(value);
+    else if (flag == "--seed") args.seed = std::stoull(value);
+    else if (flag == "--threads") args.threads = std::stoi(value);
+    else throw std::invalid_argument("unknown option " + flag);
+  }
+  return args;
+}
+
+// GPT-2 style initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers).
+LlamaWeights initial_weights(const LlamaConfig& c, uint64_t seed) {
+  torch::manual_seed(seed);
+  const double residual = 0.02 / std::sqrt(2.0 * static_cast<double>(c.n_layers));
+  const auto normal = [](std::vector<int64_t> shape, double std) {
+    return (torch::randn(shape) * std).requires_grad_();
+  };
+  const auto ones = [](int64_t n) { return torch::ones({n}).requires_grad_(); };
+  LlamaWeights w;
+  w.token_embedding = normal({c.vocab_size, c.dim}, 0.02);
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    w.layers.push_back(LlamaLayerWeights{
+        ones(c.dim), normal({c.dim, c.dim}, 0.02), normal({c.kv_dim(), c.dim}, 0.02),
+        normal({c.kv_dim(), c.dim}, 0.02), normal({c.dim, c.dim}, residual), ones(c.dim),
+        normal({c.hidden_dim, c.dim}, 0.02), normal({c.dim, c.hidden_dim}, residual),
+        normal({c.hidden_dim, c.dim}, 0.02)});
+  }
+  w.norm = ones(c.dim);
+  w.output = normal({c.vocab_size, c.dim}, 0.02);
+  return w;
+}
+
+std::vector<torch::Tensor> parameters(const LlamaWeights& w) {
+  std::vector<torch::Tensor> p{w.token_embedding, w.norm, w.output};
+  for (const auto& l : w.layers) {
+    for (const auto& t : {l.attention_norm, l.wq, l.wk, l.wv, l.wo, l.ffn_norm, l.w1, l.w2, l.w3}) {
+      p.push_back(t);
+    }
+  }
+  return p;
+}
+
+// Random windows of `length + 1` bytes: inputs and next-byte targets, [batch, length] each.
+std::pair<torch::Tensor, torch::Tensor> batch_of(const std::vector<uint8_t>& stream, int64_t batch,
+                                                 int64_t length, std::mt19937_64& rng) {
+  std::uniform_int_distribution<size_t> start(0, stream.size() - static_cast<size_t>(length) - 2);
+  torch::Tensor window = torch::empty({batch, length + 1}, torch::kLong);
+  auto* data = window.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const size_t s = start(rng);
+    for (int64_t t = 0; t <= length; ++t) data[b * (length + 1) + t] = stream[s + static_cast<size_t>(t)];
+  }
+  return {window.narrow(1, 0, length).contiguous(), window.narrow(1, 1, length).contiguous()};
+}
+
+torch::Tensor logits_of(LlamaModel<>& model, const torch::Tensor& inputs) {
+  auto cache = model.make_cache(inputs.size(0));
+  return model.forward(inputs, cache);
+}
+
+double learning_rate(int64_t step, int64_t steps, double peak) {
+  const int64_t warmup = std::max<int64_t>(1, steps / 20);
+  if (step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  const double progress = static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(1, steps - warmup));
+  return peak * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
+// Trains `model` for `steps`; loss_of(inputs, targets) returns the scalar loss of a batch.
+template <class Loss>
+void train(const std::string& name, LlamaWeights& weights, int64_t steps, double peak_lr,
+           const std::vector<uint8_t>& stream, std::mt19937_64& rng, Loss loss_of) {
+  auto params = parameters(weights);
+  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(peak_lr).weight_decay(0.01));
+  const auto start = std::chrono::steady_clock::now();
+  double running = 0;
+  for (int64_t step = 0; step < steps; ++step) {
+    for (auto& group : optimizer.param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(step, steps, peak_lr));
+    }
+    const auto [inputs, targets] = batch_of(stream, 16, 128, rng);
+    optimizer.zero_grad();
+    torch::Tensor loss = loss_of(inputs, targets);
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(params, 1.0);
+    optimizer.step();
+    running = step == 0 ? loss.item<double>() : 0.98 * running + 0.02 * loss.item<double>();
+    if ((step + 1) % 50 == 0 || step + 1 == steps) {
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::cout << name << " step " << step + 1 << "/" << steps << " loss " << running << " ("
+                << seconds << " s)" << std::endl;
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Arguments args = parse(argc, argv);
+    torch::set_num_threads(args.threads);
+    const specdec::text::PythonCorpus corpus = specdec::text::load_python_corpus(args.data);
+    std::cout << "training bytes " << corpus.train.size() << " from " << corpus.train_files
+              << " files, held-out bytes " << corpus.held_out.size() << " from "
+              << corpus.held_out_files << " files" << std::endl;
+    std::mt19937_64 rng(args.seed);
+
+    const LlamaConfig target_config{.dim = 192, .hidden_dim = 512, .n_layers = 4, .n_heads = 6,
+                                    .n_kv_heads = 3, .vocab_size = 256, .max_seq_len = 1024};
+    const LlamaConfig drafter_config{.dim = 96, .hidden_dim = 256, .n_layers = 2, .n_heads = 3,
+                                     .n_kv_heads = 3, .vocab_size = 256, .max_seq_len = 1024};
+    LlamaWeights target_weights = initial_weights(target_config, args.seed);
+    LlamaModel<> target(target_config, target_weights);
+    train("target", target_weights, args.target_steps, 3e-3, corpus.train, rng,
+          [&](const torch::Tensor& inputs, const torch::Tensor& targets) {
+            return torch::nn::functional::cross_entropy(logits_of(target, inputs).view({-1, 256}),
+                                                        targets.view({-1}));
+          });
+
+    LlamaWeights drafter_weights = initial_weights(drafter_config, args.seed + 1);
+    LlamaModel<> drafter(drafter_config, drafter_weights);
+    train("drafter", drafter_weights, args.drafter_steps, 3e-3, corpus.train, rng,
+          [&](const torch::Tensor& inputs, const torch::Tensor&) {
+            torch::Tensor teacher;
+            {
+              torch::NoGradGuard no_grad;
+              teacher = logits_of(target, inputs).log_softmax(-1);
+            }
+            const torch::Tensor student = logits_of(drafter, inputs).log_softmax(-1);
+            // KL(target || drafter), averaged over positions.
+            return (teacher.exp() * (teacher - student)).sum(-1).mean();
+          });
+
+    const std::string data_note = "python3.11 stdlib sources (" + args.data.string() +
+                                  "/*.py sorted by name, every tenth file held out)";
+    const std::map<std::string, std::string> metadata{
+        {"data", data_note}, {"seed", std::to_string(args.seed)},
+        {"target_steps", std::to_string(args.target_steps)},
+        {"drafter_steps", std::to_string(args.drafter_steps)},
+        {"trainer", "tools/train_bundled_pair.cpp"}};
+    const nlohmann::json extra{{"specdec_tokenizer", "bytes"}};
+    specdec::io::save_hf_llama(args.out / "target", target_config, target_weights, torch::kHalf, extra, metadata);
+    specdec::io::save_hf_llama(args.out / "drafter", drafter_config, drafter_weights, torch::kHalf, extra, metadata);
+    std::cout << "wrote " << (args.out / "target") << " and " << (args.out / "drafter") << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "train_bundled_pair: " << e.what() << "\n";
+    return 1;
+  }
+}
