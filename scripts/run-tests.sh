@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds and runs every test: the unit tests under AddressSanitizer and UndefinedBehaviorSanitizer,
-# then (Release) the unit tests, header checks, packaging tests, examples and a benchmark smoke
-# run through CTest. Leak detection is off under the sanitizers: libtorch keeps
+# the loaders' parsers under libFuzzer for 60 s, then (Release) the unit tests, header checks,
+# packaging tests, examples and a benchmark smoke run through CTest. Leak detection is off under the sanitizers: libtorch keeps
 # process-lifetime allocations (operator registries, thread pools) that LeakSanitizer reports.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,6 +17,9 @@ cmake -S "$root" -B "$root/build-sanitize" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDe
 cmake --build "$root/build-sanitize" -j "$jobs" --target specdec_tests
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   "$root/build-sanitize/tests/specdec_tests" --gtest_brief=1
+
+# The loaders' parsers under libFuzzer (clang), for a bounded time.
+"$root/scripts/run-fuzz.sh" 60
 
 cmake -S "$root" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSPECDEC_BUILD_TESTS=ON -DSPECDEC_BUILD_EXAMPLES=ON -DSPECDEC_BUILD_BENCHMARKS=ON

@@ -1,14 +1,13 @@
 // Bounds-checked reading of untrusted binary files: every size and offset is checked against the
-// file before anything is read or allocated.
+// file before anything is read or allocated. Plain C++: the parsers built on it need no libtorch.
 #pragma once
-
-#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <span>
 #include <string>
 #include <type_traits>
 
@@ -70,8 +69,9 @@ class BinaryReader {
     return text;
   }
 
-  // A tensor of `shape` stored contiguously as `type`, read straight into its storage.
-  at::Tensor read_tensor(at::IntArrayRef shape, at::ScalarType type, const std::string& what) {
+  // The bytes of `shape` elements of `element_size` bytes each, checked to fit in the rest of the
+  // file before any allocation: negative dimensions, overflow and truncation throw.
+  uint64_t require_elements(std::span<const int64_t> shape, uint64_t element_size, const std::string& what) const {
     uint64_t count = 1;
     for (const int64_t dim : shape) {
       if (dim < 0) throw_format(path_, what, " has a negative dimension ", dim);
@@ -80,15 +80,11 @@ class BinaryReader {
       }
       count *= static_cast<uint64_t>(dim);
     }
-    const auto element = static_cast<uint64_t>(c10::elementSize(type));
-    if (count > remaining() / element) {
-      throw_format(path_, "truncated: ", what, " needs ", count, " elements of ", element,
+    if (count > remaining() / element_size) {
+      throw_format(path_, "truncated: ", what, " needs ", count, " elements of ", element_size,
                    " bytes at offset ", position_, " but only ", remaining(), " bytes remain");
     }
-    const uint64_t bytes = count * element;
-    at::Tensor tensor = at::empty(shape, at::TensorOptions().dtype(type));
-    read_bytes(tensor.data_ptr(), bytes, what);
-    return tensor;
+    return count * element_size;
   }
 
  private:

@@ -1,8 +1,6 @@
-// llama2.c checkpoints: the legacy format (version 0: seven int32 then fp32 weights, a negative
-// vocabulary size meaning a separate classifier) and the "ak42" formats with a 256-byte header
-// (version 1: fp32; version 2: Q8_0, int8 weights with one fp32 scale per group, dequantized to
-// floating point on load). Files are untrusted: the header is validated and the file size must
-// be exactly what the header implies before anything is read.
+// Loading and writing llama2.c checkpoints as reference-model weights (the formats:
+// llama2c_format.hpp). Files are untrusted: the header is validated and the file size must be
+// exactly what the header implies before anything is read.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,7 +13,9 @@
 #include <vector>
 
 #include "specdec/io/binary_reader.hpp"
+#include "specdec/io/detail/read_tensor.hpp"
 #include "specdec/io/errors.hpp"
+#include "specdec/io/llama2c_format.hpp"
 #include "specdec/models/llama.hpp"
 
 namespace specdec::io {
@@ -29,52 +29,9 @@ struct Llama2cCheckpoint {
 
 namespace detail {
 
-inline constexpr uint32_t kLlama2cMagic = 0x616b3432;  // "ak42"
-inline constexpr uint64_t kLlama2cHeaderBytes = 256;
-
-struct Llama2cHeader {
-  int32_t dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len;
-};
-
-inline models::LlamaConfig llama2c_config(const std::filesystem::path& path, const Llama2cHeader& h) {
-  const std::pair<const char*, int32_t> fields[] = {
-      {"dim", h.dim}, {"hidden_dim", h.hidden_dim}, {"n_layers", h.n_layers}, {"n_heads", h.n_heads},
-      {"n_kv_heads", h.n_kv_heads}, {"vocab_size", h.vocab_size}, {"seq_len", h.seq_len}};
-  for (const auto& [name, value] : fields) {
-    if (value < 1 || value > (1 << 24)) throw_format(path, "header field ", name, " = ", value, " is out of range");
-  }
-  models::LlamaConfig config{.dim = h.dim, .hidden_dim = h.hidden_dim, .n_layers = h.n_layers,
-                             .n_heads = h.n_heads, .n_kv_heads = h.n_kv_heads,
-                             .vocab_size = h.vocab_size, .max_seq_len = h.seq_len};
-  try {
-    config.validate();
-  } catch (const std::invalid_argument& e) {
-    throw_format(path, "invalid header: ", e.what());
-  }
-  return config;
-}
-
-// Shapes of the matrices in file order (version 1 and 2 order: embedding, then per kind all layers).
-inline std::vector<std::vector<int64_t>> llama2c_matrices(const models::LlamaConfig& c, bool classifier) {
-  std::vector<std::vector<int64_t>> shapes{{c.vocab_size, c.dim}};
-  for (const auto& shape : std::vector<std::vector<int64_t>>{{c.dim, c.dim}, {c.kv_dim(), c.dim}, {c.kv_dim(), c.dim},
-                                                             {c.dim, c.dim}, {c.hidden_dim, c.dim}, {c.dim, c.hidden_dim},
-                                                             {c.hidden_dim, c.dim}}) {
-    for (int64_t l = 0; l < c.n_layers; ++l) shapes.push_back(shape);
-  }
-  if (classifier) shapes.push_back({c.vocab_size, c.dim});
-  return shapes;
-}
-
-inline uint64_t numel(const std::vector<int64_t>& shape) {
-  uint64_t n = 1;
-  for (const int64_t d : shape) n *= static_cast<uint64_t>(d);
-  return n;
-}
-
-// Assigns matrices in file order (embedding, wq.., wk.., wv.., wo.., w1.., w2.., w3.., [output]).
+// Assigns matrices in version 1/2 file order to the weights.
 inline void assign_matrices(models::LlamaWeights& w, const models::LlamaConfig& c,
-                            std::vector<at::Tensor>& m, bool classifier) {
+                            const std::vector<at::Tensor>& m, bool classifier) {
   size_t next = 0;
   w.token_embedding = m[next++];
   w.layers.resize(static_cast<size_t>(c.n_layers));
@@ -87,101 +44,65 @@ inline void assign_matrices(models::LlamaWeights& w, const models::LlamaConfig& 
   w.output = classifier ? m[next] : w.token_embedding;
 }
 
-inline void require_exact_size(const std::filesystem::path& path, uint64_t expected, uint64_t actual) {
-  if (expected != actual) {
-    throw_format(path, actual < expected ? "truncated" : "oversized", ": the header implies ", expected,
-                 " bytes, the file has ", actual);
-  }
-}
-
 }  // namespace detail
 
-// Loads a llama2.c checkpoint of version 0, 1 or 2 into weights of `options`.
+// Loads a llama2.c checkpoint of version 0, 1 or 2 into weights of `options` (Q8_0 weights are
+// dequantized). The header and file size are validated by parse_llama2c first.
 // Throws FormatError naming the file and the problem.
 inline Llama2cCheckpoint load_llama2c(const std::filesystem::path& path,
                                       const at::TensorOptions& options = at::kFloat) {
-  detail::BinaryReader reader(path);
-  Llama2cCheckpoint checkpoint;
-  const auto magic = reader.read<uint32_t>("header");
-  if (magic == detail::kLlama2cMagic) {
-    checkpoint.version = reader.read<int32_t>("version");
-    if (checkpoint.version != 1 && checkpoint.version != 2) {
-      detail::throw_format(path, "unsupported llama2.c version ", checkpoint.version, " (1 and 2 are supported)");
-    }
-  } else {
-    reader.seek(0);
-  }
-  auto header = reader.read<detail::Llama2cHeader>("header");
-  int32_t group_size = 0;
-  if (checkpoint.version == 0) {
-    checkpoint.shared_classifier = header.vocab_size > 0;
-    if (header.vocab_size < 0 && header.vocab_size > std::numeric_limits<int32_t>::min()) header.vocab_size = -header.vocab_size;
-  } else {
-    checkpoint.shared_classifier = reader.read<uint8_t>("shared_classifier flag") != 0;
-    if (checkpoint.version == 2) group_size = reader.read<int32_t>("group size");
-  }
-  const models::LlamaConfig c = detail::llama2c_config(path, header);
-  checkpoint.config = c;
-  const bool classifier = !checkpoint.shared_classifier;
+  const Llama2cLayout layout = parse_llama2c(path);
+  const models::LlamaConfig& c = layout.config;
+  const bool classifier = !layout.shared_classifier;
   const auto matrices = detail::llama2c_matrices(c, classifier);
-  const auto L = static_cast<uint64_t>(c.n_layers), D = static_cast<uint64_t>(c.dim);
-  const uint64_t norm_floats = 2 * L * D + D;
-  uint64_t matrix_floats = 0;
-  for (const auto& shape : matrices) matrix_floats += detail::numel(shape);
-
-  models::LlamaWeights& w = checkpoint.weights;
-  const auto as_model = [&](at::Tensor t) { return t.to(options); };
-  const auto norms = [&](std::vector<at::Tensor>& out, const char* what) {
-    for (int64_t l = 0; l < c.n_layers; ++l) out.push_back(as_model(reader.read_tensor({c.dim}, at::kFloat, what)));
+  detail::BinaryReader reader(path);
+  reader.seek(layout.weights_offset);
+  const auto read = [&](const std::vector<int64_t>& shape, at::ScalarType type, const char* what) {
+    return detail::read_tensor(reader, shape, type, what);
   };
+  const auto norms = [&](const char* what) {
+    std::vector<at::Tensor> out;
+    for (int64_t l = 0; l < c.n_layers; ++l) out.push_back(read({c.dim}, at::kFloat, what).to(options));
+    return out;
+  };
+  Llama2cCheckpoint checkpoint{c, {}, layout.version, layout.shared_classifier};
+  models::LlamaWeights& w = checkpoint.weights;
   std::vector<at::Tensor> attention_norms, ffn_norms, m;
-  if (checkpoint.version == 0) {
-    const uint64_t rope_floats = 2 * static_cast<uint64_t>(c.max_seq_len) * static_cast<uint64_t>(c.head_dim() / 2);
-    detail::require_exact_size(path, sizeof(detail::Llama2cHeader) + 4 * (norm_floats + matrix_floats + rope_floats),
-                               reader.size());
-    // Legacy order: embedding, attention norms, wq, wk, wv, wo, ffn norms, w1, w2, w3, norm, RoPE, [output].
-    const auto matrix = [&](size_t i) { return as_model(reader.read_tensor(matrices[i], at::kFloat, "weights")); };
-    m.push_back(matrix(0));
-    norms(attention_norms, "attention norms");
-    size_t next = 1;
-    for (int kind = 0; kind < 4; ++kind) for (int64_t l = 0; l < c.n_layers; ++l) m.push_back(matrix(next++));
-    norms(ffn_norms, "ffn norms");
-    for (int kind = 0; kind < 3; ++kind) for (int64_t l = 0; l < c.n_layers; ++l) m.push_back(matrix(next++));
-    w.norm = as_model(reader.read_tensor({c.dim}, at::kFloat, "final norm"));
-    reader.seek(reader.position() + 4 * rope_floats);
-    if (classifier) m.push_back(matrix(next));
+  if (layout.version == 0) {
+    // Legacy order: embedding, attention norms, wq, wk, wv, wo, ffn norms, w1, w2, w3, final norm,
+    // two RoPE tables (recomputed by the model, skipped), [classifier].
+    size_t next = 0;
+    const auto matrix = [&] { return read(matrices[next++], at::kFloat, "weights").to(options); };
+    m.push_back(matrix());
+    attention_norms = norms("attention norms");
+    for (int64_t i = 0; i < 4 * c.n_layers; ++i) m.push_back(matrix());
+    ffn_norms = norms("ffn norms");
+    for (int64_t i = 0; i < 3 * c.n_layers; ++i) m.push_back(matrix());
+    w.norm = read({c.dim}, at::kFloat, "final norm").to(options);
+    reader.seek(reader.position() + 2 * 4 * static_cast<uint64_t>(c.max_seq_len * (c.head_dim() / 2)));
+    if (classifier) m.push_back(matrix());
   } else {
-    reader.seek(detail::kLlama2cHeaderBytes);
-    norms(attention_norms, "attention norms");
-    norms(ffn_norms, "ffn norms");
-    w.norm = as_model(reader.read_tensor({c.dim}, at::kFloat, "final norm"));
-    if (checkpoint.version == 1) {
-      detail::require_exact_size(path, detail::kLlama2cHeaderBytes + 4 * (norm_floats + matrix_floats), reader.size());
-      for (const auto& shape : matrices) m.push_back(as_model(reader.read_tensor(shape, at::kFloat, "weights")));
+    attention_norms = norms("attention norms");
+    ffn_norms = norms("ffn norms");
+    w.norm = read({c.dim}, at::kFloat, "final norm").to(options);
+    if (layout.version == 1) {
+      for (const auto& shape : matrices) m.push_back(read(shape, at::kFloat, "weights").to(options));
     } else {
-      if (group_size < 1 || group_size > (1 << 20)) detail::throw_format(path, "group size ", group_size, " is out of range");
-      const auto group = static_cast<uint64_t>(group_size);
-      for (const auto& shape : matrices) {
-        if (detail::numel(shape) % group != 0) {
-          detail::throw_format(path, "a weight of ", detail::numel(shape), " elements is not a multiple of the group size ", group);
-        }
-      }
-      detail::require_exact_size(path, detail::kLlama2cHeaderBytes + 4 * norm_floats + matrix_floats + 4 * (matrix_floats / group),
-                                 reader.size());
       // All int8 values first, then all scales.
+      const int64_t group = layout.group_size;
       std::vector<at::Tensor> quantized;
-      for (const auto& shape : matrices) quantized.push_back(reader.read_tensor(shape, at::kChar, "int8 weights"));
+      for (const auto& shape : matrices) quantized.push_back(read(shape, at::kChar, "int8 weights"));
       for (size_t i = 0; i < matrices.size(); ++i) {
-        const auto groups = static_cast<int64_t>(detail::numel(matrices[i]) / group);
-        const at::Tensor scales = reader.read_tensor({groups, 1}, at::kFloat, "scales");
-        m.push_back(as_model((quantized[i].to(at::kFloat).view({groups, group_size}) * scales).view(matrices[i])));
+        const auto groups = static_cast<int64_t>(detail::element_count(matrices[i])) / group;
+        const at::Tensor scales = read({groups, 1}, at::kFloat, "scales");
+        m.push_back((quantized[i].to(at::kFloat).view({groups, group}) * scales).view(matrices[i]).to(options));
       }
     }
   }
   detail::assign_matrices(w, c, m, classifier);
-  for (int64_t l = 0; l < c.n_layers; ++l) {
-    w.layers[static_cast<size_t>(l)].attention_norm = attention_norms[static_cast<size_t>(l)];
-    w.layers[static_cast<size_t>(l)].ffn_norm = ffn_norms[static_cast<size_t>(l)];
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    w.layers[l].attention_norm = attention_norms[l];
+    w.layers[l].ffn_norm = ffn_norms[l];
   }
   return checkpoint;
 }

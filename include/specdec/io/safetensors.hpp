@@ -1,6 +1,4 @@
-// The safetensors format: an 8-byte little-endian header length N, N bytes of JSON
-// {"name": {"dtype": "F16", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}},
-// then the tensor data; offsets are relative to the end of the header.
+// Reading and writing safetensors files as tensors (the format: safetensors_format.hpp).
 //
 // Files are untrusted: the header length, the JSON, every dtype, shape and offset are checked
 // against the file before a tensor is allocated. Writing goes to a temporary file renamed into
@@ -19,20 +17,19 @@
 #include <vector>
 
 #include "specdec/io/binary_reader.hpp"
+#include "specdec/io/detail/read_tensor.hpp"
 #include "specdec/io/errors.hpp"
+#include "specdec/io/safetensors_format.hpp"
 
 namespace specdec::io {
 namespace detail {
 
-inline constexpr uint64_t kMaxSafetensorsHeader = 100u << 20;  // 100 MiB, as the reference reader
-
-inline std::optional<at::ScalarType> safetensors_type(const std::string& name) {
+inline at::ScalarType safetensors_type(const std::string& name) {
   static const std::map<std::string, at::ScalarType> types{
       {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf},  {"BF16", at::kBFloat16},
       {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
       {"U8", at::kByte},    {"BOOL", at::kBool}};
-  const auto it = types.find(name);
-  return it == types.end() ? std::nullopt : std::optional(it->second);
+  return types.at(name);
 }
 
 inline std::string safetensors_name(at::ScalarType type) {
@@ -59,79 +56,16 @@ struct SafetensorsContents {
   std::map<std::string, std::string> metadata;    // the "__metadata__" strings
 };
 
-// Reads every tensor of a safetensors file. Throws FormatError naming the file and the problem.
+// Reads every tensor of a safetensors file (the header is validated by parse_safetensors first).
+// Throws FormatError naming the file and the problem.
 inline SafetensorsContents load_safetensors(const std::filesystem::path& path) {
+  const SafetensorsHeader header = parse_safetensors(path);
   detail::BinaryReader reader(path);
-  const auto header_size = reader.read<uint64_t>("header length");
-  if (header_size > detail::kMaxSafetensorsHeader) {
-    detail::throw_format(path, "header length ", header_size, " exceeds the limit of ",
-                         detail::kMaxSafetensorsHeader, " bytes");
-  }
-  const std::string header_text = reader.read_string(header_size, "JSON header");
-  const uint64_t data_start = reader.position();
-  const uint64_t data_size = reader.remaining();
-
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(header_text);
-  } catch (const nlohmann::json::exception& e) {
-    detail::throw_format(path, "malformed JSON header: ", e.what());
-  }
-  if (!header.is_object()) detail::throw_format(path, "the JSON header is not an object");
-
-  SafetensorsContents contents;
-  // Every byte range, to check that tensors do not overlap.
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") {
-      if (!entry.is_object()) detail::throw_format(path, "__metadata__ is not an object");
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string()) detail::throw_format(path, "__metadata__ value of '", key, "' is not a string");
-        contents.metadata[key] = value.get<std::string>();
-      }
-      continue;
-    }
-    const auto fail = [&](const auto&... parts) { detail::throw_format(path, "tensor '", name, "': ", parts...); };
-    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
-        !entry.contains("data_offsets")) {
-      fail("needs dtype, shape and data_offsets");
-    }
-    const auto& dtype = entry["dtype"];
-    const auto type = dtype.is_string() ? detail::safetensors_type(dtype.get<std::string>()) : std::nullopt;
-    if (!type) fail("unsupported dtype ", dtype.dump());
-    const auto& shape_json = entry["shape"];
-    const auto& offsets = entry["data_offsets"];
-    if (!shape_json.is_array() || shape_json.size() > 16) fail("shape must be an array of at most 16 dimensions");
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned()) {
-      fail("data_offsets must be two non-negative integers");
-    }
-    std::vector<int64_t> shape;
-    uint64_t count = 1;
-    for (const auto& dim : shape_json) {
-      if (!dim.is_number_unsigned() || dim.get<uint64_t>() > (uint64_t{1} << 48)) fail("invalid dimension ", dim.dump());
-      const auto value = dim.get<uint64_t>();
-      if (value != 0 && count > data_size / value) fail("shape ", shape_json.dump(), " is larger than the file");
-      count *= value;
-      shape.push_back(static_cast<int64_t>(value));
-    }
-    const auto begin = offsets[0].get<uint64_t>();
-    const auto end = offsets[1].get<uint64_t>();
-    const auto element = static_cast<uint64_t>(c10::elementSize(*type));
-    if (begin > end || end > data_size) {
-      fail("data_offsets [", begin, ", ", end, "] outside the data buffer of ", data_size, " bytes");
-    }
-    if (end - begin != count * element) {
-      fail("data_offsets span ", end - begin, " bytes but shape ", shape_json.dump(), " of ",
-           dtype.get<std::string>(), " needs ", count * element);
-    }
-    ranges.emplace_back(begin, end);
-    reader.seek(data_start + begin);
-    contents.tensors[name] = reader.read_tensor(shape, *type, "tensor '" + name + "'");
-  }
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i) {
-    if (ranges[i].first < ranges[i - 1].second) detail::throw_format(path, "tensor data ranges overlap");
+  SafetensorsContents contents{{}, header.metadata};
+  for (const auto& entry : header.entries) {
+    reader.seek(header.data_start + entry.begin);
+    contents.tensors[entry.name] = detail::read_tensor(reader, entry.shape, detail::safetensors_type(entry.dtype),
+                                                       "tensor '" + entry.name + "'");
   }
   return contents;
 }

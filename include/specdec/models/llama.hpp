@@ -25,55 +25,9 @@
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
 #include "specdec/kv_cache.hpp"
+#include "specdec/models/llama_config.hpp"
 
 namespace specdec::models {
-
-struct LlamaConfig {
-  int64_t dim = 64;             // model width
-  int64_t hidden_dim = 172;     // feed-forward width
-  int64_t n_layers = 5;         // decoder layers
-  int64_t n_heads = 8;          // query heads
-  int64_t n_kv_heads = 4;       // key/value heads (grouped-query attention); divides n_heads
-  int64_t vocab_size = 512;     // vocabulary size
-  int64_t max_seq_len = 512;    // most positions; also the StaticKVCache capacity by default
-  double rope_theta = 10000.0;  // rotary embedding base
-  double norm_eps = 1e-5;       // RMSNorm epsilon
-
-  [[nodiscard]] int64_t head_dim() const noexcept { return dim / n_heads; }
-  [[nodiscard]] int64_t kv_dim() const noexcept { return head_dim() * n_kv_heads; }
-
-  // Throws std::invalid_argument naming the first field that is out of range.
-  void validate() const {
-    const std::pair<const char*, int64_t> positive[] = {
-        {"dim", dim},           {"hidden_dim", hidden_dim}, {"n_layers", n_layers},
-        {"n_heads", n_heads},   {"n_kv_heads", n_kv_heads}, {"vocab_size", vocab_size},
-        {"max_seq_len", max_seq_len}};
-    for (const auto& [name, value] : positive) {
-      if (value < 1) detail::throw_invalid(std::string("LlamaConfig::") + name, "be >= 1", value);
-    }
-    if (dim % n_heads != 0) {
-      detail::throw_invalid_message("LlamaConfig::dim (", dim, ") must be divisible by n_heads (",
-                                    n_heads, ")");
-    }
-    if (head_dim() % 2 != 0) {
-      detail::throw_invalid("LlamaConfig head_dim (dim / n_heads)", "be even for rotary embeddings",
-                            head_dim());
-    }
-    if (n_heads % n_kv_heads != 0) {
-      detail::throw_invalid_message("LlamaConfig::n_heads (", n_heads,
-                                    ") must be divisible by n_kv_heads (", n_kv_heads, ")");
-    }
-    if (!(rope_theta > 0.0)) detail::throw_invalid("LlamaConfig::rope_theta", "be > 0", rope_theta);
-    if (!(norm_eps > 0.0)) detail::throw_invalid("LlamaConfig::norm_eps", "be > 0", norm_eps);
-  }
-
-  friend std::ostream& operator<<(std::ostream& out, const LlamaConfig& c) {
-    return out << "LlamaConfig{dim=" << c.dim << ", hidden_dim=" << c.hidden_dim
-               << ", n_layers=" << c.n_layers << ", n_heads=" << c.n_heads
-               << ", n_kv_heads=" << c.n_kv_heads << ", vocab_size=" << c.vocab_size
-               << ", max_seq_len=" << c.max_seq_len << "}";
-  }
-};
 
 // One decoder layer's weights, [out, in] for every projection.
 struct LlamaLayerWeights {
