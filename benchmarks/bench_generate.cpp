@@ -10,10 +10,10 @@
 #include <ATen/Parallel.h>
 #include <torch/version.h>
 
-#include <cmath>
 #include <map>
 #include <string>
 
+#include "bench_support.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/specdec.hpp"
 
@@ -50,80 +50,17 @@ Model& drafter(const std::string& name) {
   return drafters.at(name);
 }
 
-// Seconds per generated token and per forward of a model, measured once per process.
-struct Baseline {
-  double seconds_per_token;
-  double seconds_per_call;
-};
-Baseline autoregressive_baseline(Model& model) {
-  static std::map<const Model*, Baseline> cache;
-  if (auto it = cache.find(&model); it != cache.end()) return it->second;
-  (void)autoregressive_generate(model, kPrompt, {.max_new_tokens = 8});  // warm-up
-  double seconds = 0;
-  int64_t tokens = 0, calls = 0;
-  double call_seconds = 0;
-  for (int i = 0; i < 3; ++i) {
-    const auto result = autoregressive_generate(model, kPrompt, {.max_new_tokens = kNewTokens});
-    seconds += result.stats.total_seconds;
-    tokens += result.stats.generated;
-    calls += result.stats.target_calls;
-    call_seconds += result.stats.target_seconds;
-  }
-  return cache[&model] = Baseline{seconds / tokens, call_seconds / calls};
-}
-
-void context(benchmark::State& state) {
-  state.SetLabel("threads=" + std::to_string(at::get_num_threads()));
+const std::vector<std::vector<int64_t>>& prompts() {
+  static const std::vector<std::vector<int64_t>> list{kPrompt};
+  return list;
 }
 
 void BM_Autoregressive(benchmark::State& state) {
-  context(state);
-  GenerationStats stats;
-  int64_t tokens = 0;
-  for (auto _ : state) {
-    stats = autoregressive_generate(target(), kPrompt, {.max_new_tokens = kNewTokens}).stats;
-    tokens += stats.generated;
-  }
-  state.counters["tokens_per_second"] = benchmark::Counter(static_cast<double>(tokens), benchmark::Counter::kIsRate);
-  state.counters["target_ms_per_call"] = 1e3 * stats.target_seconds / stats.target_calls;
-  state.counters["library_ms_per_step"] = 1e3 * stats.library_seconds() / stats.steps;
+  bench::measure_autoregressive(state, target(), prompts(), kNewTokens);
 }
 
 void BM_Speculative(benchmark::State& state, const std::string& drafter_name) {
-  context(state);
-  const int64_t gamma = state.range(0);
-  Model& draft_model = drafter(drafter_name);
-  const Baseline target_baseline = autoregressive_baseline(target());
-  const Baseline drafter_baseline = autoregressive_baseline(draft_model);
-  GenerationStats total;
-  for (auto _ : state) {
-    const auto stats = speculative_generate(draft_model, target(), kPrompt,
-                                            {.max_new_tokens = kNewTokens, .gamma = gamma})
-                           .stats;
-    total.generated += stats.generated;
-    total.drafted += stats.drafted;
-    total.accepted += stats.accepted;
-    total.steps += stats.steps;
-    total.target_calls += stats.target_calls;
-    total.total_seconds += stats.total_seconds;
-    total.target_seconds += stats.target_seconds;
-    total.drafter_seconds += stats.drafter_seconds;
-  }
-  const double alpha = total.acceptance_rate();
-  const double c = drafter_baseline.seconds_per_call / target_baseline.seconds_per_call;
-  const double g = static_cast<double>(gamma);
-  // Expected speedup of Leviathan et al. (2023): (1 - a^(g+1)) / ((1 - a)(g c + 1)).
-  const double theoretical = alpha >= 1.0 ? (g + 1) / (g * c + 1)
-                                          : (1 - std::pow(alpha, g + 1)) / ((1 - alpha) * (g * c + 1));
-  const double seconds_per_token = total.total_seconds / static_cast<double>(total.generated);
-  state.counters["tokens_per_second"] = 1.0 / seconds_per_token;
-  state.counters["acceptance_rate"] = alpha;
-  state.counters["tokens_per_target_call"] = total.tokens_per_target_call();
-  state.counters["target_ms_per_call"] = 1e3 * total.target_seconds / total.target_calls;
-  state.counters["library_ms_per_step"] = 1e3 * total.library_seconds() / total.steps;
-  state.counters["speedup"] = target_baseline.seconds_per_token / seconds_per_token;
-  state.counters["theoretical_speedup"] = theoretical;
-  state.counters["cost_ratio_c"] = c;
+  bench::measure_speculative(state, drafter(drafter_name), target(), prompts(), kNewTokens, state.range(0));
 }
 
 BENCHMARK(BM_Autoregressive)->Unit(benchmark::kMillisecond)->Iterations(3);

@@ -38,7 +38,9 @@ models
   --drafter PATH         drafter, same formats (default: the bundled drafter)
   --tokenizer PATH       llama2.c tokenizer file; without it the models are byte-level
 decoding
-  --mode MODE            speculative (default) or autoregressive
+  --mode MODE            speculative (default), autoregressive or beam
+  --num-beams N          beams for --mode beam (default 4)
+  --length-penalty A     beam score = log-probability / length^A (default 1)
   --prompt TEXT          the prompt (default: a line of Python)
   --gamma N              drafts per step (default 4)
   --max-new-tokens N     tokens to generate (default 200)
@@ -61,6 +63,8 @@ struct Arguments {
   std::string mode = "speculative";
   std::string prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n";
   int64_t gamma = 4;
+  int64_t num_beams = 4;
+  double length_penalty = 1.0;
   int64_t max_new_tokens = 200;
   double temperature = 0.0;
   int64_t top_k = 0;
@@ -86,6 +90,8 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--mode") a.mode = v;
     else if (flag == "--prompt") a.prompt = v;
     else if (flag == "--gamma") a.gamma = std::stoll(v);
+    else if (flag == "--num-beams") a.num_beams = std::stoll(v);
+    else if (flag == "--length-penalty") a.length_penalty = std::stod(v);
     else if (flag == "--max-new-tokens") a.max_new_tokens = std::stoll(v);
     else if (flag == "--temperature") a.temperature = std::stod(v);
     else if (flag == "--top-k") a.top_k = std::stoll(v);
@@ -94,8 +100,8 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--eos") a.eos.push_back(std::stoll(v));
     else throw std::invalid_argument("unknown option " + std::string(flag) + " (see --help)");
   }
-  if (a.mode != "speculative" && a.mode != "autoregressive") {
-    throw std::invalid_argument("--mode must be speculative or autoregressive, got " + a.mode);
+  if (a.mode != "speculative" && a.mode != "autoregressive" && a.mode != "beam") {
+    throw std::invalid_argument("--mode must be speculative, autoregressive or beam, got " + a.mode);
   }
   if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
   return a;
@@ -150,18 +156,53 @@ nlohmann::json stats_json(const GenerationStats& s) {
           {"tokens_per_second", s.total_seconds > 0 ? s.generated / s.total_seconds : 0.0}};
 }
 
+// Beam search prints its n-best list when it is done (hypotheses are not final before).
+int run_beam(const Arguments& a, Model& target, const Text& text, const std::vector<int64_t>& prompt,
+             const std::vector<int64_t>& eos) {
+  const BeamSearchResult result = beam_search_generate(
+      target, prompt, {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .num_beams = a.num_beams,
+                       .top_k = a.num_beams, .alpha = a.length_penalty});
+  const auto decode = [&](const std::vector<int64_t>& tokens) {
+    std::string out;
+    int64_t previous = prompt.back();
+    for (const int64_t t : tokens) out += text.piece(previous, t), previous = t;
+    return out;
+  };
+  const GenerationStats& s = result.stats;
+  if (a.json) {
+    nlohmann::json hypotheses = nlohmann::json::array();
+    for (const auto& h : result.n_best) {
+      hypotheses.push_back({{"text", decode(h.tokens)}, {"score", h.score}, {"log_probability", h.log_probability},
+                            {"finished", h.finished}});
+    }
+    std::cout << nlohmann::json{{"mode", "beam"}, {"num_beams", a.num_beams}, {"n_best", hypotheses},
+                                {"stats", stats_json(s)}, {"tokens_scored", result.tokens_scored}}.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "beam search, " << a.num_beams << " beams, length penalty " << a.length_penalty << "\n\n"
+            << a.prompt << decode(result.tokens) << "\n\n";
+  for (size_t i = 0; i < result.n_best.size(); ++i) {
+    std::cout << "#" << i + 1 << " score " << result.n_best[i].score << (result.n_best[i].finished ? "" : " (length limit)")
+              << ": " << decode(result.n_best[i].tokens).substr(0, 60) << "\n";
+  }
+  std::cout << std::fixed << std::setprecision(2) << "\n" << s.target_calls << " target calls, "
+            << result.tokens_scored << " tokens scored in " << s.total_seconds << " s\n";
+  return 0;
+}
+
 int run(const Arguments& a) {
   const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target);
   Model target(target_checkpoint.config, target_checkpoint.weights);
   const Text text(a.tokenizer, target.vocab_size());
   std::optional<Model> drafter;
+  const std::vector<int64_t> prompt = text.encode(a.prompt);
+  std::vector<int64_t> eos = a.eos;
+  if (eos.empty() && text.llama2c()) eos.push_back(io::Llama2cTokenizer::kEos);
+  if (a.mode == "beam") return run_beam(a, target, text, prompt, eos);
   if (a.mode == "speculative") {
     const io::LlamaCheckpoint drafter_checkpoint = io::load_llama(a.drafter);
     drafter.emplace(drafter_checkpoint.config, drafter_checkpoint.weights);
   }
-  const std::vector<int64_t> prompt = text.encode(a.prompt);
-  std::vector<int64_t> eos = a.eos;
-  if (eos.empty() && text.llama2c()) eos.push_back(io::Llama2cTokenizer::kEos);
   const Processor processor = make_processor(a);
   const bool color = isatty(fileno(stdout)) != 0;
   const Colors colors = color ? Colors{"\033[32m", "\033[9;31m", "\033[1;34m", "\033[0m"} : Colors{};

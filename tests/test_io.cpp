@@ -11,6 +11,8 @@
 #include "support/llama_fixtures.hpp"
 #include "support/models_dir.hpp"
 #include "support/naive_llama.hpp"
+#include "specdec/text/prompts.hpp"
+#include "specdec/text/python_corpus.hpp"
 
 namespace {
 
@@ -359,3 +361,41 @@ TEST(HfLlama, RejectsBadConfigs) {
 }
 
 }  // namespace
+
+namespace bundled {
+
+using namespace specdec;
+
+// The bundled byte-level pair on held-out Python sources (every tenth file of the training folder).
+TEST(BundledPair, GreedyOnHeldOutTextEqualsAutoregressiveAtTwoOrMoreTokensPerTargetCall) {
+  if (!std::filesystem::exists("/usr/lib/python3.11")) {
+    GTEST_SKIP() << "the held-out text needs /usr/lib/python3.11 (Debian's libpython3.11-stdlib)";
+  }
+  const auto target_checkpoint = io::load_llama(SPECDEC_BUNDLED_MODELS_DIR "/target");
+  const auto drafter_checkpoint = io::load_llama(SPECDEC_BUNDLED_MODELS_DIR "/drafter");
+  models::LlamaModel<StaticKVCache> target(target_checkpoint.config, target_checkpoint.weights);
+  models::LlamaModel<StaticKVCache> drafter(drafter_checkpoint.config, drafter_checkpoint.weights);
+  // The drafter costs at most a fifth of the target's multiply-adds per token.
+  const auto macs = [](const models::LlamaConfig& c) {
+    return c.n_layers * (2 * c.dim * c.dim + 2 * c.kv_dim() * c.dim + 3 * c.dim * c.hidden_dim) + c.vocab_size * c.dim;
+  };
+  EXPECT_GE(macs(target.config()), 5 * macs(drafter.config()));
+
+  const auto corpus = text::load_python_corpus("/usr/lib/python3.11");
+  const io::ByteTokenizer bytes;
+  GenerationStats total;
+  for (const auto& prompt_text : text::line_prompts(corpus.held_out, 8, 200)) {
+    const auto prompt = bytes.encode(prompt_text);
+    const auto result = speculative_generate(drafter, target, prompt, {.max_new_tokens = 128, .gamma = 4});
+    EXPECT_EQ(result.tokens, autoregressive_generate(target, prompt, {.max_new_tokens = 128}).tokens);
+    total.generated += result.stats.generated;
+    total.target_calls += result.stats.target_calls;
+    total.drafted += result.stats.drafted;
+    total.accepted += result.stats.accepted;
+  }
+  std::cout << "bundled pair, held-out text, gamma 4: " << total.tokens_per_target_call()
+            << " tokens per target call, acceptance rate " << total.acceptance_rate() << "\n";
+  EXPECT_GE(total.tokens_per_target_call(), 2.0);
+}
+
+}  // namespace bundled

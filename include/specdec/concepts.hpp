@@ -26,6 +26,13 @@ concept KVCache = requires(C& c, const C& cc, int64_t n) {
   c.prune(n);
 };
 
+// ReorderableKVCache: a KVCache whose batch rows can be reselected, as beam search needs.
+//
+// A type C satisfies ReorderableKVCache if it satisfies KVCache and `c.reorder(rows)`, for rows
+// an int64 tensor [batch], makes row i a copy of the old row rows[i] (rows may repeat).
+template <class C>
+concept ReorderableKVCache = KVCache<C> && requires(C& c, const at::Tensor& rows) { c.reorder(rows); };
+
 // LanguageModel: a causal language model whose sequence state lives in an explicit cache.
 //
 // A type M satisfies LanguageModel if, for `m` an M, `cm` a const M, `cache` an M::cache_type:

@@ -2,6 +2,7 @@
 // The umbrella header: everything except models/ and io/.
 #pragma once
 
+#include "specdec/beam_search.hpp"
 #include "specdec/concepts.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/kv_cache.hpp"

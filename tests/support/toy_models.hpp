@@ -18,6 +18,10 @@ class TokenCache {
     if (n < 0 || n > length()) throw std::invalid_argument("TokenCache::prune out of range");
     tokens_ = tokens_.narrow(1, 0, length() - n);
   }
+  // Row i becomes the old row rows[i].
+  void reorder(const at::Tensor& rows) {
+    if (tokens_.defined()) tokens_ = tokens_.index_select(0, rows);
+  }
   // Appends ids [batch, T] and returns the whole sequence [batch, length + T].
   at::Tensor append(const at::Tensor& ids) {
     tokens_ = tokens_.defined() ? at::cat({tokens_, ids}, 1) : ids;
@@ -27,7 +31,7 @@ class TokenCache {
  private:
   at::Tensor tokens_;
 };
-static_assert(KVCache<TokenCache>);
+static_assert(ReorderableKVCache<TokenCache>);
 
 // A first-order Markov chain: the logits after token t are log_transitions[t]. Its sequence
 // probabilities are products of processor(log_transitions) entries.

@@ -74,6 +74,7 @@ class ModelRunner {
       ids = tail.narrow(1, known - context_length, tail.size(1) - (known - context_length));
     }
     const auto start = std::chrono::steady_clock::now();
+    at::NoGradGuard no_grad;  // weights that require grad must not record a graph here
     at::Tensor logits = model_.forward(ids, cache_);
     *counters_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     ++*counters_.calls;

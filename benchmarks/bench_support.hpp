@@ -1,0 +1,100 @@
+// Shared measurement code of the generation benchmarks: autoregressive and speculative decoding
+// of the same target in one run, reported as Google Benchmark counters.
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <map>
+#include <span>
+#include <string>
+
+#include "specdec/specdec.hpp"
+
+namespace specdec::bench {
+
+// Seconds per generated token and per forward call of a model decoding alone, measured once per
+// process and model (after a warm-up).
+struct Baseline {
+  double seconds_per_token = 0;
+  double seconds_per_call = 0;
+};
+
+template <LanguageModel M>
+Baseline autoregressive_baseline(M& model, std::span<const int64_t> prompt, int64_t new_tokens) {
+  static std::map<const void*, Baseline> measured;
+  if (auto it = measured.find(&model); it != measured.end()) return it->second;
+  (void)autoregressive_generate(model, prompt, {.max_new_tokens = 8});
+  GenerationStats total;
+  for (int i = 0; i < 3; ++i) {
+    const auto s = autoregressive_generate(model, prompt, {.max_new_tokens = new_tokens}).stats;
+    total.generated += s.generated;
+    total.target_calls += s.target_calls;
+    total.total_seconds += s.total_seconds;
+    total.target_seconds += s.target_seconds;
+  }
+  return measured[&model] = Baseline{total.total_seconds / static_cast<double>(total.generated),
+                                     total.target_seconds / static_cast<double>(total.target_calls)};
+}
+
+inline void add(GenerationStats& total, const GenerationStats& s) {
+  total.generated += s.generated;
+  total.drafted += s.drafted;
+  total.accepted += s.accepted;
+  total.steps += s.steps;
+  total.target_calls += s.target_calls;
+  total.drafter_calls += s.drafter_calls;
+  total.total_seconds += s.total_seconds;
+  total.target_seconds += s.target_seconds;
+  total.drafter_seconds += s.drafter_seconds;
+}
+
+// Expected speedup of Leviathan et al. (2023) for acceptance alpha, gamma drafts and cost ratio c:
+// (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)).
+inline double theoretical_speedup(double alpha, double gamma, double c) {
+  if (alpha >= 1.0) return (gamma + 1) / (gamma * c + 1);
+  return (1 - std::pow(alpha, gamma + 1)) / ((1 - alpha) * (gamma * c + 1));
+}
+
+// Runs autoregressive decoding of `target` for every prompt per iteration.
+template <Target T>
+void measure_autoregressive(benchmark::State& state, T& target, std::span<const std::vector<int64_t>> prompts,
+                            int64_t new_tokens) {
+  GenerationStats total;
+  for (auto _ : state) {
+    for (const auto& prompt : prompts) add(total, autoregressive_generate(target, prompt, {.max_new_tokens = new_tokens}).stats);
+  }
+  state.counters["tokens_per_second"] = static_cast<double>(total.generated) / total.total_seconds;
+  state.counters["target_ms_per_call"] = 1e3 * total.target_seconds / static_cast<double>(total.target_calls);
+  state.counters["library_ms_per_step"] = 1e3 * total.library_seconds() / static_cast<double>(total.steps);
+}
+
+// Runs greedy speculative decoding for every prompt per iteration and reports acceptance, tokens
+// per target call, the library's own time, and measured beside theoretical speedup.
+template <Drafter D, Target T>
+void measure_speculative(benchmark::State& state, D& drafter, T& target,
+                         std::span<const std::vector<int64_t>> prompts, int64_t new_tokens, int64_t gamma) {
+  const Baseline target_alone = autoregressive_baseline(target, prompts.front(), new_tokens);
+  const Baseline drafter_alone = autoregressive_baseline(drafter, prompts.front(), new_tokens);
+  GenerationStats total;
+  for (auto _ : state) {
+    for (const auto& prompt : prompts) {
+      add(total, speculative_generate(drafter, target, prompt, {.max_new_tokens = new_tokens, .gamma = gamma}).stats);
+    }
+  }
+  const double seconds_per_token = total.total_seconds / static_cast<double>(total.generated);
+  const double c = drafter_alone.seconds_per_call / target_alone.seconds_per_call;
+  state.counters["tokens_per_second"] = 1.0 / seconds_per_token;
+  state.counters["acceptance_rate"] = total.acceptance_rate();
+  state.counters["tokens_per_target_call"] = total.tokens_per_target_call();
+  state.counters["drafter_calls_per_token"] = static_cast<double>(total.drafter_calls) / static_cast<double>(total.generated);
+  state.counters["target_ms_per_call"] = 1e3 * total.target_seconds / static_cast<double>(total.target_calls);
+  state.counters["library_ms_per_step"] = 1e3 * total.library_seconds() / static_cast<double>(total.steps);
+  state.counters["speedup"] = target_alone.seconds_per_token / seconds_per_token;
+  state.counters["theoretical_speedup"] = theoretical_speedup(total.acceptance_rate(), static_cast<double>(gamma), c);
+  state.counters["cost_ratio_c"] = c;
+}
+
+}  // namespace specdec::bench
