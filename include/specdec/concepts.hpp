@@ -9,6 +9,8 @@
 
 #include <concepts>
 #include <cstdint>
+#include <optional>
+#include <span>
 
 namespace specdec {
 
@@ -79,6 +81,24 @@ concept LogitsProcessor = requires(const P& p, const at::Tensor& logits, const a
                                    at::Generator& gen) {
   { p(logits) } -> std::convertible_to<at::Tensor>;
   { p.sample(probs, gen) } -> std::convertible_to<at::Tensor>;
+};
+
+// NGramDrafter: a model-free drafter that proposes the next token from statistics of the text
+// (seed 000's INgramStorage), learning online.
+//
+// A type S satisfies NGramDrafter if, for `s` an S, `cs` a const S, and spans of token ids:
+//   1. `cs.next_token(tokens)` returns the token it predicts after `tokens`, or nullopt when it
+//      knows nothing about their end.
+//   2. `s.update(tokens, next)` records that the end of `tokens` was followed by each token of
+//      `next` (one observation each).
+//   3. `s.initialize(tokens)` learns every n-gram of a whole sequence (the prompt).
+// Not required: thread safety, any particular order or memory layout.
+template <class S>
+concept NGramDrafter = requires(S& s, const S& cs, std::span<const int64_t> tokens,
+                                std::span<const int64_t> next) {
+  { cs.next_token(tokens) } -> std::convertible_to<std::optional<int64_t>>;
+  s.update(tokens, next);
+  s.initialize(tokens);
 };
 
 // HasMaxSequenceLength: a model that states the most positions it can attend over.

@@ -6,7 +6,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -15,6 +17,7 @@
 #include "specdec/detail/generation_state.hpp"
 #include "specdec/detail/model_runner.hpp"
 #include "specdec/logits_processor.hpp"
+#include "specdec/ngram_storage.hpp"
 #include "specdec/options.hpp"
 #include "specdec/result.hpp"
 #include "specdec/verification.hpp"
@@ -115,6 +118,98 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
     target_runner.truncate(accepted_length);
     drafter_runner.truncate(accepted_length);
     state.emit(step.drafts, step.accepted, step.token);
+  }
+  return std::move(state).finish();
+}
+
+// N-gram assisted speculative decoding (seed 000, NASD) and prompt lookup: a model-free drafter
+// proposes up to gamma tokens from n-gram statistics, the target verifies them in one forward
+// with the same rejection sampling as speculative_generate (q one-hot at each draft), so the
+// output is distributed exactly as the target's (token for token equal under greedy decoding).
+// The storage learns the prompt, every emitted token and, with filler_top_k > 1, the target's
+// top-k tokens at every verified position.
+//
+// At a context the storage does not know, drafting stops with stop_if_unknown; otherwise the
+// context's last token is drafted again (deterministic, and right for runs such as indentation or
+// repeated punctuation; a wrong draft costs one verified position, never correctness).
+//
+// Requires: everything autoregressive_generate requires; gamma >= 1; filler_top_k >= 1.
+// Returns: as autoregressive_generate; drafter_calls counts storage look-ups.
+// Throws: std::invalid_argument naming the parameter and value; whatever the model throws.
+template <NGramDrafter S, Target T, LogitsProcessor P = GreedyProcessor>
+[[nodiscard]] GenerationResult ngram_assisted_generate(S& storage, T& target, std::span<const int64_t> prompt,
+                                                       const NGramAssistedOptions& options = {},
+                                                       const P& processor = {}) {
+  if (options.gamma < 1) detail::throw_invalid("gamma", "be >= 1", options.gamma);
+  if (options.filler_top_k < 1) detail::throw_invalid("filler_top_k", "be >= 1", options.filler_top_k);
+  const auto vocab = static_cast<int64_t>(target.vocab_size());
+  const int64_t limit = detail::sequence_limit(target);
+  detail::check_common(options, prompt, vocab, limit);
+
+  detail::GenerationState state(prompt, options, limit);
+  GenerationStats& stats = state.stats();
+  at::Generator gen = detail::make_generator(options.seed);
+  detail::ModelRunner<T> runner(target, "target", options.use_cache, {&stats.target_calls, &stats.target_seconds});
+  const int64_t filler = std::min(options.filler_top_k, vocab);
+  const auto start = std::chrono::steady_clock::now();
+  storage.initialize(prompt);
+  stats.drafter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  // Teaches the storage the emitted tokens and the target's top-k at each verified position.
+  const auto learn = [&](int64_t first_position, const at::Tensor& top_k) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto sequence = state.sequence();
+    for (int64_t position = first_position; position < static_cast<int64_t>(sequence.size()); ++position) {
+      const auto context = sequence.first(static_cast<size_t>(position));
+      storage.update(context, sequence.subspan(static_cast<size_t>(position), 1));
+      const int64_t row = position - first_position;
+      if (filler > 1 && row < top_k.size(0)) {
+        storage.update(context, std::span<const int64_t>(top_k[row].data_ptr<int64_t>(), static_cast<size_t>(filler)));
+      }
+    }
+    stats.drafter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  const auto top_k_of = [&](const at::Tensor& logits) {
+    return filler > 1 ? std::get<1>(logits.topk(filler, -1)).cpu() : at::Tensor();
+  };
+
+  if (options.first_target && !state.finished()) {
+    const int64_t position = state.length();
+    const at::Tensor logits = runner.forward(state.sequence(), at::Tensor());
+    const at::Tensor last = logits.narrow(0, logits.size(0) - 1, 1);
+    const VerifiedStep step = verify_drafts(processor(last), at::Tensor(),
+                                            at::empty({0}, at::TensorOptions().dtype(at::kLong).device(runner.device())),
+                                            processor, gen);
+    state.emit({}, 0, step.token);
+    learn(position, top_k_of(last));
+  }
+  std::vector<int64_t> context;
+  std::vector<int64_t> drafts;
+  while (!state.finished()) {
+    const int64_t gamma = std::min(options.gamma, state.room() - 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    context.assign(state.sequence().begin(), state.sequence().end());
+    drafts.clear();
+    for (int64_t i = 0; i < gamma; ++i) {
+      std::optional<int64_t> next = storage.next_token(context);
+      ++stats.drafter_calls;
+      if (!next) {
+        if (options.stop_if_unknown) break;
+        next = context.back();
+      }
+      drafts.push_back(*next);
+      context.push_back(*next);
+    }
+    stats.drafter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto drafted = static_cast<int64_t>(drafts.size());
+    const int64_t position = state.length();
+    const at::Tensor draft_ids = detail::host_ids(drafts, runner.device());
+    const at::Tensor logits = runner.forward(state.sequence(), draft_ids);
+    const at::Tensor verified = logits.narrow(0, logits.size(0) - drafted - 1, drafted + 1);
+    const VerifiedStep step = verify_drafts(processor(verified), at::Tensor(), draft_ids.view({drafted}), processor, gen);
+    runner.truncate(position + step.accepted);
+    state.emit(step.drafts, step.accepted, step.token);
+    learn(position, top_k_of(verified));
   }
   return std::move(state).finish();
 }

@@ -50,4 +50,20 @@ struct SpeculativeOptions {
                                         // max(0, p - q): biased, for experiments only (seed 002)
 };
 
+// Options of ngram_assisted_generate (seed 000, NASD).
+struct NGramAssistedOptions {
+  int64_t max_new_tokens = 40;          // most tokens to generate (>= 0)
+  std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output)
+  std::optional<uint64_t> seed;         // seed of the sampling generator; unset: nondeterministic
+  bool use_cache = true;                // false recomputes the whole sequence at every forward
+  StepCallback on_step;                 // called after every step; empty: not called
+  int64_t gamma = 5;                    // most drafts per step (>= 1)
+  int64_t filler_top_k = 3;             // after verification, also teach the storage the target's
+                                        // top-k tokens at every verified position (>= 1; 1: only
+                                        // the emitted tokens, NAPD-style)
+  bool stop_if_unknown = false;         // stop drafting at a context the storage does not know;
+                                        // false drafts the context's last token again there
+  bool first_target = true;             // the first token comes from the target alone
+};
+
 }  // namespace specdec

@@ -1,0 +1,417 @@
+// N-gram storages: model-free drafters built from n-gram statistics of the prompt and of the text
+// generated so far (seed 000, NASD), and prompt lookup.
+//
+// Every n-gram is packed exactly (no hashing collisions) into a 128-bit key: the tokens at
+// ceil(log2(vocab)) bits each. Two flat hash tables hold the counts of (context, follower) pairs
+// and, per context, the current best follower, so that next_token() is one look-up per context
+// length and allocates nothing. The best follower follows seed 000: the first token to reach the
+// highest count keeps the lead until another strictly exceeds it.
+//
+// The tables are tsl::hopscotch_map (Debian's libtsl-hopscotch-map-dev, header-only) when it is
+// available, std::unordered_map otherwise.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <ostream>
+#include <span>
+#include <string>
+#include <vector>
+
+#if __has_include(<tsl/hopscotch_map.h>)
+#include <tsl/hopscotch_map.h>
+#define SPECDEC_NGRAM_TABLE_TSL 1
+#else
+#include <unordered_map>
+#endif
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/io/binary_reader.hpp"
+#include "specdec/io/errors.hpp"
+
+namespace specdec {
+namespace detail {
+
+__extension__ typedef unsigned __int128 NGramKey;  // GCC and clang; __extension__ keeps -Wpedantic quiet
+
+struct NGramKeyHash {
+  static uint64_t mix(uint64_t x) noexcept {  // splitmix64 finaliser
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+  }
+  size_t operator()(NGramKey key) const noexcept {
+    return static_cast<size_t>(mix(static_cast<uint64_t>(key) ^ mix(static_cast<uint64_t>(key >> 64))));
+  }
+};
+
+template <class Value>
+#ifdef SPECDEC_NGRAM_TABLE_TSL
+using NGramTable = tsl::hopscotch_map<NGramKey, Value, NGramKeyHash>;
+#else
+using NGramTable = std::unordered_map<NGramKey, Value, NGramKeyHash>;
+#endif
+
+struct BestFollower {
+  uint32_t token = 0;
+  uint32_t count = 0;  // 0: no follower yet
+};
+
+// Counts and best followers for contexts of the lengths in [min_context, max_context].
+class NGramCounts {
+ public:
+  static constexpr uint32_t kFileVersion = 1;
+
+  NGramCounts(int64_t n, int64_t vocab_size, int64_t min_context, int kind)
+      : n_(n), vocab_(vocab_size), min_context_(min_context), kind_(kind) {
+    if (vocab_size < 1 || vocab_size > (int64_t{1} << 31)) throw_invalid("vocab_size", "be in [1, 2^31]", vocab_size);
+    bits_ = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(vocab_size - 1))));
+    if (n < 2 || n * bits_ > 124) {
+      throw_invalid_message("n must be in [2, ", 124 / bits_, "] for vocab_size ", vocab_size, ", got ", n);
+    }
+  }
+
+  [[nodiscard]] int64_t n() const noexcept { return n_; }
+  [[nodiscard]] int64_t vocab_size() const noexcept { return vocab_; }
+
+  void check_tokens(std::span<const int64_t> tokens, const char* name) const {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] < 0 || tokens[i] >= vocab_) {
+        throw_invalid_message(name, "[", i, "] must be in [0, vocab_size = ", vocab_, "), got ", tokens[i]);
+      }
+    }
+  }
+
+  // The best follower of the longest known context among the last max_context..min_context tokens.
+  [[nodiscard]] std::optional<int64_t> next_token(std::span<const int64_t> tokens) const {
+    check_tokens(tokens, "tokens");
+    const auto longest = std::min<int64_t>(n_ - 1, static_cast<int64_t>(tokens.size()));
+    for (int64_t length = longest; length >= min_context_; --length) {
+      const auto it = best_.find(pack(tokens.last(static_cast<size_t>(length))));
+      if (it != best_.end()) return static_cast<int64_t>(it->second.token);
+    }
+    return std::nullopt;
+  }
+
+  void update(std::span<const int64_t> tokens, std::span<const int64_t> next) {
+    check_tokens(tokens, "tokens");
+    check_tokens(next, "next");
+    const auto longest = std::min<int64_t>(n_ - 1, static_cast<int64_t>(tokens.size()));
+    for (int64_t length = min_context_; length <= longest; ++length) {
+      const auto context = tokens.last(static_cast<size_t>(length));
+      for (const int64_t token : next) count(context, token, 1);
+    }
+  }
+
+  void initialize(std::span<const int64_t> tokens) {
+    check_tokens(tokens, "tokens");
+    for (size_t i = 1; i < tokens.size(); ++i) {
+      const auto longest = std::min<int64_t>(n_ - 1, static_cast<int64_t>(i));
+      for (int64_t length = min_context_; length <= longest; ++length) {
+        count(tokens.subspan(i - static_cast<size_t>(length), static_cast<size_t>(length)), tokens[i], 1);
+      }
+    }
+  }
+
+  void clear() {
+    counts_.clear();
+    best_.clear();
+  }
+  // Distinct (context, follower) n-grams stored.
+  [[nodiscard]] size_t size() const noexcept { return counts_.size(); }
+  // Distinct contexts stored.
+  [[nodiscard]] size_t contexts() const noexcept { return best_.size(); }
+  // Bytes held by the two tables' buckets (keys, values and per-bucket bookkeeping).
+  [[nodiscard]] size_t memory_bytes() const noexcept {
+    constexpr size_t kBookkeeping = 8;
+    return counts_.bucket_count() * (sizeof(NGramKey) + sizeof(uint32_t) + kBookkeeping) +
+           best_.bucket_count() * (sizeof(NGramKey) + sizeof(BestFollower) + kBookkeeping);
+  }
+
+  // Adds other's counts. The best follower of each context is then the token with the highest
+  // summed count; ties keep this storage's leader, then other's leader.
+  void merge(const NGramCounts& other) {
+    if (other.n_ != n_ || other.vocab_ != vocab_ || other.kind_ != kind_) {
+      throw_invalid_message("merge needs storages of the same kind, n and vocab_size (", n_, ", ", vocab_,
+                            ") vs (", other.n_, ", ", other.vocab_, ")");
+    }
+    for (const auto& [key, c] : other.counts_) counts_[key] = saturating_add(counts_[key], c);
+    for (const auto& [context, theirs] : other.best_) {
+      BestFollower& mine = best_[context];
+      if (mine.count > 0) mine.count = counts_.at(follower_key(context, mine.token));
+      const uint32_t their_count = counts_.at(follower_key(context, theirs.token));
+      if (their_count > mine.count) mine = {theirs.token, their_count};
+    }
+    for (const auto& entry : other.counts_) {
+      const NGramKey key = entry.first;
+      BestFollower& best = best_[context_of(key)];
+      const uint32_t merged = counts_.at(key);
+      if (merged > best.count) best = {follower_of(key), merged};
+    }
+  }
+
+  void save(const std::filesystem::path& path) const {
+    std::filesystem::path temporary = path;
+    temporary += ".partial";
+    {
+      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+      const auto put = [&](const auto& value) { out.write(reinterpret_cast<const char*>(&value), sizeof(value)); };
+      out.write(kMagic, sizeof(kMagic));
+      put(kFileVersion);
+      put(static_cast<uint32_t>(kind_));
+      put(static_cast<uint32_t>(n_));
+      put(static_cast<uint32_t>(0));
+      put(static_cast<uint64_t>(vocab_));
+      put(static_cast<uint64_t>(counts_.size()));
+      put(static_cast<uint64_t>(best_.size()));
+      for (const auto& [key, c] : counts_) {
+        put(static_cast<uint64_t>(key));
+        put(static_cast<uint64_t>(key >> 64));
+        put(c);
+      }
+      for (const auto& [key, best] : best_) {
+        put(static_cast<uint64_t>(key));
+        put(static_cast<uint64_t>(key >> 64));
+        put(best.token);
+        put(best.count);
+      }
+      if (!out.flush()) throw std::runtime_error("failed writing " + temporary.string());
+    }
+    std::filesystem::rename(temporary, path);
+  }
+
+  // Reads a file written by save() for a storage of `kind`. Throws io::FormatError.
+  static NGramCounts load(const std::filesystem::path& path, int kind) {
+    io::detail::BinaryReader reader(path);
+    char magic[sizeof(kMagic)];
+    reader.read_bytes(magic, sizeof(magic), "magic");
+    if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) io::detail::throw_format(path, "not an n-gram storage file (bad magic)");
+    const auto version = reader.read<uint32_t>("version");
+    if (version != kFileVersion) io::detail::throw_format(path, "unsupported n-gram storage version ", version);
+    const auto file_kind = reader.read<uint32_t>("kind");
+    if (file_kind != static_cast<uint32_t>(kind)) {
+      io::detail::throw_format(path, "holds a storage of kind ", file_kind, ", expected ", kind);
+    }
+    const auto n = reader.read<uint32_t>("n");
+    (void)reader.read<uint32_t>("reserved");
+    const auto vocab = reader.read<uint64_t>("vocab_size");
+    const auto count_entries = reader.read<uint64_t>("count entries");
+    const auto best_entries = reader.read<uint64_t>("context entries");
+    if (vocab < 1 || vocab > (uint64_t{1} << 31)) io::detail::throw_format(path, "vocab_size ", vocab, " is out of range");
+    std::optional<NGramCounts> made;
+    try {
+      const int64_t min_context = kind == 1 ? static_cast<int64_t>(n) - 1 : 1;  // one level: n - 1
+      made.emplace(static_cast<int64_t>(n), static_cast<int64_t>(vocab), min_context, kind);
+    } catch (const std::invalid_argument& e) {
+      io::detail::throw_format(path, e.what());
+    }
+    NGramCounts& s = *made;
+    constexpr uint64_t kCountBytes = 20, kBestBytes = 24;
+    if (count_entries > reader.remaining() / kCountBytes || best_entries > reader.remaining() / kBestBytes ||
+        count_entries * kCountBytes + best_entries * kBestBytes != reader.remaining()) {
+      io::detail::throw_format(path, "truncated or oversized: ", count_entries, " n-grams and ", best_entries,
+                               " contexts do not match the ", reader.remaining(), " bytes that follow the header");
+    }
+    const auto read_key = [&](const char* what) {
+      const auto low = reader.read<uint64_t>(what);
+      const auto high = reader.read<uint64_t>(what);
+      return static_cast<NGramKey>(high) << 64 | low;
+    };
+    s.counts_.reserve(static_cast<size_t>(count_entries));
+    for (uint64_t i = 0; i < count_entries; ++i) {
+      const NGramKey key = read_key("n-gram");
+      const auto c = reader.read<uint32_t>("count");
+      if (!s.valid_key(key, 1) || c == 0) io::detail::throw_format(path, "n-gram entry ", i, " is invalid");
+      s.counts_[key] = c;
+    }
+    s.best_.reserve(static_cast<size_t>(best_entries));
+    for (uint64_t i = 0; i < best_entries; ++i) {
+      const NGramKey key = read_key("context");
+      const auto token = reader.read<uint32_t>("best token");
+      const auto c = reader.read<uint32_t>("best count");
+      const auto it = s.counts_.find(s.follower_key(key, token));
+      if (!s.valid_key(key, 0) || token >= vocab || it == s.counts_.end() || it->second != c) {
+        io::detail::throw_format(path, "context entry ", i, " is invalid or disagrees with the counts");
+      }
+      s.best_[key] = {token, c};
+    }
+    return s;
+  }
+
+ private:
+  static constexpr char kMagic[8] = {'S', 'D', 'N', 'G', 'R', 'A', 'M', '\0'};
+
+  // Key of a context: its length in the top 4 bits, then the tokens.
+  [[nodiscard]] NGramKey pack(std::span<const int64_t> context) const noexcept {
+    NGramKey key = static_cast<NGramKey>(context.size()) << 124;
+    for (size_t i = 0; i < context.size(); ++i) key |= static_cast<NGramKey>(context[i]) << (bits_ * static_cast<int>(i));
+    return key;
+  }
+  [[nodiscard]] NGramKey token_mask() const noexcept { return (NGramKey{1} << bits_) - 1; }
+  [[nodiscard]] int64_t length_of(NGramKey key) const noexcept { return static_cast<int64_t>(key >> 124); }
+  // (context, follower) key: the context's key with the follower after its tokens, length + 1.
+  [[nodiscard]] NGramKey follower_key(NGramKey context, uint32_t token) const noexcept {
+    const int64_t length = length_of(context);
+    const NGramKey tokens = context & ((NGramKey{1} << 124) - 1);
+    return static_cast<NGramKey>(length + 1) << 124 | tokens |
+           static_cast<NGramKey>(token) << (bits_ * static_cast<int>(length));
+  }
+  [[nodiscard]] NGramKey context_of(NGramKey follower) const noexcept {
+    const int64_t length = length_of(follower) - 1;
+    const NGramKey tokens = follower & ((NGramKey{1} << (bits_ * static_cast<int>(length))) - 1);
+    return static_cast<NGramKey>(length) << 124 | tokens;
+  }
+  [[nodiscard]] uint32_t follower_of(NGramKey key) const noexcept {
+    return static_cast<uint32_t>(key >> (bits_ * static_cast<int>(length_of(key) - 1)) & token_mask());
+  }
+  // A context key (extra = 0) or follower key (extra = 1) of an allowed length with every token
+  // below vocab_size and no stray bits.
+  [[nodiscard]] bool valid_key(NGramKey key, int64_t extra) const noexcept {
+    const int64_t length = length_of(key);
+    if (length - extra < min_context_ || length - extra > n_ - 1) return false;
+    NGramKey tokens = key & ((NGramKey{1} << 124) - 1);
+    for (int64_t i = 0; i < length; ++i, tokens >>= bits_) {
+      if (static_cast<uint64_t>(tokens & token_mask()) >= static_cast<uint64_t>(vocab_)) return false;
+    }
+    return tokens == 0;
+  }
+
+  static uint32_t saturating_add(uint32_t a, uint32_t b) noexcept {
+    return a > std::numeric_limits<uint32_t>::max() - b ? std::numeric_limits<uint32_t>::max() : a + b;
+  }
+
+  void count(std::span<const int64_t> context, int64_t token, uint32_t times) {
+    const NGramKey context_key = pack(context);
+    const auto follower = static_cast<uint32_t>(token);
+    uint32_t& c = counts_[follower_key(context_key, follower)];
+    c = saturating_add(c, times);
+    BestFollower& best = best_[context_key];
+    if (best.count == 0 || c > best.count) best = {follower, c};
+  }
+
+  int64_t n_;
+  int64_t vocab_;
+  int64_t min_context_;
+  int kind_;
+  int bits_ = 1;
+  NGramTable<uint32_t> counts_;
+  NGramTable<BestFollower> best_;
+};
+
+}  // namespace detail
+
+// One order: the context is the last n - 1 tokens (seed 000's OneLevelNGramStorage). A sequence
+// shorter than n - 1 tokens has no context: next_token returns nullopt and update does nothing.
+class OneLevelNGramStorage {
+ public:
+  // Requires 2 <= n and n * ceil(log2(vocab_size)) <= 124; 1 <= vocab_size <= 2^31.
+  OneLevelNGramStorage(int64_t n, int64_t vocab_size) : counts_(n, vocab_size, n - 1, kKind) {}
+
+  [[nodiscard]] std::optional<int64_t> next_token(std::span<const int64_t> tokens) const {
+    return counts_.next_token(tokens);
+  }
+  void update(std::span<const int64_t> tokens, std::span<const int64_t> next) { counts_.update(tokens, next); }
+  void initialize(std::span<const int64_t> tokens) { counts_.initialize(tokens); }
+  void clear() { counts_.clear(); }
+  void merge(const OneLevelNGramStorage& other) { counts_.merge(other.counts_); }
+  void save(const std::filesystem::path& path) const { counts_.save(path); }
+  [[nodiscard]] static OneLevelNGramStorage load(const std::filesystem::path& path) {
+    return OneLevelNGramStorage(detail::NGramCounts::load(path, kKind));
+  }
+  [[nodiscard]] int64_t n() const noexcept { return counts_.n(); }
+  [[nodiscard]] int64_t vocab_size() const noexcept { return counts_.vocab_size(); }
+  [[nodiscard]] size_t size() const noexcept { return counts_.size(); }
+  [[nodiscard]] size_t memory_bytes() const noexcept { return counts_.memory_bytes(); }
+
+  friend std::ostream& operator<<(std::ostream& out, const OneLevelNGramStorage& s) {
+    return out << "OneLevelNGramStorage{n=" << s.n() << ", ngrams=" << s.size() << "}";
+  }
+
+ private:
+  static constexpr int kKind = 1;
+  explicit OneLevelNGramStorage(detail::NGramCounts counts) : counts_(std::move(counts)) {}
+  detail::NGramCounts counts_;
+};
+
+// Every order from n down to 2: contexts of n - 1 tokens down to one; look-up backs off from the
+// longest known context to the shortest (seed 000's NGramStorage, with the single-token contexts
+// its text describes).
+class NGramStorage {
+ public:
+  // Requires 2 <= n and n * ceil(log2(vocab_size)) <= 124; 1 <= vocab_size <= 2^31.
+  NGramStorage(int64_t n, int64_t vocab_size) : counts_(n, vocab_size, 1, kKind) {}
+
+  [[nodiscard]] std::optional<int64_t> next_token(std::span<const int64_t> tokens) const {
+    return counts_.next_token(tokens);
+  }
+  void update(std::span<const int64_t> tokens, std::span<const int64_t> next) { counts_.update(tokens, next); }
+  void initialize(std::span<const int64_t> tokens) { counts_.initialize(tokens); }
+  void clear() { counts_.clear(); }
+  void merge(const NGramStorage& other) { counts_.merge(other.counts_); }
+  void save(const std::filesystem::path& path) const { counts_.save(path); }
+  [[nodiscard]] static NGramStorage load(const std::filesystem::path& path) {
+    return NGramStorage(detail::NGramCounts::load(path, kKind));
+  }
+  [[nodiscard]] int64_t n() const noexcept { return counts_.n(); }
+  [[nodiscard]] int64_t vocab_size() const noexcept { return counts_.vocab_size(); }
+  [[nodiscard]] size_t size() const noexcept { return counts_.size(); }
+  [[nodiscard]] size_t memory_bytes() const noexcept { return counts_.memory_bytes(); }
+
+  friend std::ostream& operator<<(std::ostream& out, const NGramStorage& s) {
+    return out << "NGramStorage{n=" << s.n() << ", ngrams=" << s.size() << "}";
+  }
+
+ private:
+  static constexpr int kKind = 2;
+  explicit NGramStorage(detail::NGramCounts counts) : counts_(std::move(counts)) {}
+  detail::NGramCounts counts_;
+};
+
+// Prompt lookup: the token that followed the most recent earlier occurrence of the longest suffix
+// of max_ngram down to min_ngram tokens. It reads the context itself, so update and initialize
+// learn nothing.
+class PromptLookupDrafter {
+ public:
+  // Requires 1 <= min_ngram <= max_ngram.
+  explicit PromptLookupDrafter(int64_t max_ngram = 3, int64_t min_ngram = 1)
+      : max_ngram_(max_ngram), min_ngram_(min_ngram) {
+    if (min_ngram < 1) detail::throw_invalid("min_ngram", "be >= 1", min_ngram);
+    if (max_ngram < min_ngram) detail::throw_invalid_message("max_ngram must be >= min_ngram = ", min_ngram, ", got ", max_ngram);
+  }
+
+  [[nodiscard]] std::optional<int64_t> next_token(std::span<const int64_t> tokens) const {
+    const auto size = static_cast<int64_t>(tokens.size());
+    for (int64_t m = std::min(max_ngram_, size - 1); m >= min_ngram_; --m) {
+      const auto suffix = tokens.last(static_cast<size_t>(m));
+      for (int64_t start = size - m - 1; start >= 0; --start) {
+        if (std::equal(suffix.begin(), suffix.end(), tokens.begin() + start)) return tokens[static_cast<size_t>(start + m)];
+      }
+    }
+    return std::nullopt;
+  }
+  void update(std::span<const int64_t>, std::span<const int64_t>) noexcept {}
+  void initialize(std::span<const int64_t>) noexcept {}
+
+  friend std::ostream& operator<<(std::ostream& out, const PromptLookupDrafter& d) {
+    return out << "PromptLookupDrafter{max_ngram=" << d.max_ngram_ << ", min_ngram=" << d.min_ngram_ << "}";
+  }
+
+ private:
+  int64_t max_ngram_;
+  int64_t min_ngram_;
+};
+
+static_assert(NGramDrafter<OneLevelNGramStorage>);
+static_assert(NGramDrafter<NGramStorage>);
+static_assert(NGramDrafter<PromptLookupDrafter>);
+
+}  // namespace specdec
