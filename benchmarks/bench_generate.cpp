@@ -7,8 +7,6 @@
 // (every draft accepted: the ceiling of acceptance, with a drafter as slow as the target).
 #include <benchmark/benchmark.h>
 
-#include <ATen/Parallel.h>
-#include <torch/version.h>
 
 #include <map>
 #include <string>
@@ -91,11 +89,4 @@ BENCHMARK_CAPTURE(BM_VerifyDrafts, top_k_nucleus, TopKNucleusProcessor(50, 0.9))
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  benchmark::AddCustomContext("torch", TORCH_VERSION);
-  benchmark::AddCustomContext("device", "cpu");
-  benchmark::AddCustomContext("torch_threads", std::to_string(at::get_num_threads()));
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-}
+int main(int argc, char** argv) { return specdec::bench::run_benchmarks(argc, argv); }

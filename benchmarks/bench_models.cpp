@@ -6,8 +6,6 @@
 // Greedy decoding, 128 new tokens per prompt.
 #include <benchmark/benchmark.h>
 
-#include <ATen/Parallel.h>
-#include <torch/version.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -27,7 +25,8 @@ constexpr int64_t kNewTokens = 128;
 
 struct Pair {
   std::optional<Model> target, drafter;
-  std::vector<std::vector<int64_t>> prompts;
+  std::vector<std::vector<int64_t>> prompts;     // free text / held-out code
+  std::vector<std::vector<int64_t>> repetitive;  // prompts that quote themselves
   std::string missing;  // why the pair is unavailable
 };
 
@@ -52,6 +51,11 @@ Pair& stories() {
                              "One day, a girl named Mia"}) {
       p.prompts.push_back(tokenizer.encode(text));
     }
+    for (const char* text : {"Tom saw a big red ball in the park. Tom saw a big red ball in the park. Tom saw a",
+                             "Lily said, \"I like my cat.\" Lily said, \"I like my cat.\" Lily said,",
+                             "The sun was hot. The sun was hot. The sun was hot. The sun"}) {
+      p.repetitive.push_back(tokenizer.encode(text));
+    }
     return p;
   }();
   return pair;
@@ -69,7 +73,11 @@ Pair& bundled() {
     p.drafter.emplace(load(models / "drafter"));
     const auto corpus = text::load_python_corpus("/usr/lib/python3.11");
     const io::ByteTokenizer bytes;
-    for (const auto& prompt : text::line_prompts(corpus.held_out, 8, 200)) p.prompts.push_back(bytes.encode(prompt));
+    for (const auto& prompt : text::line_prompts(corpus.held_out, 8, 200)) {
+      p.prompts.push_back(bytes.encode(prompt));
+      // The snippet, then its first half again: a prompt that quotes itself.
+      p.repetitive.push_back(bytes.encode(prompt + prompt.substr(0, prompt.size() / 2)));
+    }
     return p;
   }();
   return pair;
@@ -109,6 +117,30 @@ void BM_BeamSearch(benchmark::State& state, Pair& (*pair)()) {
   state.counters["tokens_scored_per_token"] = static_cast<double>(scored) / static_cast<double>(generated);
 }
 
+// NASD (a trigram storage with back-off, filler 3) and prompt lookup, gamma 5, on free and
+// self-quoting prompts.
+void BM_NGram(benchmark::State& state, Pair& (*pair)(), bool repetitive) {
+  Pair& p = pair();
+  if (!p.target) return state.SkipWithError(p.missing.c_str());
+  const int64_t vocab = p.target->vocab_size();
+  bench::measure_ngram(state, [&] { return NGramStorage(3, vocab); }, *p.target, repetitive ? p.repetitive : p.prompts,
+                       kNewTokens, 5);
+}
+void BM_PromptLookup(benchmark::State& state, Pair& (*pair)(), bool repetitive) {
+  Pair& p = pair();
+  if (!p.target) return state.SkipWithError(p.missing.c_str());
+  bench::measure_ngram(state, [] { return PromptLookupDrafter(3, 1); }, *p.target, repetitive ? p.repetitive : p.prompts,
+                       kNewTokens, 5);
+}
+BENCHMARK_CAPTURE(BM_NGram, stories_free, &stories, false)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_NGram, stories_repetitive, &stories, true)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_PromptLookup, stories_free, &stories, false)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_PromptLookup, stories_repetitive, &stories, true)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_NGram, bundled_code, &bundled, false)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK_CAPTURE(BM_NGram, bundled_repetitive, &bundled, true)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK_CAPTURE(BM_PromptLookup, bundled_code, &bundled, false)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK_CAPTURE(BM_PromptLookup, bundled_repetitive, &bundled, true)->Unit(benchmark::kMillisecond)->Iterations(1);
+
 BENCHMARK_CAPTURE(BM_Autoregressive, stories, &stories)->Unit(benchmark::kMillisecond)->Iterations(3);
 BENCHMARK_CAPTURE(BM_Speculative, stories, &stories)->Arg(1)->Arg(2)->Arg(3)->Arg(4)->Arg(6)->Arg(8)
     ->Unit(benchmark::kMillisecond)->Iterations(3);
@@ -120,11 +152,4 @@ BENCHMARK_CAPTURE(BM_BeamSearch, bundled, &bundled)->Arg(1)->Arg(2)->Arg(4)->Arg
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  benchmark::AddCustomContext("torch", TORCH_VERSION);
-  benchmark::AddCustomContext("device", "cpu");
-  benchmark::AddCustomContext("torch_threads", std::to_string(at::get_num_threads()));
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-}
+int main(int argc, char** argv) { return specdec::bench::run_benchmarks(argc, argv); }

@@ -5,6 +5,7 @@
 #include <benchmark/benchmark.h>
 
 #include <ATen/Parallel.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <map>
@@ -95,6 +96,50 @@ void measure_speculative(benchmark::State& state, D& drafter, T& target,
   state.counters["speedup"] = target_alone.seconds_per_token / seconds_per_token;
   state.counters["theoretical_speedup"] = theoretical_speedup(total.acceptance_rate(), static_cast<double>(gamma), c);
   state.counters["cost_ratio_c"] = c;
+}
+
+// Seconds per token of autoregressive decoding over a whole prompt set, measured once per set.
+template <Target T>
+double autoregressive_seconds_per_token(T& target, std::span<const std::vector<int64_t>> prompts, int64_t new_tokens) {
+  static std::map<std::pair<const void*, const void*>, double> measured;
+  const auto key = std::make_pair(static_cast<const void*>(&target), static_cast<const void*>(prompts.data()));
+  if (auto it = measured.find(key); it != measured.end()) return it->second;
+  GenerationStats total;
+  for (const auto& prompt : prompts) add(total, autoregressive_generate(target, prompt, {.max_new_tokens = new_tokens}).stats);
+  return measured[key] = total.total_seconds / static_cast<double>(total.generated);
+}
+
+// Greedy n-gram assisted decoding (a fresh drafter from make_drafter() per prompt) against
+// autoregressive decoding of the same prompts.
+template <Target T, class MakeDrafter>
+void measure_ngram(benchmark::State& state, MakeDrafter make_drafter, T& target,
+                   std::span<const std::vector<int64_t>> prompts, int64_t new_tokens, int64_t gamma) {
+  const double baseline = autoregressive_seconds_per_token(target, prompts, new_tokens);
+  GenerationStats total;
+  for (auto _ : state) {
+    for (const auto& prompt : prompts) {
+      auto drafter = make_drafter();
+      add(total, ngram_assisted_generate(drafter, target, prompt, {.max_new_tokens = new_tokens, .gamma = gamma}).stats);
+    }
+  }
+  const double seconds_per_token = total.total_seconds / static_cast<double>(total.generated);
+  state.counters["tokens_per_second"] = 1.0 / seconds_per_token;
+  state.counters["acceptance_rate"] = total.acceptance_rate();
+  state.counters["tokens_per_target_call"] = total.tokens_per_target_call();
+  state.counters["drafter_ms_per_step"] = 1e3 * total.drafter_seconds / static_cast<double>(total.steps);
+  state.counters["speedup"] = baseline / seconds_per_token;
+}
+
+// main() of a benchmark program: runs the benchmarks with the torch version, device and thread
+// count recorded as context.
+inline int run_benchmarks(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  benchmark::AddCustomContext("torch", TORCH_VERSION);
+  benchmark::AddCustomContext("device", "cpu");
+  benchmark::AddCustomContext("torch_threads", std::to_string(at::get_num_threads()));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
 }
 
 }  // namespace specdec::bench

@@ -38,7 +38,11 @@ models
   --drafter PATH         drafter, same formats (default: the bundled drafter)
   --tokenizer PATH       llama2.c tokenizer file; without it the models are byte-level
 decoding
-  --mode MODE            speculative (default), autoregressive or beam
+  --mode MODE            speculative (default), autoregressive, ngram, prompt-lookup or beam
+  --ngram-order N        n of the n-gram storage for --mode ngram (default 3)
+  --filler K             teach the storage the target's top-K per position (default 3; 1 = off)
+  --storage FILE         start --mode ngram from a storage saved with --save-storage
+  --save-storage FILE    save the n-gram storage after generating
   --num-beams N          beams for --mode beam (default 4)
   --length-penalty A     beam score = log-probability / length^A (default 1)
   --prompt TEXT          the prompt (default: a line of Python)
@@ -64,6 +68,9 @@ struct Arguments {
   std::string prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n";
   int64_t gamma = 4;
   int64_t num_beams = 4;
+  int64_t ngram_order = 3;
+  int64_t filler = 3;
+  std::string storage, save_storage;
   double length_penalty = 1.0;
   int64_t max_new_tokens = 200;
   double temperature = 0.0;
@@ -91,6 +98,10 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--prompt") a.prompt = v;
     else if (flag == "--gamma") a.gamma = std::stoll(v);
     else if (flag == "--num-beams") a.num_beams = std::stoll(v);
+    else if (flag == "--ngram-order") a.ngram_order = std::stoll(v);
+    else if (flag == "--filler") a.filler = std::stoll(v);
+    else if (flag == "--storage") a.storage = v;
+    else if (flag == "--save-storage") a.save_storage = v;
     else if (flag == "--length-penalty") a.length_penalty = std::stod(v);
     else if (flag == "--max-new-tokens") a.max_new_tokens = std::stoll(v);
     else if (flag == "--temperature") a.temperature = std::stod(v);
@@ -100,8 +111,9 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--eos") a.eos.push_back(std::stoll(v));
     else throw std::invalid_argument("unknown option " + std::string(flag) + " (see --help)");
   }
-  if (a.mode != "speculative" && a.mode != "autoregressive" && a.mode != "beam") {
-    throw std::invalid_argument("--mode must be speculative, autoregressive or beam, got " + a.mode);
+  if (a.mode != "speculative" && a.mode != "autoregressive" && a.mode != "beam" && a.mode != "ngram" &&
+      a.mode != "prompt-lookup") {
+    throw std::invalid_argument("--mode must be speculative, autoregressive, ngram, prompt-lookup or beam, got " + a.mode);
   }
   if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
   return a;
@@ -249,8 +261,23 @@ int run(const Arguments& a) {
     }
     std::cout << "\n" << a.prompt << std::flush;
   }
+  std::optional<NGramStorage> storage;
+  if (a.mode == "ngram") {
+    storage.emplace(a.storage.empty() ? NGramStorage(a.ngram_order, target.vocab_size()) : NGramStorage::load(a.storage));
+    if (storage->vocab_size() != target.vocab_size()) {
+      throw std::invalid_argument("--storage was built for vocabulary " + std::to_string(storage->vocab_size()) +
+                                  ", the target has " + std::to_string(target.vocab_size()));
+    }
+  }
   const GenerationResult result = std::visit(
       [&](const auto& p) {
+        const NGramAssistedOptions ngram_options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed,
+                                                 .on_step = on_step, .gamma = a.gamma, .filler_top_k = a.filler};
+        if (storage) return ngram_assisted_generate(*storage, target, prompt, ngram_options, p);
+        if (a.mode == "prompt-lookup") {
+          PromptLookupDrafter lookup;
+          return ngram_assisted_generate(lookup, target, prompt, ngram_options, p);
+        }
         if (drafter) {
           return speculative_generate(*drafter, target, prompt,
                                       {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed,
@@ -261,8 +288,9 @@ int run(const Arguments& a) {
                                         .seed = a.seed, .on_step = on_step}, p);
       },
       processor);
+  if (storage && !a.save_storage.empty()) storage->save(a.save_storage);
   std::optional<GenerationResult> baseline;
-  if (a.compare && drafter) {
+  if (a.compare && a.mode != "autoregressive") {
     baseline = std::visit([&](const auto& p) {
       return autoregressive_generate(target, prompt, {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed}, p);
     }, processor);
@@ -283,7 +311,7 @@ int run(const Arguments& a) {
             << s.generated << " tokens in " << s.total_seconds << " s: " << s.generated / s.total_seconds
             << " tokens/s; " << s.target_calls << " target calls (" << s.tokens_per_target_call()
             << " tokens each)";
-  if (drafter) {
+  if (a.mode != "autoregressive") {
     std::cout << ", " << s.drafter_calls << " drafter calls, acceptance rate " << s.acceptance_rate();
   }
   std::cout << "\n";

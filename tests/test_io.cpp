@@ -107,6 +107,30 @@ TEST(Llama2c, SpeculativeWithLlama2xsDrafterEqualsAutoregressive) {
   }
 }
 
+TEST(Llama2c, NGramDraftingOnARepetitivePromptCutsTargetCalls) {
+  SPECDEC_REQUIRE_MODEL(target_path, "stories260K/stories260K.bin");
+  SPECDEC_REQUIRE_MODEL(tokenizer_path, "stories260K/tok512.bin");
+  const auto t = io::load_llama2c(target_path);
+  models::LlamaModel<StaticKVCache> target(t.config, t.weights);
+  const auto tokenizer = io::Llama2cTokenizer::load(tokenizer_path, 512);
+  const auto prompt = tokenizer.encode(
+      "Tom saw a big red ball in the park. Tom saw a big red ball in the park. Tom saw a big red ball in the");
+  const auto reference = autoregressive_generate(target, prompt, {.max_new_tokens = 120});
+  NGramStorage storage(3, 512);
+  PromptLookupDrafter lookup;
+  const auto ngram = ngram_assisted_generate(storage, target, prompt, {.max_new_tokens = 120, .gamma = 5});
+  const auto looked_up = ngram_assisted_generate(lookup, target, prompt, {.max_new_tokens = 120, .gamma = 5});
+  EXPECT_EQ(ngram.tokens, reference.tokens);
+  EXPECT_EQ(looked_up.tokens, reference.tokens);
+  for (const auto* result : {&ngram, &looked_up}) {
+    EXPECT_GT(result->stats.accepted, 10);
+    EXPECT_GT(result->stats.tokens_per_target_call(), 1.3);
+  }
+  std::cout << "stories260K, repetitive prompt: NASD " << ngram.stats.tokens_per_target_call()
+            << " tokens per target call (acceptance " << ngram.stats.acceptance_rate() << "), prompt lookup "
+            << looked_up.stats.tokens_per_target_call() << " (acceptance " << looked_up.stats.acceptance_rate() << ")\n";
+}
+
 TEST(Llama2cTokenizer, EncodesAsSentencePieceAndRoundTrips) {
   SPECDEC_REQUIRE_MODEL(path, "stories260K/tok512.bin");
   const auto tokenizer = io::Llama2cTokenizer::load(path, 512);

@@ -6,7 +6,8 @@
 // (config.json + fp16 model.safetensors) that io::load_hf_llama reads.
 //
 //   train_bundled_pair [--data DIR] [--out DIR] [--target-steps N] [--drafter-steps N]
-//                      [--seed N] [--threads N]
+//                      [--batch N] [--seq-len N] [--seed N] [--threads N]
+// The models' max_seq_len is the training window: rotary positions beyond it were never trained.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -33,8 +34,10 @@ using specdec::models::LlamaWeights;
 struct Arguments {
   std::filesystem::path data = "/usr/lib/python3.11";
   std::filesystem::path out = "models/bundled";
-  int64_t target_steps = 1500;
+  int64_t target_steps = 2000;
   int64_t drafter_steps = 1000;
+  int64_t batch = 4;
+  int64_t seq_len = 512;  // training window: the models are used within this many positions
   uint64_t seed = 20261122;
   int threads = 2;
 };
@@ -48,6 +51,8 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--target-steps") args.target_steps = std::stoll(value);
     else if (flag == "--drafter-steps") args.drafter_steps = std::stoll(value);
     else if (flag == "--seed") args.seed = std::stoull(value);
+    else if (flag == "--batch") args.batch = std::stoll(value);
+    else if (flag == "--seq-len") args.seq_len = std::stoll(value);
     else if (flag == "--threads") args.threads = std::stoi(value);
     else throw std::invalid_argument("unknown option " + flag);
   }
@@ -113,7 +118,7 @@ double learning_rate(int64_t step, int64_t steps, double peak) {
 
 // Trains `model` for `steps`; loss_of(inputs, targets) returns the scalar loss of a batch.
 template <class Loss>
-void train(const std::string& name, LlamaWeights& weights, int64_t steps, double peak_lr,
+void train(const std::string& name, LlamaWeights& weights, int64_t steps, double peak_lr, const Arguments& args,
            const std::vector<uint8_t>& stream, std::mt19937_64& rng, Loss loss_of) {
   auto params = parameters(weights);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(peak_lr).weight_decay(0.01));
@@ -123,7 +128,7 @@ void train(const std::string& name, LlamaWeights& weights, int64_t steps, double
     for (auto& group : optimizer.param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(step, steps, peak_lr));
     }
-    const auto [inputs, targets] = batch_of(stream, 16, 128, rng);
+    const auto [inputs, targets] = batch_of(stream, args.batch, args.seq_len, rng);
     optimizer.zero_grad();
     torch::Tensor loss = loss_of(inputs, targets);
     loss.backward();
@@ -151,12 +156,12 @@ int main(int argc, char** argv) {
     std::mt19937_64 rng(args.seed);
 
     const LlamaConfig target_config{.dim = 192, .hidden_dim = 512, .n_layers = 4, .n_heads = 6,
-                                    .n_kv_heads = 3, .vocab_size = 256, .max_seq_len = 1024};
+                                    .n_kv_heads = 3, .vocab_size = 256, .max_seq_len = args.seq_len};
     const LlamaConfig drafter_config{.dim = 96, .hidden_dim = 256, .n_layers = 2, .n_heads = 3,
-                                     .n_kv_heads = 3, .vocab_size = 256, .max_seq_len = 1024};
+                                     .n_kv_heads = 3, .vocab_size = 256, .max_seq_len = args.seq_len};
     LlamaWeights target_weights = initial_weights(target_config, args.seed);
     LlamaModel<> target(target_config, target_weights);
-    train("target", target_weights, args.target_steps, 3e-3, corpus.train, rng,
+    train("target", target_weights, args.target_steps, 3e-3, args, corpus.train, rng,
           [&](const torch::Tensor& inputs, const torch::Tensor& targets) {
             return torch::nn::functional::cross_entropy(logits_of(target, inputs).view({-1, 256}),
                                                         targets.view({-1}));
@@ -164,7 +169,7 @@ int main(int argc, char** argv) {
 
     LlamaWeights drafter_weights = initial_weights(drafter_config, args.seed + 1);
     LlamaModel<> drafter(drafter_config, drafter_weights);
-    train("drafter", drafter_weights, args.drafter_steps, 3e-3, corpus.train, rng,
+    train("drafter", drafter_weights, args.drafter_steps, 3e-3, args, corpus.train, rng,
           [&](const torch::Tensor& inputs, const torch::Tensor&) {
             torch::Tensor teacher;
             {
@@ -182,6 +187,7 @@ int main(int argc, char** argv) {
         {"data", data_note}, {"seed", std::to_string(args.seed)},
         {"target_steps", std::to_string(args.target_steps)},
         {"drafter_steps", std::to_string(args.drafter_steps)},
+        {"batch", std::to_string(args.batch)}, {"seq_len", std::to_string(args.seq_len)},
         {"trainer", "tools/train_bundled_pair.cpp"}};
     const nlohmann::json extra{{"specdec_tokenizer", "bytes"}};
     specdec::io::save_hf_llama(args.out / "target", target_config, target_weights, torch::kHalf, extra, metadata);

@@ -309,12 +309,19 @@ class NGramCounts {
 
 }  // namespace detail
 
-// One order: the context is the last n - 1 tokens (seed 000's OneLevelNGramStorage). A sequence
-// shorter than n - 1 tokens has no context: next_token returns nullopt and update does nothing.
-class OneLevelNGramStorage {
+// The n-gram storages: one order (kOneLevel: the context is the last n - 1 tokens, seed 000's
+// OneLevelNGramStorage; a sequence shorter than that has no context, so next_token returns nullopt
+// and update does nothing) or every order from n down to 2 (kBackOff: contexts of n - 1 tokens down
+// to one, looked up from the longest known to the shortest; seed 000's NGramStorage with the
+// single-token contexts its text describes).
+enum class NGramOrders { kOneLevel = 1, kBackOff = 2 };
+
+template <NGramOrders Orders>
+class BasicNGramStorage {
  public:
   // Requires 2 <= n and n * ceil(log2(vocab_size)) <= 124; 1 <= vocab_size <= 2^31.
-  OneLevelNGramStorage(int64_t n, int64_t vocab_size) : counts_(n, vocab_size, n - 1, kKind) {}
+  BasicNGramStorage(int64_t n, int64_t vocab_size)
+      : counts_(n, vocab_size, Orders == NGramOrders::kOneLevel ? n - 1 : 1, kKind) {}
 
   [[nodiscard]] std::optional<int64_t> next_token(std::span<const int64_t> tokens) const {
     return counts_.next_token(tokens);
@@ -322,59 +329,31 @@ class OneLevelNGramStorage {
   void update(std::span<const int64_t> tokens, std::span<const int64_t> next) { counts_.update(tokens, next); }
   void initialize(std::span<const int64_t> tokens) { counts_.initialize(tokens); }
   void clear() { counts_.clear(); }
-  void merge(const OneLevelNGramStorage& other) { counts_.merge(other.counts_); }
+  // Adds other's counts (see detail::NGramCounts::merge for ties).
+  void merge(const BasicNGramStorage& other) { counts_.merge(other.counts_); }
+  // A versioned binary file, written atomically; load() validates every entry.
   void save(const std::filesystem::path& path) const { counts_.save(path); }
-  [[nodiscard]] static OneLevelNGramStorage load(const std::filesystem::path& path) {
-    return OneLevelNGramStorage(detail::NGramCounts::load(path, kKind));
+  [[nodiscard]] static BasicNGramStorage load(const std::filesystem::path& path) {
+    return BasicNGramStorage(detail::NGramCounts::load(path, kKind));
   }
   [[nodiscard]] int64_t n() const noexcept { return counts_.n(); }
   [[nodiscard]] int64_t vocab_size() const noexcept { return counts_.vocab_size(); }
   [[nodiscard]] size_t size() const noexcept { return counts_.size(); }
   [[nodiscard]] size_t memory_bytes() const noexcept { return counts_.memory_bytes(); }
 
-  friend std::ostream& operator<<(std::ostream& out, const OneLevelNGramStorage& s) {
-    return out << "OneLevelNGramStorage{n=" << s.n() << ", ngrams=" << s.size() << "}";
+  friend std::ostream& operator<<(std::ostream& out, const BasicNGramStorage& s) {
+    return out << (Orders == NGramOrders::kOneLevel ? "OneLevelNGramStorage" : "NGramStorage") << "{n=" << s.n()
+               << ", ngrams=" << s.size() << "}";
   }
 
  private:
-  static constexpr int kKind = 1;
-  explicit OneLevelNGramStorage(detail::NGramCounts counts) : counts_(std::move(counts)) {}
+  static constexpr int kKind = static_cast<int>(Orders);
+  explicit BasicNGramStorage(detail::NGramCounts counts) : counts_(std::move(counts)) {}
   detail::NGramCounts counts_;
 };
 
-// Every order from n down to 2: contexts of n - 1 tokens down to one; look-up backs off from the
-// longest known context to the shortest (seed 000's NGramStorage, with the single-token contexts
-// its text describes).
-class NGramStorage {
- public:
-  // Requires 2 <= n and n * ceil(log2(vocab_size)) <= 124; 1 <= vocab_size <= 2^31.
-  NGramStorage(int64_t n, int64_t vocab_size) : counts_(n, vocab_size, 1, kKind) {}
-
-  [[nodiscard]] std::optional<int64_t> next_token(std::span<const int64_t> tokens) const {
-    return counts_.next_token(tokens);
-  }
-  void update(std::span<const int64_t> tokens, std::span<const int64_t> next) { counts_.update(tokens, next); }
-  void initialize(std::span<const int64_t> tokens) { counts_.initialize(tokens); }
-  void clear() { counts_.clear(); }
-  void merge(const NGramStorage& other) { counts_.merge(other.counts_); }
-  void save(const std::filesystem::path& path) const { counts_.save(path); }
-  [[nodiscard]] static NGramStorage load(const std::filesystem::path& path) {
-    return NGramStorage(detail::NGramCounts::load(path, kKind));
-  }
-  [[nodiscard]] int64_t n() const noexcept { return counts_.n(); }
-  [[nodiscard]] int64_t vocab_size() const noexcept { return counts_.vocab_size(); }
-  [[nodiscard]] size_t size() const noexcept { return counts_.size(); }
-  [[nodiscard]] size_t memory_bytes() const noexcept { return counts_.memory_bytes(); }
-
-  friend std::ostream& operator<<(std::ostream& out, const NGramStorage& s) {
-    return out << "NGramStorage{n=" << s.n() << ", ngrams=" << s.size() << "}";
-  }
-
- private:
-  static constexpr int kKind = 2;
-  explicit NGramStorage(detail::NGramCounts counts) : counts_(std::move(counts)) {}
-  detail::NGramCounts counts_;
-};
+using OneLevelNGramStorage = BasicNGramStorage<NGramOrders::kOneLevel>;
+using NGramStorage = BasicNGramStorage<NGramOrders::kBackOff>;
 
 // Prompt lookup: the token that followed the most recent earlier occurrence of the longest suffix
 // of max_ngram down to min_ngram tokens. It reads the context itself, so update and initialize

@@ -1,0 +1,71 @@
+// N-gram storage throughput on a 1M-token stream (vocabulary 32000): updates per second (one
+// update() call with one next token per position, as generation makes them), look-ups per second
+// (next_token() at every position) and bytes per stored n-gram. The stream is Zipf-distributed
+// (exponent 1.1) so that n-grams repeat as in text.
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "specdec/ngram_storage.hpp"
+
+namespace {
+
+using namespace specdec;
+constexpr int64_t kVocab = 32000;
+constexpr size_t kStream = 1'000'000;
+
+const std::vector<int64_t>& stream() {
+  static const std::vector<int64_t> tokens = [] {
+    std::vector<double> weights(kVocab);
+    for (int64_t i = 0; i < kVocab; ++i) weights[static_cast<size_t>(i)] = 1.0 / std::pow(static_cast<double>(i + 1), 1.1);
+    std::discrete_distribution<int64_t> zipf(weights.begin(), weights.end());
+    std::mt19937_64 rng(42);
+    std::vector<int64_t> t(kStream);
+    for (auto& x : t) x = zipf(rng);
+    return t;
+  }();
+  return tokens;
+}
+
+template <class S>
+void BM_Update(benchmark::State& state) {
+  const auto& tokens = stream();
+  const int64_t n = state.range(0);
+  S storage(n, kVocab);
+  for (auto _ : state) {
+    storage.clear();
+    for (size_t i = 1; i < tokens.size(); ++i) {
+      storage.update(std::span(tokens).first(i), std::span(tokens).subspan(i, 1));
+    }
+  }
+  state.counters["updates_per_second"] =
+      benchmark::Counter(static_cast<double>(tokens.size() - 1), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["ngrams"] = static_cast<double>(storage.size());
+  state.counters["bytes_per_ngram"] = static_cast<double>(storage.memory_bytes()) / static_cast<double>(storage.size());
+}
+
+template <class S>
+void BM_Lookup(benchmark::State& state) {
+  const auto& tokens = stream();
+  const int64_t n = state.range(0);
+  S storage(n, kVocab);
+  storage.initialize(tokens);
+  int64_t found = 0;
+  for (auto _ : state) {
+    for (size_t i = 1; i < tokens.size(); ++i) found += storage.next_token(std::span(tokens).first(i)).has_value();
+  }
+  benchmark::DoNotOptimize(found);
+  state.counters["lookups_per_second"] =
+      benchmark::Counter(static_cast<double>(tokens.size() - 1), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+BENCHMARK_TEMPLATE(BM_Update, NGramStorage)->Arg(3)->Arg(5)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK_TEMPLATE(BM_Update, OneLevelNGramStorage)->Arg(3)->Arg(5)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK_TEMPLATE(BM_Lookup, NGramStorage)->Arg(3)->Arg(5)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK_TEMPLATE(BM_Lookup, OneLevelNGramStorage)->Arg(3)->Arg(5)->Unit(benchmark::kMillisecond)->Iterations(1);
+
+}  // namespace
+
+BENCHMARK_MAIN();
