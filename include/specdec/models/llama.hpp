@@ -145,8 +145,8 @@ class LlamaModel {
     // Causal: new token i sees every cached position and new tokens 0..i.
     at::Tensor mask;
     if (count > 1) {
-      const at::Tensor visible = at::ones({count, count}, at::TensorOptions().dtype(at::kBool).device(device())).tril();
-      mask = attention_bias(visible, past);
+      mask = new_token_bias(
+          at::ones({count, count}, at::TensorOptions().dtype(at::kBool).device(device())).tril());
     }
     return run(ids, cache, positions, mask);
   }
@@ -165,7 +165,7 @@ class LlamaModel {
         visible.size(1) != count || visible.scalar_type() != at::kBool) {
       detail::throw_invalid_message("visible must be bool [", count, ", ", count, "]");
     }
-    return run(ids, cache, depth.to(device()) + cache.length(), attention_bias(visible.to(device()), cache.length()));
+    return run(ids, cache, depth.to(device()) + cache.length(), new_token_bias(visible.to(device())));
   }
 
  private:
@@ -184,13 +184,12 @@ class LlamaModel {
     }
   }
 
-  // An additive bias [T, past + T]: 0 where visible, -inf elsewhere; cached positions visible.
-  at::Tensor attention_bias(const at::Tensor& visible, int64_t past) const {
-    const int64_t count = visible.size(0);
-    const at::Tensor all = at::cat(
-        {at::ones({count, past}, visible.options()), visible}, 1);
-    return at::zeros(all.sizes(), weights_.token_embedding.options())
-        .masked_fill(all.logical_not(), -std::numeric_limits<double>::infinity());
+  // An additive bias [T, T] over the new tokens: 0 where visible, -inf elsewhere. Cached positions
+  // are always visible, so the bias applies to the last T key columns only and no step allocates
+  // anything proportional to the sequence for it.
+  at::Tensor new_token_bias(const at::Tensor& visible) const {
+    return at::zeros(visible.sizes(), weights_.token_embedding.options())
+        .masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
   }
 
   static at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -218,7 +217,7 @@ class LlamaModel {
     // [1, T, 1, hd/2] to broadcast over batch and heads.
     const at::Tensor cos = rope_cos_.index_select(0, positions).view({1, count, 1, head_dim / 2});
     const at::Tensor sin = rope_sin_.index_select(0, positions).view({1, count, 1, head_dim / 2});
-    // The bias repeated for the query heads that share a key/value head: [group * T, S].
+    // The bias repeated for the query heads that share a key/value head: [group * T, T].
     const at::Tensor group_bias = bias.defined() ? bias.repeat({group, 1}) : bias;
 
     at::Tensor x = at::embedding(weights_.token_embedding, ids);
@@ -231,8 +230,8 @@ class LlamaModel {
       const auto [keys, values] = cache.update(layer, k.transpose(1, 2), v.transpose(1, 2));
       // Queries grouped by their key/value head: [B, kv_heads, group * T, hd].
       const at::Tensor grouped = q.transpose(1, 2).reshape({batch, kv_heads, group * count, head_dim});
-      at::Tensor scores = at::matmul(grouped, keys.transpose(2, 3)) * scale;
-      if (group_bias.defined()) scores = scores + group_bias;
+      at::Tensor scores = at::matmul(grouped, keys.transpose(2, 3)).mul_(scale);
+      if (group_bias.defined()) scores.narrow(-1, scores.size(-1) - count, count).add_(group_bias);
       const at::Tensor attended = at::matmul(scores.softmax(-1), values)
                                       .view({batch, heads, count, head_dim})
                                       .transpose(1, 2)
