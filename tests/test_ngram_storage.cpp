@@ -61,7 +61,7 @@ TEST(NGramStorage, RejectsBadArgumentsNamingThem) {
     storage.update(Tokens{1, 10}, Tokens{2});
     FAIL();
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("tokens[1] must be in [0, vocab_size = 10), got 10"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("tokens (last n - 1)[1] must be in [0, vocab_size = 10), got 10"), std::string::npos) << e.what();
   }
   EXPECT_THROW(storage.initialize(Tokens{-1}), std::invalid_argument);
   EXPECT_THROW(PromptLookupDrafter(2, 3), std::invalid_argument);

@@ -92,9 +92,10 @@ class NGramCounts {
   }
 
   // The best follower of the longest known context among the last max_context..min_context tokens.
+  // Only the last n - 1 tokens are read (and checked): a call costs O(n), not O(tokens).
   [[nodiscard]] std::optional<int64_t> next_token(std::span<const int64_t> tokens) const {
-    check_tokens(tokens, "tokens");
     const auto longest = std::min<int64_t>(n_ - 1, static_cast<int64_t>(tokens.size()));
+    check_tokens(tokens.last(static_cast<size_t>(longest)), "tokens (last n - 1)");
     for (int64_t length = longest; length >= min_context_; --length) {
       const auto it = best_.find(pack(tokens.last(static_cast<size_t>(length))));
       if (it != best_.end()) return static_cast<int64_t>(it->second.token);
@@ -103,9 +104,9 @@ class NGramCounts {
   }
 
   void update(std::span<const int64_t> tokens, std::span<const int64_t> next) {
-    check_tokens(tokens, "tokens");
-    check_tokens(next, "next");
     const auto longest = std::min<int64_t>(n_ - 1, static_cast<int64_t>(tokens.size()));
+    check_tokens(tokens.last(static_cast<size_t>(longest)), "tokens (last n - 1)");
+    check_tokens(next, "next");
     for (int64_t length = min_context_; length <= longest; ++length) {
       const auto context = tokens.last(static_cast<size_t>(length));
       for (const int64_t token : next) count(context, token, 1);
