@@ -315,7 +315,6 @@ class FaultyModel {
 
 TEST(SpeculativeGenerate, ReportsFaultyModelsClearly) {
   const std::vector<int64_t> prompt{1, 2};
-  FaultyModel good_enough(FaultyModel::Fault::kInfinity);
   for (auto fault : {FaultyModel::Fault::kNaN, FaultyModel::Fault::kInfinity}) {
     FaultyModel target(fault);
     expect_invalid([&] { (void)autoregressive_generate(target, prompt); }, {"NaN or infinity"});

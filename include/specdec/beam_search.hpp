@@ -125,8 +125,10 @@ template <class T>
     }
     // One synchronisation: the top-k of every beam.
     const auto [top_values, top_tokens] = log_probs.topk(k, -1);
-    const at::Tensor host_values = top_values.cpu();
-    const at::Tensor host_tokens = top_tokens.cpu();
+    const at::Tensor host_values = top_values.cpu().contiguous();
+    const at::Tensor host_tokens = top_tokens.cpu().contiguous();
+    const double* values = host_values.data_ptr<double>();
+    const int64_t* top = host_tokens.data_ptr<int64_t>();
     if (!at::isfinite(host_values.select(1, 0)).logical_or(host_values.select(1, 0) == kDead).all().item<bool>()) {
       throw std::invalid_argument("beam_search_generate: the target's logits contain NaN or infinity");
     }
@@ -139,9 +141,9 @@ template <class T>
     for (int64_t b = 0; b < beams; ++b) {
       if (live_log_probability[static_cast<size_t>(b)] == kDead) continue;
       for (int64_t j = 0; j < k; ++j) {
-        const double lp = host_values[b][j].item<double>();
+        const double lp = values[b * k + j];
         if (lp == kDead) continue;
-        candidates.push_back({live_log_probability[static_cast<size_t>(b)] + lp, b, host_tokens[b][j].item<int64_t>()});
+        candidates.push_back({live_log_probability[static_cast<size_t>(b)] + lp, b, top[b * k + j]});
       }
     }
     std::stable_sort(candidates.begin(), candidates.end(),
@@ -185,7 +187,7 @@ template <class T>
     if (options.use_cache) {
       std::vector<int64_t> identity(static_cast<size_t>(beams));
       std::iota(identity.begin(), identity.end(), 0);
-      if (parents != identity) cache.reorder(at::tensor(parents, at::kLong).to(device));
+      if (parents != identity) cache.reorder(at::tensor(parents, at::kLong));  // host rows: no extra sync
       ids = at::tensor(tokens, at::kLong).to(device).view({beams, 1});
     }
   }

@@ -183,12 +183,16 @@ template <NGramDrafter S, Target T, LogitsProcessor P = GreedyProcessor>
     state.emit({}, 0, step.token);
     learn(position, top_k_of(last));
   }
-  std::vector<int64_t> context;
+  // The sequence followed by this step's drafts; kept across steps and brought up to date by
+  // dropping the last drafts and appending what was emitted, so no step copies the sequence.
+  std::vector<int64_t> context(state.sequence().begin(), state.sequence().end());
   std::vector<int64_t> drafts;
   while (!state.finished()) {
     const int64_t gamma = std::min(options.gamma, state.room() - 1);
     const auto t0 = std::chrono::steady_clock::now();
-    context.assign(state.sequence().begin(), state.sequence().end());
+    const auto sequence = state.sequence();
+    context.resize(context.size() - drafts.size());
+    context.insert(context.end(), sequence.begin() + static_cast<std::ptrdiff_t>(context.size()), sequence.end());
     drafts.clear();
     for (int64_t i = 0; i < gamma; ++i) {
       std::optional<int64_t> next = storage.next_token(context);

@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -47,14 +48,14 @@ inline void check_rows(const at::Tensor& rows, int64_t batch) {
   if (!rows.defined() || rows.dim() != 1 || rows.scalar_type() != at::kLong) {
     throw_invalid_message("rows must be a 1-D int64 tensor of batch indices");
   }
-  if (rows.numel() > 0) {
-    const auto bounds = at::stack({rows.min(), rows.max()}).cpu();
-    const int64_t low = bounds[0].item<int64_t>();
-    const int64_t high = bounds[1].item<int64_t>();
-    if (low < 0 || high >= batch) {
-      throw_invalid_message("rows must index batch rows in [0, ", batch, "), got values in [", low,
-                            ", ", high, "]");
-    }
+  if (rows.numel() == 0) return;
+  // Host rows are checked in place; rows on a device cost one synchronisation to check.
+  const at::Tensor host = rows.is_cpu() ? rows.contiguous() : at::stack({rows.min(), rows.max()}).cpu();
+  const int64_t* data = host.data_ptr<int64_t>();
+  const auto [low, high] = std::minmax_element(data, data + host.numel());
+  if (*low < 0 || *high >= batch) {
+    throw_invalid_message("rows must index batch rows in [0, ", batch, "), got values in [", *low, ", ",
+                          *high, "]");
   }
 }
 
@@ -117,6 +118,7 @@ class DynamicKVCache {
   [[nodiscard]] at::Tensor values(int64_t layer) const { return layer_view(values_, layer); }
 
   // Reorders (or repeats) the batch rows: row i becomes the old row rows[i]. For beam search.
+  // rows may live on the host (checked without a synchronisation) or on the cache's device.
   void reorder(const at::Tensor& rows) {
     if (length_ == 0) return;
     detail::check_rows(rows, keys_.front().size(0));
