@@ -8,12 +8,14 @@
 
 #include "specdec/generate.hpp"
 #include "specdec/models/llama.hpp"
+#include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/toy_models.hpp"
 
 namespace {
 
 using namespace specdec;
+using test::expect_invalid;
 using test::PrefixHashModel;
 
 const std::vector<int64_t> kPrompt{1, 7, 3, 22, 5};
@@ -250,19 +252,6 @@ TEST(SpeculativeGenerate, StatsAndStepCallbackAgree) {
   EXPECT_GT(result.stats.tokens_per_target_call(), 1.0);
   EXPECT_GE(result.stats.total_seconds, result.stats.target_seconds + result.stats.drafter_seconds);
   EXPECT_EQ(GenerationStats{}.acceptance_rate(), 0.0);
-}
-
-// Bad input: the exception type and a message that names the parameter and value.
-template <class F>
-void expect_invalid(F call, const std::vector<std::string>& fragments) {
-  try {
-    call();
-    FAIL() << "no exception";
-  } catch (const std::invalid_argument& e) {
-    for (const auto& fragment : fragments) {
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-    }
-  }
 }
 
 TEST(SpeculativeGenerate, RejectsBadInputNamingIt) {

@@ -120,19 +120,19 @@ const at::Tensor& drafter_transitions() {
   return t;
 }
 
+// Samples 3-token sequences with `options` (max_new_tokens, seed and first_target are set here).
 template <class P>
-test::ChiSquare sequence_fit(const P& processor, int64_t gamma, bool skip_adjustment, int64_t samples) {
+test::ChiSquare sequence_fit(const P& processor, SpeculativeOptions options, int64_t samples) {
   test::MarkovModel target(target_transitions());
   test::MarkovModel drafter(drafter_transitions());
   const std::vector<int64_t> prompt{0};
   constexpr int64_t kLength = 3;
   std::map<std::vector<int64_t>, int64_t> observed;
   for (int64_t i = 0; i < samples; ++i) {
-    const auto result = speculative_generate(
-        drafter, target, prompt,
-        {.max_new_tokens = kLength, .seed = static_cast<uint64_t>(1000 + i), .gamma = gamma,
-         .first_target = false, .skip_sample_adjustment = skip_adjustment},
-        processor);
+    options.max_new_tokens = kLength;
+    options.seed = static_cast<uint64_t>(1000 + i);
+    options.first_target = false;
+    const auto result = speculative_generate(drafter, target, prompt, options, processor);
     ++observed[result.tokens];
   }
   // Exact: the product of the processed transition probabilities along the sequence.
@@ -153,13 +153,13 @@ template <class P>
 void expect_exact_and_detectable(const P& processor) {
   constexpr int64_t kSamples = 8000;
   for (int64_t gamma : {1, 2}) {
-    const auto exact = sequence_fit(processor, gamma, false, kSamples);
+    const auto exact = sequence_fit(processor, {.gamma = gamma}, kSamples);
     EXPECT_EQ(exact.outside_support, 0) << processor << " gamma " << gamma;
     EXPECT_GE(exact.min_expected, 5.0);
     EXPECT_LT(exact.statistic, test::chi_square_quantile(exact.dof, kZ))
         << processor << " gamma " << gamma;
   }
-  const auto biased = sequence_fit(processor, 2, true, kSamples);
+  const auto biased = sequence_fit(processor, {.gamma = 2, .skip_sample_adjustment = true}, kSamples);
   EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, kZ)) << processor;
 }
 
@@ -168,6 +168,43 @@ TEST(SpeculativeDistribution, TopKEqualsTarget) { expect_exact_and_detectable(To
 TEST(SpeculativeDistribution, NucleusEqualsTarget) { expect_exact_and_detectable(NucleusProcessor{0.85}); }
 TEST(SpeculativeDistribution, TopKNucleusAtTemperatureEqualsTarget) {
   expect_exact_and_detectable(TopKNucleusProcessor(3, 0.9, 0.7));
+}
+
+// Every draft-length policy keeps the output exact: EGAG (drafter rows have entropies .92 to 1),
+// the success schedule and the confidence stop each change how much is drafted per step.
+TEST(SpeculativeDistribution, DraftLengthPoliciesKeepTheTargetsDistribution) {
+  constexpr int64_t kSamples = 8000;
+  const std::vector<std::pair<const char*, SpeculativeOptions>> policies{
+      {"egag", {.gamma_policy = GammaPolicy::egag, .gamma_min = 1, .gamma_max = 3, .egag_ema_beta = 0.3}},
+      {"schedule", {.gamma = 1, .gamma_policy = GammaPolicy::schedule, .gamma_min = 1, .gamma_max = 3}},
+      {"p_min", {.gamma = 3, .p_min = 0.5}},
+  };
+  for (const auto& [name, options] : policies) {
+    for (const bool top_k : {false, true}) {
+      const auto fit = top_k ? sequence_fit(TopKProcessor{3}, options, kSamples)
+                             : sequence_fit(MultinomialProcessor{}, options, kSamples);
+      EXPECT_EQ(fit.outside_support, 0) << name;
+      EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, kZ)) << name << " top_k " << top_k;
+    }
+  }
+  // The harness sees the bias of the same policies without the residual correction.
+  auto biased = policies[0].second;
+  biased.skip_sample_adjustment = true;
+  const auto fit = sequence_fit(MultinomialProcessor{}, biased, kSamples);
+  EXPECT_GT(fit.statistic, test::chi_square_quantile(fit.dof, kZ));
+}
+
+// Threshold verification above 1 accepts nothing: every token is sampled from the target, so the
+// distribution is exact; at 0.3 it is lossy, and the harness sees it.
+TEST(SpeculativeDistribution, ThresholdVerificationIsExactOnlyWhenItAcceptsNothing) {
+  constexpr int64_t kSamples = 8000;
+  const auto none = sequence_fit(MultinomialProcessor{}, {.gamma = 2, .verification = Verification::threshold,
+                                                           .threshold = 1.01}, kSamples);
+  EXPECT_EQ(none.outside_support, 0);
+  EXPECT_LT(none.statistic, test::chi_square_quantile(none.dof, kZ));
+  const auto lossy = sequence_fit(MultinomialProcessor{}, {.gamma = 2, .verification = Verification::threshold,
+                                                            .threshold = 0.3}, kSamples);
+  EXPECT_GT(lossy.statistic, test::chi_square_quantile(lossy.dof, kZ));
 }
 
 }  // namespace

@@ -8,12 +8,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <vector>
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/draft_length.hpp"
 #include "specdec/detail/generation_state.hpp"
 #include "specdec/detail/model_runner.hpp"
 #include "specdec/logits_processor.hpp"
@@ -65,9 +67,17 @@ template <Target T, LogitsProcessor P = GreedyProcessor>
 // (token for token equal to autoregressive_generate with GreedyProcessor). After a rejection both
 // caches are pruned to the accepted prefix.
 //
-// Requires: everything autoregressive_generate requires, and options.gamma >= 1,
+// The number of drafts per step follows options.gamma_policy (fixed, EGAG, success schedule) and
+// the confidence stop (p_min, entropy_gate); every policy keeps the output exact, since it only
+// decides how much to draft from what is already known. The drafter signals these read cost one
+// small device-to-host copy each (EGAG: one per step; the confidence stop: one per draft).
+// Verification::threshold replaces rejection sampling by seed 003's lossy threshold acceptance.
+//
+// Requires: everything autoregressive_generate requires; options.gamma >= 1, 1 <= gamma_min <=
+//   gamma_max, egag_ema_beta in [0, 1), p_min and entropy_gate in [0, 1], finite threshold >= 0;
 //   drafter.vocab_size() == target.vocab_size(). Drafter and target may be on different devices.
-// Returns: as autoregressive_generate; stats count drafts, acceptances and forward calls.
+// Returns: as autoregressive_generate; stats count drafts, acceptances and forward calls, and
+//   on_step sees each step's gamma, entropy and forward times.
 // Throws: std::invalid_argument naming the parameter and value on bad input or non-finite logits;
 //   whatever a model's forward throws.
 template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
@@ -80,7 +90,7 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
     detail::throw_invalid_message("drafter.vocab_size() must equal target.vocab_size() = ", vocab,
                                   ", got ", drafter.vocab_size());
   }
-  if (options.gamma < 1) detail::throw_invalid("gamma", "be >= 1", options.gamma);
+  detail::check_draft_length_options(options);
   const int64_t limit = std::min(detail::sequence_limit(target), detail::sequence_limit(drafter));
   detail::check_common(options, prompt, vocab, limit);
 
@@ -92,6 +102,7 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
   detail::ModelRunner<D> drafter_runner(drafter, "drafter", options.use_cache,
                                         {&stats.drafter_calls, &stats.drafter_seconds});
   const VerifyOptions verify{.skip_sample_adjustment = options.skip_sample_adjustment};
+  detail::DraftLength draft_length(options);
 
   if (options.first_target && !state.finished()) {
     detail::target_step(target_runner, state, processor, gen);
@@ -99,25 +110,43 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
   std::vector<at::Tensor> draft_probs;
   while (!state.finished()) {
     // Leave room for the token the target adds after the drafts.
-    const int64_t gamma = std::min(options.gamma, state.room() - 1);
+    const int64_t room = state.room() - 1;
+    int64_t gamma = draft_length.limit(room);
+    double entropy = std::numeric_limits<double>::quiet_NaN();
     draft_probs.clear();
     at::Tensor drafts = at::empty({1, 0}, at::TensorOptions().dtype(at::kLong).device(drafter_runner.device()));
     for (int64_t i = 0; i < gamma; ++i) {
       const at::Tensor logits = drafter_runner.forward(state.sequence(), drafts);
-      const at::Tensor q = processor(logits.narrow(0, logits.size(0) - 1, 1));
+      const at::Tensor last = logits.narrow(0, logits.size(0) - 1, 1);
+      if (draft_length.needs_signal(i)) {
+        const detail::DrafterSignal signal = detail::drafter_signal(last);
+        if (i == 0 && draft_length.uses_entropy()) {
+          gamma = draft_length.choose(signal, room);
+          entropy = draft_length.smoothed_entropy();
+        }
+        if (draft_length.stop(signal)) break;
+      }
+      const at::Tensor q = processor(last);
       drafts = at::cat({drafts, processor.sample(q, gen).view({1, 1})}, 1);
       draft_probs.push_back(q);
     }
-    const at::Tensor target_drafts = drafts.to(target_runner.device());
-    const at::Tensor logits = target_runner.forward(state.sequence(), target_drafts);
-    const at::Tensor p = processor(logits.narrow(0, logits.size(0) - gamma - 1, gamma + 1));
-    const at::Tensor q = gamma > 0 ? at::cat(draft_probs, 0).to(p.device()) : at::Tensor();
-    const VerifiedStep step = verify_drafts(p, q, target_drafts.view({gamma}), processor, gen, verify);
+    const auto drafted = static_cast<int64_t>(draft_probs.size());
+    const at::Tensor target_drafts = drafts.to(target_runner.device()).view({drafted});
+    const at::Tensor logits = target_runner.forward(state.sequence(), target_drafts.view({1, drafted}));
+    const at::Tensor p = processor(logits.narrow(0, logits.size(0) - drafted - 1, drafted + 1));
+    VerifiedStep step;
+    if (options.verification == Verification::threshold) {
+      step = verify_threshold(p, target_drafts, options.threshold, processor, gen);
+    } else {
+      const at::Tensor q = drafted > 0 ? at::cat(draft_probs, 0).to(p.device()) : at::Tensor();
+      step = verify_drafts(p, q, target_drafts, processor, gen, verify);
+    }
 
     const int64_t accepted_length = state.length() + step.accepted;
     target_runner.truncate(accepted_length);
     drafter_runner.truncate(accepted_length);
-    state.emit(step.drafts, step.accepted, step.token);
+    draft_length.after(drafted, step.accepted);
+    state.emit(step.drafts, step.accepted, step.token, gamma, entropy);
   }
   return std::move(state).finish();
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <span>
 #include <vector>
@@ -23,6 +24,13 @@ struct StepInfo {
   int64_t token = 0;                     // the token the target sampled after the accepted drafts
   std::span<const int64_t> emitted;      // tokens appended to the output (accepted drafts + token,
                                          // cut after an end token or at the length limit)
+  int64_t gamma = 0;                     // drafts the draft-length policy chose for the step (a
+                                         // confidence stop may draft fewer; see drafts.size())
+  double entropy = std::numeric_limits<double>::quiet_NaN();
+                                         // the drafter's normalised entropy that set gamma (EGAG:
+                                         // after smoothing); NaN when the step did not compute it
+  double target_seconds = 0;             // wall time of the step's target forwards
+  double drafter_seconds = 0;            // wall time of the step's drafting
 };
 
 using StepCallback = std::function<void(const StepInfo&)>;
@@ -37,7 +45,24 @@ struct GenerationOptions {
   StepCallback on_step;                 // called after every step; empty: not called
 };
 
-// Options of speculative_generate (seeds 001, 002).
+// How speculative_generate chooses the number of drafts of each step.
+enum class GammaPolicy {
+  fixed,     // gamma drafts every step
+  egag,      // entropy-adaptive (seed 002 §7): from the drafter's normalised entropy H at the
+             // step's first draft position, smoothed by an EMA with egag_ema_beta,
+             // gamma = round(gamma_max - H * (gamma_max - gamma_min)); the seeds' use_egag
+  schedule,  // start at gamma; +2 after a step whose drafts were all accepted, -1 otherwise
+};
+
+// How speculative_generate decides which drafts to keep.
+enum class Verification {
+  rejection,  // rejection sampling: the output is distributed exactly as the target's
+  threshold,  // LOSSY (seed 003): keep draft i while p_i(draft) >= threshold, sample the first
+              // failure's replacement from p at that position; under sampling the output is NOT
+              // the target's distribution (greedy decoding is unchanged for 0 < threshold <= 1)
+};
+
+// Options of speculative_generate (seeds 001, 002, 003).
 struct SpeculativeOptions {
   int64_t max_new_tokens = 40;          // most tokens to generate (>= 0); the seeds' max_gen_len
   std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output)
@@ -48,6 +73,20 @@ struct SpeculativeOptions {
   bool first_target = true;             // the first token comes from the target alone (seed 002)
   bool skip_sample_adjustment = false;  // after a rejection sample from p instead of the residual
                                         // max(0, p - q): biased, for experiments only (seed 002)
+  GammaPolicy gamma_policy = GammaPolicy::fixed;
+  int64_t gamma_min = 1;                // egag, schedule: fewest drafts per step (>= 1)
+  std::optional<int64_t> gamma_max;     // egag, schedule: most drafts per step; unset: gamma
+  double egag_ema_beta = 0.0;           // egag: H_t = beta * H_(t-1) + (1 - beta) * H, in [0, 1);
+                                        // 0 uses each step's entropy as it is
+  // Confidence stop (seed 003's entropy gating), with any policy: drafting ends before a position
+  // where the drafter's top probability is below p_min or its normalised entropy above
+  // entropy_gate; a step may then draft nothing and sample from the target alone. Both are read
+  // from the drafter's own distribution (softmax of its logits, before the processor).
+  double p_min = 0.0;                   // in [0, 1]; 0: off
+  double entropy_gate = 1.0;            // in [0, 1]; 1: off
+  Verification verification = Verification::rejection;
+  double threshold = 0.25;              // threshold verification's tau (>= 0; 0 accepts every
+                                        // draft, > 1 none)
 };
 
 // Options of ngram_assisted_generate (seed 000, NASD).

@@ -28,6 +28,19 @@ struct GenerationStats {
     return target_calls == 0 ? 0.0
                              : static_cast<double>(generated) / static_cast<double>(target_calls);
   }
+  // drafted / steps: the mean number of drafts per step (the gamma actually used).
+  [[nodiscard]] double drafts_per_step() const noexcept {
+    return steps == 0 ? 0.0 : static_cast<double>(drafted) / static_cast<double>(steps);
+  }
+  // accepted / steps: the mean accepted length per step.
+  [[nodiscard]] double accepted_per_step() const noexcept {
+    return steps == 0 ? 0.0 : static_cast<double>(accepted) / static_cast<double>(steps);
+  }
+  // drafter_calls / generated: drafter work per emitted token.
+  [[nodiscard]] double drafter_calls_per_token() const noexcept {
+    return generated == 0 ? 0.0
+                          : static_cast<double>(drafter_calls) / static_cast<double>(generated);
+  }
   // Time spent outside model forwards: sampling, verification, cache pruning, bookkeeping.
   [[nodiscard]] double library_seconds() const noexcept {
     return total_seconds - target_seconds - drafter_seconds;

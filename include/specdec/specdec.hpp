@@ -3,6 +3,7 @@
 #pragma once
 
 #include "specdec/beam_search.hpp"
+#include "specdec/calibration.hpp"
 #include "specdec/concepts.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/kv_cache.hpp"

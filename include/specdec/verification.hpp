@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "specdec/concepts.hpp"
@@ -31,6 +32,42 @@ struct VerifiedStep {
   int64_t token = 0;            // the token sampled after the accepted drafts
   std::vector<int64_t> drafts;  // the drafts that were verified (host copy)
 };
+
+namespace detail {
+
+// Checks drafts int64 [gamma] and target_probs floating point [gamma + 1, vocab]; returns gamma.
+inline int64_t check_verify_inputs(const at::Tensor& target_probs, const at::Tensor& drafts) {
+  if (!drafts.defined() || drafts.dim() != 1 || drafts.scalar_type() != at::kLong) {
+    throw_invalid_message("drafts must be a 1-D int64 tensor [gamma]");
+  }
+  const int64_t gamma = drafts.size(0);
+  if (!target_probs.defined() || target_probs.dim() != 2 || target_probs.size(0) != gamma + 1 ||
+      !at::isFloatingType(target_probs.scalar_type())) {
+    throw_invalid_message("target_probs must be floating point [gamma + 1 = ", gamma + 1,
+                          ", vocab], got ",
+                          target_probs.defined() ? target_probs.sizes() : at::IntArrayRef{});
+  }
+  return gamma;
+}
+
+// The step's single device-to-host copy: accepted [1], token [1], finite (bool scalar) and the
+// drafts [gamma, 1] come back together.
+inline VerifiedStep to_host(const char* caller, const at::Tensor& accepted, const at::Tensor& token,
+                            const at::Tensor& finite, const at::Tensor& draft_index) {
+  const int64_t gamma = draft_index.size(0);
+  const at::Tensor host = at::cat({accepted, token.to(at::kLong), finite.to(at::kLong).view({1}),
+                                   draft_index.view({gamma})})
+                              .cpu();
+  const int64_t* values = host.data_ptr<int64_t>();
+  if (values[2] == 0) {
+    throw std::invalid_argument(std::string(caller) +
+                                ": the target or drafter distribution contains NaN or infinity "
+                                "(non-finite logits from the model)");
+  }
+  return VerifiedStep{values[0], values[1], std::vector<int64_t>(values + 3, values + 3 + gamma)};
+}
+
+}  // namespace detail
 
 struct VerifyOptions {
   bool skip_sample_adjustment = false;  // sample a rejected position from p instead of the
@@ -52,16 +89,7 @@ template <LogitsProcessor P>
                                          const at::Tensor& draft_probs, const at::Tensor& drafts,
                                          const P& processor, at::Generator& gen,
                                          const VerifyOptions& options = {}) {
-  if (!drafts.defined() || drafts.dim() != 1 || drafts.scalar_type() != at::kLong) {
-    detail::throw_invalid_message("drafts must be a 1-D int64 tensor [gamma]");
-  }
-  const int64_t gamma = drafts.size(0);
-  if (!target_probs.defined() || target_probs.dim() != 2 || target_probs.size(0) != gamma + 1 ||
-      !at::isFloatingType(target_probs.scalar_type())) {
-    detail::throw_invalid_message("target_probs must be floating point [gamma + 1 = ", gamma + 1,
-                                  ", vocab], got ",
-                                  target_probs.defined() ? target_probs.sizes() : at::IntArrayRef{});
-  }
+  const int64_t gamma = detail::check_verify_inputs(target_probs, drafts);
   const int64_t vocab = target_probs.size(1);
   if (draft_probs.defined() &&
       (draft_probs.dim() != 2 || draft_probs.size(0) != gamma || draft_probs.size(1) != vocab)) {
@@ -104,16 +132,32 @@ template <LogitsProcessor P>
   // Probabilities are non-negative, so a sum is finite exactly when every entry is.
   at::Tensor finite = at::isfinite(target_probs.sum());
   if (draft_probs.defined()) finite = finite.logical_and(at::isfinite(draft_probs.sum()).to(device));
-  const at::Tensor host = at::cat({accepted, token.to(at::kLong), finite.to(at::kLong).view({1}),
-                                   draft_index.view({gamma})})
-                              .cpu();
-  const int64_t* values = host.data_ptr<int64_t>();
-  if (values[2] == 0) {
-    throw std::invalid_argument(
-        "verify_drafts: the target or drafter distribution contains NaN or infinity (non-finite "
-        "logits from the model)");
-  }
-  return VerifiedStep{values[0], values[1], std::vector<int64_t>(values + 3, values + 3 + gamma)};
+  return detail::to_host("verify_drafts", accepted, token, finite, draft_index);
+}
+
+// Threshold verification (seed 003): keeps draft i while p_i(d_i) >= threshold and samples the
+// token after the kept drafts from p at that position (the first failure's correction, or the
+// bonus token when every draft passed). LOSSY under sampling: the emitted tokens are not
+// distributed as the target's. With a greedy processor and 0 < threshold <= 1 it keeps exactly
+// the drafts equal to the target's argmax, as verify_drafts does. threshold = 0 keeps every draft;
+// threshold > 1 keeps none, and the step is plain sampling from p_0.
+//
+// Requires: target_probs and drafts as for verify_drafts; threshold >= 0.
+// Returns: the kept count, the sampled token and the drafts, after one synchronisation.
+// Throws: std::invalid_argument on mismatched shapes, a negative or NaN threshold, and when the
+//   target distribution holds NaN or infinity.
+template <LogitsProcessor P>
+[[nodiscard]] VerifiedStep verify_threshold(const at::Tensor& target_probs, const at::Tensor& drafts,
+                                            double threshold, const P& processor, at::Generator& gen) {
+  if (!(threshold >= 0.0)) detail::throw_invalid("threshold", "be >= 0", threshold);
+  const int64_t gamma = detail::check_verify_inputs(target_probs, drafts);
+  const at::Tensor draft_index = drafts.to(target_probs.device()).view({gamma, 1});
+  const at::Tensor p_drafted =
+      target_probs.narrow(0, 0, gamma).gather(1, draft_index).view({gamma}).to(at::kDouble);
+  const at::Tensor accepted = (p_drafted >= threshold).to(at::kLong).cumprod(0).sum().view({1});
+  const at::Tensor token = processor.sample(target_probs.index_select(0, accepted), gen).view({1});
+  return detail::to_host("verify_threshold", accepted, token, at::isfinite(target_probs.sum()),
+                         draft_index);
 }
 
 }  // namespace specdec

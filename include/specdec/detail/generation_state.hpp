@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -61,8 +63,11 @@ class GenerationState {
   GenerationStats& stats() noexcept { return stats_; }
 
   // Appends the accepted drafts and the sampled token, stopping after an end token or at the
-  // length limit, and reports the step to the callback.
-  void emit(std::span<const int64_t> drafts, int64_t accepted, int64_t token) {
+  // length limit, and reports the step to the callback. `gamma` is the number of drafts the
+  // draft-length policy chose (default: as many as were drafted); `entropy` what set it.
+  void emit(std::span<const int64_t> drafts, int64_t accepted, int64_t token,
+            std::optional<int64_t> gamma = std::nullopt,
+            double entropy = std::numeric_limits<double>::quiet_NaN()) {
     const int64_t position = length();
     const auto append = [&](int64_t t) {
       if (finished()) return;
@@ -81,8 +86,14 @@ class GenerationState {
                         .accepted = accepted,
                         .token = token,
                         .emitted = std::span<const int64_t>(sequence_).subspan(
-                            static_cast<size_t>(position))});
+                            static_cast<size_t>(position)),
+                        .gamma = gamma.value_or(static_cast<int64_t>(drafts.size())),
+                        .entropy = entropy,
+                        .target_seconds = stats_.target_seconds - reported_target_seconds_,
+                        .drafter_seconds = stats_.drafter_seconds - reported_drafter_seconds_});
     }
+    reported_target_seconds_ = stats_.target_seconds;
+    reported_drafter_seconds_ = stats_.drafter_seconds;
   }
 
   [[nodiscard]] GenerationResult finish() && {
@@ -101,6 +112,8 @@ class GenerationState {
   const StepCallback& on_step_;
   std::chrono::steady_clock::time_point start_;
   GenerationStats stats_;
+  double reported_target_seconds_ = 0;   // stats_ times at the last emit, for per-step times
+  double reported_drafter_seconds_ = 0;
   bool finished_ = false;
 };
 
