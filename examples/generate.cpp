@@ -7,10 +7,13 @@
 #include <specdec/io/tokenizer.hpp>
 #include <specdec/models/llama.hpp>
 #include <specdec/specdec.hpp>
+#include <specdec/text/prompts.hpp>
 
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -47,6 +50,18 @@ decoding
   --length-penalty A     beam score = log-probability / length^A (default 1)
   --prompt TEXT          the prompt (default: a line of Python)
   --gamma N              drafts per step (default 4)
+  --gamma-policy P       fixed (default), egag (entropy-adaptive) or schedule (+2 / -1)
+  --gamma-min N          egag, schedule: fewest drafts per step (default 1)
+  --gamma-max N          egag, schedule: most drafts per step (default: --gamma)
+  --egag-beta B          egag: EMA smoothing of the drafter's entropy, in [0, 1) (default 0)
+  --p-min P              stop drafting where the drafter's top probability is below P
+  --entropy-gate H       stop drafting where the drafter's normalised entropy is above H
+  --verify V             rejection (default, exact) or threshold (lossy, seed 003)
+  --threshold T          threshold verification's tau (default 0.25)
+  --calibrate            choose --threshold first: run the grid on the dev prompts and print it
+  --dev-file FILE        dev prompts for --calibrate: 8 windows of this text (default: the prompt)
+  --thresholds LIST      the --calibrate grid (default 0.15,0.2,0.25,0.3,0.35)
+  --target-acceptance A  --calibrate aims at this acceptance rate (default 0.7)
   --max-new-tokens N     tokens to generate (default 200)
   --temperature T        0 = greedy (default); > 0 samples
   --top-k K              keep the K most probable tokens (with --temperature > 0)
@@ -67,6 +82,18 @@ struct Arguments {
   std::string mode = "speculative";
   std::string prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n";
   int64_t gamma = 4;
+  std::string gamma_policy = "fixed";
+  int64_t gamma_min = 1;
+  std::optional<int64_t> gamma_max;
+  double egag_beta = 0.0;
+  double p_min = 0.0;
+  double entropy_gate = 1.0;
+  std::string verify = "rejection";
+  double threshold = 0.25;
+  bool calibrate = false;
+  std::string dev_file;
+  std::vector<double> thresholds{0.15, 0.2, 0.25, 0.3, 0.35};
+  double target_acceptance = 0.7;
   int64_t num_beams = 4;
   int64_t ngram_order = 3;
   int64_t filler = 3;
@@ -81,6 +108,14 @@ struct Arguments {
   bool compare = false, trace = false, json = false;
 };
 
+// "0.1,0.2,0.3" -> {0.1, 0.2, 0.3}
+std::vector<double> parse_list(const std::string& text) {
+  std::vector<double> values;
+  std::stringstream stream(text);
+  for (std::string item; std::getline(stream, item, ',');) values.push_back(std::stod(item));
+  return values;
+}
+
 Arguments parse(int argc, char** argv) {
   Arguments a;
   for (int i = 1; i < argc; ++i) {
@@ -89,6 +124,7 @@ Arguments parse(int argc, char** argv) {
     if (flag == "--compare") { a.compare = true; continue; }
     if (flag == "--trace") { a.trace = true; continue; }
     if (flag == "--json") { a.json = true; continue; }
+    if (flag == "--calibrate") { a.calibrate = true; continue; }
     if (i + 1 >= argc) throw std::invalid_argument(std::string(flag) + " needs a value (see --help)");
     const std::string v = argv[++i];
     if (flag == "--target") a.target = v;
@@ -97,6 +133,17 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--mode") a.mode = v;
     else if (flag == "--prompt") a.prompt = v;
     else if (flag == "--gamma") a.gamma = std::stoll(v);
+    else if (flag == "--gamma-policy") a.gamma_policy = v;
+    else if (flag == "--gamma-min") a.gamma_min = std::stoll(v);
+    else if (flag == "--gamma-max") a.gamma_max = std::stoll(v);
+    else if (flag == "--egag-beta") a.egag_beta = std::stod(v);
+    else if (flag == "--p-min") a.p_min = std::stod(v);
+    else if (flag == "--entropy-gate") a.entropy_gate = std::stod(v);
+    else if (flag == "--verify") a.verify = v;
+    else if (flag == "--threshold") a.threshold = std::stod(v);
+    else if (flag == "--dev-file") a.dev_file = v;
+    else if (flag == "--thresholds") a.thresholds = parse_list(v);
+    else if (flag == "--target-acceptance") a.target_acceptance = std::stod(v);
     else if (flag == "--num-beams") a.num_beams = std::stoll(v);
     else if (flag == "--ngram-order") a.ngram_order = std::stoll(v);
     else if (flag == "--filler") a.filler = std::stoll(v);
@@ -116,6 +163,13 @@ Arguments parse(int argc, char** argv) {
     throw std::invalid_argument("--mode must be speculative, autoregressive, ngram, prompt-lookup or beam, got " + a.mode);
   }
   if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
+  if (a.gamma_policy != "fixed" && a.gamma_policy != "egag" && a.gamma_policy != "schedule") {
+    throw std::invalid_argument("--gamma-policy must be fixed, egag or schedule, got " + a.gamma_policy);
+  }
+  if (a.verify != "rejection" && a.verify != "threshold") {
+    throw std::invalid_argument("--verify must be rejection or threshold, got " + a.verify);
+  }
+  if (a.calibrate && a.mode != "speculative") throw std::invalid_argument("--calibrate needs --mode speculative");
   return a;
 }
 
@@ -202,6 +256,41 @@ int run_beam(const Arguments& a, Model& target, const Text& text, const std::vec
   return 0;
 }
 
+// --calibrate: the threshold grid on the dev prompts, printed as a table (or kept for --json).
+CalibrationResult calibrate(const Arguments& a, Model& drafter, Model& target, const Text& text,
+                            const std::vector<int64_t>& prompt, const SpeculativeOptions& options,
+                            const Processor& processor) {
+  std::vector<std::vector<int64_t>> dev{prompt};
+  if (!a.dev_file.empty()) {
+    std::ifstream in(a.dev_file, std::ios::binary);
+    if (!in) throw std::invalid_argument("--dev-file: cannot open " + a.dev_file);
+    const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    dev.clear();
+    for (const auto& window : text::line_prompts(bytes, 8, 256)) dev.push_back(text.encode(window));
+    if (dev.empty()) throw std::invalid_argument("--dev-file: " + a.dev_file + " is too short for 256-byte prompts");
+  }
+  SpeculativeOptions quiet = options;
+  quiet.on_step = nullptr;
+  const CalibrationResult result = std::visit(
+      [&](const auto& p) {
+        return calibrate_threshold(drafter, target, dev, quiet,
+                                   {.thresholds = a.thresholds, .target_acceptance = a.target_acceptance}, p);
+      },
+      processor);
+  if (!a.json) {
+    std::cout << "calibration on " << dev.size() << " dev prompt(s), target acceptance " << a.target_acceptance
+              << "\n  threshold  acceptance  tokens/call  seconds\n" << std::fixed;
+    for (const CalibrationPoint& point : result.points) {
+      std::cout << std::setprecision(2) << "  " << std::setw(9) << point.threshold << std::setprecision(3)
+                << std::setw(12) << point.acceptance_rate << std::setw(13) << point.tokens_per_target_call
+                << std::setw(9) << point.seconds << (point.threshold == result.best_threshold ? "  <- chosen" : "")
+                << "\n";
+    }
+    std::cout << std::defaultfloat << "\n";
+  }
+  return result;
+}
+
 int run(const Arguments& a) {
   const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target);
   Model target(target_checkpoint.config, target_checkpoint.weights);
@@ -216,6 +305,20 @@ int run(const Arguments& a) {
     drafter.emplace(drafter_checkpoint.config, drafter_checkpoint.weights);
   }
   const Processor processor = make_processor(a);
+  SpeculativeOptions speculative_options{
+      .max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed, .gamma = a.gamma,
+      .gamma_policy = a.gamma_policy == "egag" ? GammaPolicy::egag
+                      : a.gamma_policy == "schedule" ? GammaPolicy::schedule : GammaPolicy::fixed,
+      .gamma_min = a.gamma_min, .gamma_max = a.gamma_max, .egag_ema_beta = a.egag_beta, .p_min = a.p_min,
+      .entropy_gate = a.entropy_gate,
+      .verification = a.verify == "threshold" ? Verification::threshold : Verification::rejection,
+      .threshold = a.threshold};
+  std::optional<CalibrationResult> calibration;
+  if (a.calibrate) {
+    calibration = calibrate(a, *drafter, target, text, prompt, speculative_options, processor);
+    speculative_options.verification = Verification::threshold;
+    speculative_options.threshold = calibration->best_threshold;
+  }
   const bool color = isatty(fileno(stdout)) != 0;
   const Colors colors = color ? Colors{"\033[32m", "\033[9;31m", "\033[1;34m", "\033[0m"} : Colors{};
   const bool show_text = !a.json;
@@ -254,7 +357,16 @@ int run(const Arguments& a) {
   if (show_text) {
     std::cout << "target:  " << a.target << " (" << target_checkpoint.format << ", " << target.config() << ")\n";
     if (drafter) std::cout << "drafter: " << a.drafter << " (" << drafter->config() << ")\n";
-    std::visit([&](const auto& p) { std::cout << "mode: " << a.mode << ", " << p << ", gamma " << a.gamma << "\n"; }, processor);
+    std::visit([&](const auto& p) { std::cout << "mode: " << a.mode << ", " << p << ", gamma " << a.gamma; }, processor);
+    if (drafter) {
+      std::cout << ", gamma policy " << a.gamma_policy;
+      if (a.p_min > 0) std::cout << ", p_min " << a.p_min;
+      if (a.entropy_gate < 1) std::cout << ", entropy gate " << a.entropy_gate;
+      if (speculative_options.verification == Verification::threshold) {
+        std::cout << ", threshold verification (lossy) at " << speculative_options.threshold;
+      }
+    }
+    std::cout << "\n";
     if (a.trace) {
       std::cout << (color ? "trace: \033[32maccepted drafts\033[0m, \033[9;31mrejected draft\033[0m, \033[1;34mthe target's token\033[0m\n"
                           : "trace: [+accepted draft] [-rejected draft] [*the target's token]\n");
@@ -279,9 +391,9 @@ int run(const Arguments& a) {
           return ngram_assisted_generate(lookup, target, prompt, ngram_options, p);
         }
         if (drafter) {
-          return speculative_generate(*drafter, target, prompt,
-                                      {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed,
-                                       .on_step = on_step, .gamma = a.gamma}, p);
+          SpeculativeOptions options = speculative_options;
+          options.on_step = on_step;
+          return speculative_generate(*drafter, target, prompt, options, p);
         }
         return autoregressive_generate(target, prompt,
                                        {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
@@ -299,6 +411,19 @@ int run(const Arguments& a) {
   const GenerationStats& s = result.stats;
   if (a.json) {
     nlohmann::json out{{"mode", a.mode}, {"gamma", a.gamma}, {"stats", stats_json(s)}};
+    if (drafter) {
+      out["gamma_policy"] = a.gamma_policy;
+      out["verification"] = speculative_options.verification == Verification::threshold ? "threshold" : "rejection";
+      if (speculative_options.verification == Verification::threshold) out["threshold"] = speculative_options.threshold;
+    }
+    if (calibration) {
+      nlohmann::json table = nlohmann::json::array();
+      for (const CalibrationPoint& point : calibration->points) {
+        table.push_back({{"threshold", point.threshold}, {"acceptance_rate", point.acceptance_rate},
+                         {"tokens_per_target_call", point.tokens_per_target_call}, {"seconds", point.seconds}});
+      }
+      out["calibration"] = {{"points", table}, {"best_threshold", calibration->best_threshold}};
+    }
     if (baseline) {
       out["autoregressive"] = stats_json(baseline->stats);
       out["speedup"] = baseline->stats.total_seconds / s.total_seconds;
