@@ -58,7 +58,7 @@ void BM_Autoregressive(benchmark::State& state) {
 }
 
 void BM_Speculative(benchmark::State& state, const std::string& drafter_name) {
-  bench::measure_speculative(state, drafter(drafter_name), target(), prompts(), kNewTokens, state.range(0));
+  bench::measure_speculative(state, drafter(drafter_name), target(), prompts(), kNewTokens, {.gamma = state.range(0)});
 }
 
 BENCHMARK(BM_Autoregressive)->Unit(benchmark::kMillisecond)->Iterations(3);

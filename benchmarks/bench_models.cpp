@@ -3,7 +3,8 @@
 //            size on one tokenizer (from SPECDEC_MODELS_DIR);
 //   bundled: the bundled byte-level pair (a 4 x 192 target, a 2 x 96 drafter) on held-out Python
 //            standard library sources.
-// Greedy decoding, 128 new tokens per prompt.
+// Greedy decoding, 128 new tokens per prompt; BM_Sampled, BM_Threshold and BM_Calibration sample
+// at temperature 1.
 #include <benchmark/benchmark.h>
 
 
@@ -92,7 +93,60 @@ void BM_Autoregressive(benchmark::State& state, Pair& (*pair)()) {
 void BM_Speculative(benchmark::State& state, Pair& (*pair)()) {
   Pair& p = pair();
   if (!p.target) return state.SkipWithError(p.missing.c_str());
-  bench::measure_speculative(state, *p.drafter, *p.target, p.prompts, kNewTokens, state.range(0));
+  bench::measure_speculative(state, *p.drafter, *p.target, p.prompts, kNewTokens, {.gamma = state.range(0)});
+}
+
+// Draft-length policies (greedy), beside the fixed gammas of BM_Speculative.
+const SpeculativeOptions kEgag{.gamma_policy = GammaPolicy::egag, .gamma_min = 1, .gamma_max = 8};
+const SpeculativeOptions kEgagSmoothed{.gamma_policy = GammaPolicy::egag, .gamma_min = 1, .gamma_max = 8,
+                                       .egag_ema_beta = 0.5};
+const SpeculativeOptions kSchedule{.gamma = 4, .gamma_policy = GammaPolicy::schedule, .gamma_min = 1, .gamma_max = 8};
+const SpeculativeOptions kConfidenceStop{.gamma = 8, .p_min = 0.4};
+const SpeculativeOptions kEgagConfidenceStop{.gamma_policy = GammaPolicy::egag, .gamma_min = 1, .gamma_max = 8,
+                                             .p_min = 0.4};
+
+void BM_Policy(benchmark::State& state, Pair& (*pair)(), const SpeculativeOptions* options) {
+  Pair& p = pair();
+  if (!p.target) return state.SkipWithError(p.missing.c_str());
+  bench::measure_speculative(state, *p.drafter, *p.target, p.prompts, kNewTokens, *options);
+}
+
+// Sampling at temperature 1, gamma 4: exact rejection sampling, then lossy threshold verification
+// at tau = range(0) / 100.
+void BM_Sampled(benchmark::State& state, Pair& (*pair)()) {
+  Pair& p = pair();
+  if (!p.target) return state.SkipWithError(p.missing.c_str());
+  bench::measure_speculative(state, *p.drafter, *p.target, p.prompts, kNewTokens, {.gamma = 4},
+                             MultinomialProcessor{});
+}
+
+void BM_Threshold(benchmark::State& state, Pair& (*pair)()) {
+  Pair& p = pair();
+  if (!p.target) return state.SkipWithError(p.missing.c_str());
+  const double tau = static_cast<double>(state.range(0)) / 100.0;
+  state.counters["threshold"] = tau;
+  bench::measure_speculative(state, *p.drafter, *p.target, p.prompts, kNewTokens,
+                             {.gamma = 4, .verification = Verification::threshold, .threshold = tau},
+                             MultinomialProcessor{});
+}
+
+// calibrate_threshold on the prompts (the dev set), aiming at acceptance 0.7: the chosen tau and
+// its acceptance.
+void BM_Calibration(benchmark::State& state, Pair& (*pair)()) {
+  Pair& p = pair();
+  if (!p.target) return state.SkipWithError(p.missing.c_str());
+  CalibrationResult result;
+  for (auto _ : state) {
+    result = calibrate_threshold(*p.drafter, *p.target, p.prompts, {.max_new_tokens = kNewTokens, .seed = 0, .gamma = 4},
+                                 {.thresholds = {0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4}}, MultinomialProcessor{});
+  }
+  for (const CalibrationPoint& point : result.points) {
+    if (point.threshold == result.best_threshold) {
+      state.counters["best_threshold"] = point.threshold;
+      state.counters["acceptance_rate"] = point.acceptance_rate;
+      state.counters["tokens_per_target_call"] = point.tokens_per_target_call;
+    }
+  }
 }
 
 // Beam search over the same prompts: all beams in one batch per step.
@@ -147,6 +201,24 @@ BENCHMARK_CAPTURE(BM_Speculative, stories, &stories)->Arg(1)->Arg(2)->Arg(3)->Ar
 BENCHMARK_CAPTURE(BM_Autoregressive, bundled, &bundled)->Unit(benchmark::kMillisecond)->Iterations(2);
 BENCHMARK_CAPTURE(BM_Speculative, bundled, &bundled)->Arg(1)->Arg(2)->Arg(3)->Arg(4)->Arg(6)->Arg(8)
     ->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_Policy, stories_egag, &stories, &kEgag)->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK_CAPTURE(BM_Policy, stories_egag_smoothed, &stories, &kEgagSmoothed)->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK_CAPTURE(BM_Policy, stories_schedule, &stories, &kSchedule)->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK_CAPTURE(BM_Policy, stories_confidence_stop, &stories, &kConfidenceStop)->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK_CAPTURE(BM_Policy, stories_egag_confidence_stop, &stories, &kEgagConfidenceStop)->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK_CAPTURE(BM_Policy, bundled_egag, &bundled, &kEgag)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_Policy, bundled_egag_smoothed, &bundled, &kEgagSmoothed)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_Policy, bundled_schedule, &bundled, &kSchedule)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_Policy, bundled_confidence_stop, &bundled, &kConfidenceStop)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_Policy, bundled_egag_confidence_stop, &bundled, &kEgagConfidenceStop)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_Sampled, stories, &stories)->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK_CAPTURE(BM_Threshold, stories, &stories)->Arg(10)->Arg(20)->Arg(25)->Arg(30)->Arg(40)->Arg(60)
+    ->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK_CAPTURE(BM_Calibration, stories, &stories)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK_CAPTURE(BM_Sampled, bundled, &bundled)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_Threshold, bundled, &bundled)->Arg(10)->Arg(20)->Arg(25)->Arg(30)->Arg(40)->Arg(60)
+    ->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK_CAPTURE(BM_Calibration, bundled, &bundled)->Unit(benchmark::kMillisecond)->Iterations(1);
 BENCHMARK_CAPTURE(BM_BeamSearch, bundled, &bundled)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
     ->Unit(benchmark::kMillisecond)->Iterations(1);
 

@@ -72,29 +72,39 @@ void measure_autoregressive(benchmark::State& state, T& target, std::span<const 
   state.counters["library_ms_per_step"] = 1e3 * total.library_seconds() / static_cast<double>(total.steps);
 }
 
-// Runs greedy speculative decoding for every prompt per iteration and reports acceptance, tokens
-// per target call, the library's own time, and measured beside theoretical speedup.
-template <Drafter D, Target T>
+// Runs speculative decoding with `options` (max_new_tokens is set here) for every prompt per
+// iteration and reports acceptance, tokens per target call, drafts per step, the library's own
+// time, and measured beside theoretical speedup. The speedup is against greedy autoregressive
+// decoding, whatever the processor (sampling costs the same per token). The theoretical speedup
+// takes the fixed gamma, or for adaptive policies the mean number of drafts per step.
+template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
 void measure_speculative(benchmark::State& state, D& drafter, T& target,
-                         std::span<const std::vector<int64_t>> prompts, int64_t new_tokens, int64_t gamma) {
+                         std::span<const std::vector<int64_t>> prompts, int64_t new_tokens,
+                         SpeculativeOptions options, const P& processor = {}) {
   const Baseline target_alone = autoregressive_baseline(target, prompts.front(), new_tokens);
   const Baseline drafter_alone = autoregressive_baseline(drafter, prompts.front(), new_tokens);
+  options.max_new_tokens = new_tokens;
   GenerationStats total;
+  uint64_t seed = 0;
   for (auto _ : state) {
     for (const auto& prompt : prompts) {
-      add(total, speculative_generate(drafter, target, prompt, {.max_new_tokens = new_tokens, .gamma = gamma}).stats);
+      options.seed = seed++;
+      add(total, speculative_generate(drafter, target, prompt, options, processor).stats);
     }
   }
   const double seconds_per_token = total.total_seconds / static_cast<double>(total.generated);
   const double c = drafter_alone.seconds_per_call / target_alone.seconds_per_call;
+  const bool fixed = options.gamma_policy == GammaPolicy::fixed && options.p_min == 0.0 && options.entropy_gate == 1.0;
   state.counters["tokens_per_second"] = 1.0 / seconds_per_token;
   state.counters["acceptance_rate"] = total.acceptance_rate();
   state.counters["tokens_per_target_call"] = total.tokens_per_target_call();
-  state.counters["drafter_calls_per_token"] = static_cast<double>(total.drafter_calls) / static_cast<double>(total.generated);
+  state.counters["drafts_per_step"] = total.drafts_per_step();
+  state.counters["drafter_calls_per_token"] = total.drafter_calls_per_token();
   state.counters["target_ms_per_call"] = 1e3 * total.target_seconds / static_cast<double>(total.target_calls);
   state.counters["library_ms_per_step"] = 1e3 * total.library_seconds() / static_cast<double>(total.steps);
   state.counters["speedup"] = target_alone.seconds_per_token / seconds_per_token;
-  state.counters["theoretical_speedup"] = theoretical_speedup(total.acceptance_rate(), static_cast<double>(gamma), c);
+  state.counters["theoretical_speedup"] = theoretical_speedup(
+      total.acceptance_rate(), fixed ? static_cast<double>(options.gamma) : total.drafts_per_step(), c);
   state.counters["cost_ratio_c"] = c;
 }
 
