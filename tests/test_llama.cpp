@@ -96,6 +96,46 @@ TYPED_TEST(LlamaWithCache, TreeAttentionEqualsEachPathFromScratch) {
   }
 }
 
+// forward_tree (parents instead of a mask) and then keep(): the cache of the kept path equals the
+// cache of that sequence computed from scratch, and so does the next forward.
+TYPED_TEST(LlamaWithCache, ForwardTreeThenKeepEqualsTheAcceptedSequence) {
+  // After the cached prefix 3 17 5: the uncached token 8, then a tree below it:
+  // 9 and 10 under 8, 11 under 9, 12 under 11, 13 under 10.
+  const std::vector<int64_t> tokens{8, 9, 10, 11, 12, 13};
+  const std::vector<int64_t> parents{-1, 0, 0, 1, 3, 2};
+  const std::vector<std::vector<int64_t>> paths{{8}, {8, 9}, {8, 10}, {8, 9, 11}, {8, 9, 11, 12}, {8, 10, 13}};
+  auto cache = this->model_.make_cache(1);
+  (void)this->model_.forward(ids_of({3, 17, 5}), cache);
+  const at::Tensor tree = this->model_.forward_tree(ids_of(tokens), cache, parents)[0];
+  ASSERT_EQ(cache.length(), 9);
+  for (size_t node = 0; node < tokens.size(); ++node) {
+    std::vector<int64_t> sequence{3, 17, 5};
+    sequence.insert(sequence.end(), paths[node].begin(), paths[node].end());
+    const at::Tensor expected = this->scratch(sequence)[static_cast<int64_t>(sequence.size()) - 1];
+    EXPECT_TRUE(at::allclose(tree[static_cast<int64_t>(node)], expected, 1e-9, 1e-9)) << "node " << node;
+  }
+  // Accept the path 8 9 11 12: keep the prefix and 8 (4 positions), then 9, 11 and 12.
+  const std::vector<int64_t> kept{4, 6, 7};
+  cache.keep(4, kept);
+  ASSERT_EQ(cache.length(), 7);
+  auto reference = this->model_.make_cache(1);
+  (void)this->model_.forward(ids_of({3, 17, 5, 8, 9, 11, 12}), reference);
+  for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
+    EXPECT_TRUE(at::allclose(cache.keys(layer), reference.keys(layer), 1e-9, 1e-9)) << layer;
+    EXPECT_TRUE(at::allclose(cache.values(layer), reference.values(layer), 1e-9, 1e-9)) << layer;
+  }
+  const at::Tensor next = this->model_.forward(ids_of({20}), cache)[0][0];
+  EXPECT_TRUE(at::allclose(next, this->scratch({3, 17, 5, 8, 9, 11, 12, 20})[7], 1e-9, 1e-9));
+  // A chain is a plain forward; bad parents and keep positions are named.
+  auto chain_cache = this->model_.make_cache(1);
+  EXPECT_TRUE(at::allclose(this->model_.forward_tree(ids_of({3, 17, 5}), chain_cache, std::vector<int64_t>{-1, 0, 1})[0],
+                           this->scratch({3, 17, 5}), 1e-9, 1e-9));
+  EXPECT_THROW((void)this->model_.forward_tree(ids_of({1, 2}), chain_cache, std::vector<int64_t>{-1, 1}),
+               std::invalid_argument);
+  EXPECT_THROW(cache.keep(2, std::vector<int64_t>{5, 3}), std::invalid_argument);
+  EXPECT_THROW(cache.keep(9, std::vector<int64_t>{}), std::invalid_argument);
+}
+
 TEST(LlamaModel, GroupedQueryAttentionEqualsMultiHeadWithSharedKeys) {
   const LlamaConfig grouped = test::small_llama_config();  // 4 query heads, 2 kv heads
   LlamaConfig multi = grouped;

@@ -35,6 +35,18 @@ concept KVCache = requires(C& c, const C& cc, int64_t n) {
 template <class C>
 concept ReorderableKVCache = KVCache<C> && requires(C& c, const at::Tensor& rows) { c.reorder(rows); };
 
+// CompactableKVCache: a KVCache that can keep a subset of its newest positions, as tree
+// verification needs (the accepted path of a draft tree, the other branches dropped).
+//
+// A type C satisfies CompactableKVCache if it satisfies KVCache and `c.keep(prefix, positions)`,
+// for 0 <= prefix <= length() and `positions` strictly increasing in [prefix, length()), leaves
+// the cache holding positions [0, prefix) followed by `positions`, in that order: afterwards it
+// is in exactly the state it would have had if only those positions had been appended.
+template <class C>
+concept CompactableKVCache = KVCache<C> && requires(C& c, int64_t prefix, std::span<const int64_t> positions) {
+  c.keep(prefix, positions);
+};
+
 // LanguageModel: a causal language model whose sequence state lives in an explicit cache.
 //
 // A type M satisfies LanguageModel if, for `m` an M, `cm` a const M, `cache` an M::cache_type:
@@ -62,6 +74,22 @@ concept LanguageModel =
 // Target: the model whose output distribution speculative decoding reproduces exactly.
 template <class M>
 concept Target = LanguageModel<M>;
+
+// TreeTarget: a Target that scores a whole draft tree in one forward (tree attention).
+//
+// A type M satisfies TreeTarget if it satisfies Target, M::cache_type satisfies
+// CompactableKVCache, and for `m` an M, `m.forward_tree(ids, cache, parents)` takes ids int64
+// [1, T] and parents, T entries with parents[i] in [-1, i): token i hangs below token parents[i],
+// or directly below the cached positions when -1. Token i sits at position cache.length() +
+// depth(i) (depth 0 below the cache) and attends to the cached positions, its ancestors and
+// itself. It returns logits [1, T, vocab], row i predicting the token after the path to i, and
+// appends T positions to the cache in index order. A chain (parents[i] = i - 1) is forward().
+template <class M>
+concept TreeTarget =
+    Target<M> && CompactableKVCache<typename M::cache_type> &&
+    requires(M& m, const at::Tensor& ids, typename M::cache_type& cache, std::span<const int64_t> parents) {
+      { m.forward_tree(ids, cache, parents) } -> std::convertible_to<at::Tensor>;
+    };
 
 // Drafter: the cheaper model that proposes draft tokens for the target to verify.
 template <class M>

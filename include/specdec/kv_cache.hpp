@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -57,6 +58,24 @@ inline void check_rows(const at::Tensor& rows, int64_t batch) {
     throw_invalid_message("rows must index batch rows in [0, ", batch, "), got values in [", *low, ", ",
                           *high, "]");
   }
+}
+
+// Checks keep()'s arguments and returns the positions as an int64 tensor on `device` (an
+// asynchronous host-to-device copy, no synchronisation).
+inline at::Tensor keep_index(int64_t prefix, std::span<const int64_t> positions, int64_t length,
+                             const at::Device& device) {
+  if (prefix < 0 || prefix > length) throw_invalid_message("keep prefix must be in [0, ", length, "], got ", prefix);
+  int64_t previous = prefix - 1;
+  for (size_t i = 0; i < positions.size(); ++i) {
+    if (positions[i] <= previous || positions[i] >= length) {
+      throw_invalid_message("keep positions must increase strictly within [prefix = ", prefix, ", length = ",
+                            length, "), got positions[", i, "] = ", positions[i]);
+    }
+    previous = positions[i];
+  }
+  const auto host = at::from_blob(const_cast<int64_t*>(positions.data()), {static_cast<int64_t>(positions.size())},
+                                  at::TensorOptions().dtype(at::kLong));
+  return host.to(device, /*non_blocking=*/false, /*copy=*/true);
 }
 
 }  // namespace detail
@@ -116,6 +135,23 @@ class DynamicKVCache {
   // Keys / values [batch, kv_heads, length(), head_dim] of one layer (undefined while empty).
   [[nodiscard]] at::Tensor keys(int64_t layer) const { return layer_view(keys_, layer); }
   [[nodiscard]] at::Tensor values(int64_t layer) const { return layer_view(values_, layer); }
+
+  // Keeps positions [0, prefix) and then `positions` (strictly increasing, in [prefix, length())):
+  // the accepted path of a draft tree. Moves only the kept positions after prefix, in place.
+  void keep(int64_t prefix, std::span<const int64_t> positions) {
+    if (positions.empty() && prefix == length_) return;
+    const at::Device device = keys_.front().defined() ? keys_.front().device() : at::Device(at::kCPU);
+    const at::Tensor index = detail::keep_index(prefix, positions, length_, device);
+    const auto kept = static_cast<int64_t>(positions.size());
+    for (size_t layer = 0; layer < keys_.size(); ++layer) {
+      for (auto* tensors : {&keys_, &values_}) {
+        at::Tensor& t = (*tensors)[layer];
+        if (kept > 0) t.narrow(2, prefix, kept).copy_(t.index_select(2, index));
+        t = t.narrow(2, 0, prefix + kept);
+      }
+    }
+    length_ = prefix + kept;
+  }
 
   // Reorders (or repeats) the batch rows: row i becomes the old row rows[i]. For beam search.
   // rows may live on the host (checked without a synchronisation) or on the cache's device.
@@ -229,6 +265,15 @@ class StaticKVCache {
     return storage_[layer][1].narrow(2, 0, length_);
   }
 
+  // Keeps positions [0, prefix) and then `positions` (strictly increasing, in [prefix, length())):
+  // the accepted path of a draft tree. Copies only the kept positions after prefix, in place.
+  void keep(int64_t prefix, std::span<const int64_t> positions) {
+    const at::Tensor index = detail::keep_index(prefix, positions, length_, storage_.device());
+    const auto kept = static_cast<int64_t>(positions.size());
+    if (kept > 0) storage_.narrow(4, prefix, kept).copy_(storage_.index_select(4, index));
+    length_ = prefix + kept;
+  }
+
   // Reorders (or repeats) the batch rows in place: row i becomes the old row rows[i]. Copies only
   // the length() valid positions.
   void reorder(const at::Tensor& rows) {
@@ -257,8 +302,8 @@ class StaticKVCache {
   int64_t length_ = 0;
 };
 
-static_assert(KVCache<DynamicKVCache>);
-static_assert(KVCache<StaticKVCache>);
+static_assert(CompactableKVCache<DynamicKVCache> && ReorderableKVCache<DynamicKVCache>);
+static_assert(CompactableKVCache<StaticKVCache> && ReorderableKVCache<StaticKVCache>);
 
 // Drops the last n positions of any KVCache. Requires 0 <= n <= cache.length().
 template <KVCache C>

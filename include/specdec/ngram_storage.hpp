@@ -12,6 +12,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <ostream>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if __has_include(<tsl/hopscotch_map.h>)
@@ -393,5 +395,293 @@ class PromptLookupDrafter {
 static_assert(NGramDrafter<OneLevelNGramStorage>);
 static_assert(NGramDrafter<NGramStorage>);
 static_assert(NGramDrafter<PromptLookupDrafter>);
+
+// STAND's memory (seed 004): for every context of 1..max_context tokens, the target's
+// next-token distribution after it, truncated to its kTopTokens most probable (token,
+// probability) pairs, and the number of observations c. A new observation merges as the exact
+// running mean, new[t] = c/(c+1) old[t] + 1/(c+1) obs[t] (absent tokens count as 0), c <- c+1,
+// then truncation to the kTopTokens most probable; seed 004's "I am" example: (Bob .7, Mary .2,
+// Tom .05) then (Bob .3, Mary .6, Sue .05) give Bob .5, Mary .4, Tom .025, Sue .025.
+// Probabilities are stored as observed (not renormalised after truncation); drafting renormalises.
+class ProbabilisticNGramStorage {
+ public:
+  static constexpr int64_t kTopTokens = 10;
+  static constexpr uint32_t kFileVersion = 1;
+
+  // One context's distribution: size() pairs, most probable first.
+  struct Entry {
+    std::array<int32_t, kTopTokens> tokens{};
+    std::array<float, kTopTokens> probabilities{};
+    uint32_t size = 0;
+    uint32_t observations = 0;
+
+    [[nodiscard]] std::span<const int32_t> token_span() const noexcept { return {tokens.data(), size}; }
+    [[nodiscard]] std::span<const float> probability_span() const noexcept { return {probabilities.data(), size}; }
+    // The stored probability of `token`, 0 when absent.
+    [[nodiscard]] double probability(int64_t token) const noexcept {
+      for (uint32_t i = 0; i < size; ++i) {
+        if (tokens[i] == token) return probabilities[i];
+      }
+      return 0.0;
+    }
+  };
+
+  // Requires: vocab_size in [1, 2^31]; max_context >= 1 with max_context tokens fitting in 124
+  // bits (ceil(log2(vocab_size)) bits each: at most 8 at vocabulary 32000).
+  explicit ProbabilisticNGramStorage(int64_t vocab_size, int64_t max_context = 3)
+      : vocab_(vocab_size), max_context_(max_context) {
+    if (vocab_size < 1 || vocab_size > (int64_t{1} << 31)) detail::throw_invalid("vocab_size", "be in [1, 2^31]", vocab_size);
+    bits_ = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(vocab_size - 1))));
+    if (max_context < 1 || max_context * bits_ > 124) {
+      detail::throw_invalid_message("max_context must be in [1, ", 124 / bits_, "] for vocab_size ", vocab_size,
+                                    ", got ", max_context);
+    }
+  }
+
+  [[nodiscard]] int64_t vocab_size() const noexcept { return vocab_; }
+  [[nodiscard]] int64_t max_context() const noexcept { return max_context_; }
+
+  // Merges one observation of the distribution after `context` into the entries of its last 1 ..
+  // max_context tokens. tokens and probabilities are pairs (any number, each token once,
+  // probabilities in [0, 1]); only the last max_context tokens of context are read.
+  void update(std::span<const int64_t> context, std::span<const int64_t> tokens, std::span<const float> probabilities) {
+    if (context.empty()) throw std::invalid_argument("context must not be empty");
+    if (tokens.size() != probabilities.size()) {
+      detail::throw_invalid_message("tokens and probabilities must have the same size, got ", tokens.size(), " and ",
+                                    probabilities.size());
+    }
+    const auto longest = std::min<int64_t>(max_context_, static_cast<int64_t>(context.size()));
+    check_tokens(context.last(static_cast<size_t>(longest)), "context (last max_context)");
+    check_tokens(tokens, "tokens");
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (!(probabilities[i] >= 0.0F && probabilities[i] <= 1.0F)) {
+        detail::throw_invalid_message("probabilities[", i, "] must be in [0, 1], got ", probabilities[i]);
+      }
+      for (size_t j = 0; j < i; ++j) {
+        if (tokens[j] == tokens[i]) detail::throw_invalid_message("tokens[", i, "] = ", tokens[i], " repeats tokens[", j, "]");
+      }
+    }
+    for (int64_t length = 1; length <= longest; ++length) {
+      Entry& entry = table_[pack(context.last(static_cast<size_t>(length)))];
+      merge_into(entry, tokens, probabilities, 1);
+    }
+  }
+
+  // The entry of the longest known context among the last max_context .. 1 tokens; nullptr when
+  // none is known. The pointer is valid until the next update, merge, clear or load.
+  [[nodiscard]] const Entry* find(std::span<const int64_t> context) const {
+    const auto longest = std::min<int64_t>(max_context_, static_cast<int64_t>(context.size()));
+    check_tokens(context.last(static_cast<size_t>(longest)), "context (last max_context)");
+    for (int64_t length = longest; length >= 1; --length) {
+      const auto it = table_.find(pack(context.last(static_cast<size_t>(length))));
+      if (it != table_.end()) return &it->second;
+    }
+    return nullptr;
+  }
+
+  // The entry of exactly this context (1 .. max_context tokens), nullptr when unknown.
+  [[nodiscard]] const Entry* find_exact(std::span<const int64_t> context) const {
+    if (context.empty() || static_cast<int64_t>(context.size()) > max_context_) {
+      detail::throw_invalid_message("context must have 1 to max_context = ", max_context_, " tokens, got ", context.size());
+    }
+    check_tokens(context, "context");
+    const auto it = table_.find(pack(context));
+    return it == table_.end() ? nullptr : &it->second;
+  }
+
+  // Adds other's observations: each context's distribution becomes the observation-weighted
+  // mean of both, truncated to kTopTokens, and the counts add.
+  void merge(const ProbabilisticNGramStorage& other) {
+    if (other.vocab_ != vocab_ || other.max_context_ != max_context_) {
+      detail::throw_invalid_message("merge needs storages of the same vocab_size and max_context (", vocab_, ", ",
+                                    max_context_, ") vs (", other.vocab_, ", ", other.max_context_, ")");
+    }
+    for (const auto& [key, theirs] : other.table_) {
+      std::array<int64_t, kTopTokens> tokens{};
+      for (uint32_t i = 0; i < theirs.size; ++i) tokens[i] = theirs.tokens[i];
+      merge_into(table_[key], std::span<const int64_t>(tokens.data(), theirs.size), theirs.probability_span(),
+                 theirs.observations);
+    }
+  }
+
+  void clear() { table_.clear(); }
+  // Contexts stored.
+  [[nodiscard]] size_t size() const noexcept { return table_.size(); }
+  // Bytes held by the table's buckets (key, entry and per-bucket bookkeeping).
+  [[nodiscard]] size_t memory_bytes() const noexcept {
+    constexpr size_t kBookkeeping = 8;
+    return table_.bucket_count() * (sizeof(detail::NGramKey) + sizeof(Entry) + kBookkeeping);
+  }
+
+  // Writes the storage atomically (a temporary file renamed over `path`).
+  void save(const std::filesystem::path& path) const {
+    std::filesystem::path temporary = path;
+    temporary += ".partial";
+    {
+      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+      const auto put = [&](const auto& value) { out.write(reinterpret_cast<const char*>(&value), sizeof(value)); };
+      out.write(kMagic, sizeof(kMagic));
+      put(kFileVersion);
+      put(static_cast<uint32_t>(max_context_));
+      put(static_cast<uint64_t>(vocab_));
+      put(static_cast<uint64_t>(table_.size()));
+      for (const auto& [key, entry] : table_) {
+        put(static_cast<uint64_t>(key));
+        put(static_cast<uint64_t>(key >> 64));
+        put(entry.observations);
+        put(entry.size);
+        for (int64_t i = 0; i < kTopTokens; ++i) {
+          put(entry.tokens[static_cast<size_t>(i)]);
+          put(entry.probabilities[static_cast<size_t>(i)]);
+        }
+      }
+      if (!out.flush()) throw std::runtime_error("failed writing " + temporary.string());
+    }
+    std::filesystem::rename(temporary, path);
+  }
+
+  // Reads a file written by save(), checking every field. Throws io::FormatError.
+  static ProbabilisticNGramStorage load(const std::filesystem::path& path) {
+    io::detail::BinaryReader reader(path);
+    char magic[sizeof(kMagic)];
+    reader.read_bytes(magic, sizeof(magic), "magic");
+    if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) {
+      io::detail::throw_format(path, "not a probabilistic n-gram storage file (bad magic)");
+    }
+    const auto version = reader.read<uint32_t>("version");
+    if (version != kFileVersion) io::detail::throw_format(path, "unsupported storage version ", version);
+    const auto max_context = reader.read<uint32_t>("max_context");
+    const auto vocab = reader.read<uint64_t>("vocab_size");
+    const auto entries = reader.read<uint64_t>("entries");
+    if (vocab < 1 || vocab > (uint64_t{1} << 31)) io::detail::throw_format(path, "vocab_size ", vocab, " is out of range");
+    std::optional<ProbabilisticNGramStorage> made;
+    try {
+      made.emplace(static_cast<int64_t>(vocab), static_cast<int64_t>(max_context));
+    } catch (const std::invalid_argument& e) {
+      io::detail::throw_format(path, e.what());
+    }
+    ProbabilisticNGramStorage& s = *made;
+    constexpr uint64_t kEntryBytes = 16 + 8 + kTopTokens * 8;
+    if (entries > reader.remaining() / kEntryBytes || entries * kEntryBytes != reader.remaining()) {
+      io::detail::throw_format(path, "truncated or oversized: ", entries, " entries do not match the ",
+                               reader.remaining(), " bytes that follow the header");
+    }
+    s.table_.reserve(static_cast<size_t>(entries));
+    for (uint64_t i = 0; i < entries; ++i) {
+      const auto low = reader.read<uint64_t>("context");
+      const auto high = reader.read<uint64_t>("context");
+      const detail::NGramKey key = static_cast<detail::NGramKey>(high) << 64 | low;
+      Entry entry;
+      entry.observations = reader.read<uint32_t>("observations");
+      entry.size = reader.read<uint32_t>("size");
+      for (int64_t j = 0; j < kTopTokens; ++j) {
+        entry.tokens[static_cast<size_t>(j)] = reader.read<int32_t>("token");
+        entry.probabilities[static_cast<size_t>(j)] = reader.read<float>("probability");
+      }
+      if (!s.valid_key(key) || !s.valid_entry(entry) || s.table_.count(key) != 0) {
+        io::detail::throw_format(path, "entry ", i, " is invalid (context, tokens, probabilities or count)");
+      }
+      s.table_[key] = entry;
+    }
+    return s;
+  }
+
+ private:
+  static constexpr char kMagic[8] = {'S', 'D', 'P', 'N', 'G', 'R', 'A', 'M'};
+
+  void check_tokens(std::span<const int64_t> tokens, const char* name) const {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] < 0 || tokens[i] >= vocab_) {
+        detail::throw_invalid_message(name, "[", i, "] must be in [0, vocab_size = ", vocab_, "), got ", tokens[i]);
+      }
+    }
+  }
+
+  // Key of a context: its length in the top 4 bits, then the tokens.
+  [[nodiscard]] detail::NGramKey pack(std::span<const int64_t> context) const noexcept {
+    auto key = static_cast<detail::NGramKey>(context.size()) << 124;
+    for (size_t i = 0; i < context.size(); ++i) {
+      key |= static_cast<detail::NGramKey>(context[i]) << (bits_ * static_cast<int>(i));
+    }
+    return key;
+  }
+
+  [[nodiscard]] bool valid_key(detail::NGramKey key) const noexcept {
+    const auto length = static_cast<int64_t>(key >> 124);
+    if (length < 1 || length > max_context_) return false;
+    detail::NGramKey tokens = key & ((detail::NGramKey{1} << 124) - 1);
+    const detail::NGramKey mask = (detail::NGramKey{1} << bits_) - 1;
+    for (int64_t i = 0; i < length; ++i, tokens >>= bits_) {
+      if (static_cast<uint64_t>(tokens & mask) >= static_cast<uint64_t>(vocab_)) return false;
+    }
+    return tokens == 0;
+  }
+
+  [[nodiscard]] bool valid_entry(const Entry& entry) const noexcept {
+    if (entry.observations == 0 || entry.size > kTopTokens) return false;
+    double sum = 0;
+    for (uint32_t i = 0; i < entry.size; ++i) {
+      const float p = entry.probabilities[i];
+      if (entry.tokens[i] < 0 || entry.tokens[i] >= vocab_ || !(p >= 0.0F && p <= 1.0F)) return false;
+      if (i > 0 && p > entry.probabilities[i - 1]) return false;
+      for (uint32_t j = 0; j < i; ++j) {
+        if (entry.tokens[j] == entry.tokens[i]) return false;
+      }
+      sum += p;
+    }
+    return sum <= 1.0 + 1e-3;
+  }
+
+  // entry <- (c entry + weight obs) / (c + weight), truncated to the kTopTokens most probable
+  // (ties keep the earlier: entry's order, then the observation's).
+  static void merge_into(Entry& entry, std::span<const int64_t> tokens, std::span<const float> probabilities,
+                         uint32_t weight) {
+    const double c = entry.observations;
+    const double total = c + weight;
+    std::array<std::pair<int64_t, double>, 2 * kTopTokens> merged{};
+    size_t count = 0;
+    for (uint32_t i = 0; i < entry.size; ++i) {
+      merged[count++] = {entry.tokens[i], c / total * entry.probabilities[i]};
+    }
+    std::vector<std::pair<int64_t, double>> extra;  // observation tokens beyond the array
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      const double add = weight / total * probabilities[i];
+      bool found = false;
+      for (size_t j = 0; j < entry.size; ++j) {
+        if (merged[j].first == tokens[i]) {
+          merged[j].second += add;
+          found = true;
+          break;
+        }
+      }
+      if (found) continue;
+      if (count < merged.size()) {
+        merged[count++] = {tokens[i], add};
+      } else {
+        extra.emplace_back(tokens[i], add);
+      }
+    }
+    std::vector<std::pair<int64_t, double>> all(merged.begin(), merged.begin() + static_cast<std::ptrdiff_t>(count));
+    all.insert(all.end(), extra.begin(), extra.end());
+    std::stable_sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    entry.size = static_cast<uint32_t>(std::min<size_t>(all.size(), kTopTokens));
+    for (uint32_t i = 0; i < entry.size; ++i) {
+      entry.tokens[i] = static_cast<int32_t>(all[i].first);
+      entry.probabilities[i] = static_cast<float>(all[i].second);
+    }
+    for (uint32_t i = entry.size; i < kTopTokens; ++i) {
+      entry.tokens[i] = 0;
+      entry.probabilities[i] = 0.0F;
+    }
+    entry.observations = entry.observations > std::numeric_limits<uint32_t>::max() - weight
+                             ? std::numeric_limits<uint32_t>::max()
+                             : entry.observations + weight;
+  }
+
+  int64_t vocab_;
+  int64_t max_context_;
+  int bits_ = 1;
+  detail::NGramTable<Entry> table_;
+};
 
 }  // namespace specdec

@@ -11,5 +11,7 @@
 #include "specdec/ngram_storage.hpp"
 #include "specdec/options.hpp"
 #include "specdec/result.hpp"
+#include "specdec/stand.hpp"
+#include "specdec/tree.hpp"
 #include "specdec/verification.hpp"
 #include "specdec/version.hpp"

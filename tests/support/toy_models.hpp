@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <span>
+#include <stdexcept>
 #include <vector>
 
 #include "specdec/concepts.hpp"
@@ -18,6 +20,13 @@ class TokenCache {
     if (n < 0 || n > length()) throw std::invalid_argument("TokenCache::prune out of range");
     tokens_ = tokens_.narrow(1, 0, length() - n);
   }
+  // Keeps positions [0, prefix) and then `positions`.
+  void keep(int64_t prefix, std::span<const int64_t> positions) {
+    std::vector<int64_t> index(static_cast<size_t>(prefix));
+    for (int64_t i = 0; i < prefix; ++i) index[static_cast<size_t>(i)] = i;
+    index.insert(index.end(), positions.begin(), positions.end());
+    tokens_ = tokens_.index_select(1, at::tensor(index, at::kLong));
+  }
   // Row i becomes the old row rows[i].
   void reorder(const at::Tensor& rows) {
     if (tokens_.defined()) tokens_ = tokens_.index_select(0, rows);
@@ -31,7 +40,7 @@ class TokenCache {
  private:
   at::Tensor tokens_;
 };
-static_assert(ReorderableKVCache<TokenCache>);
+static_assert(ReorderableKVCache<TokenCache> && CompactableKVCache<TokenCache>);
 
 // A first-order Markov chain: the logits after token t are log_transitions[t]. Its sequence
 // probabilities are products of processor(log_transitions) entries.
@@ -48,6 +57,11 @@ class MarkovModel {
     cache.append(ids);
     return logits_.index_select(0, ids.flatten()).view({ids.size(0), ids.size(1), -1});
   }
+  // A Markov chain's logits depend on the token alone, so a tree is scored as a sequence.
+  at::Tensor forward_tree(const at::Tensor& ids, TokenCache& cache, std::span<const int64_t> parents) {
+    if (static_cast<int64_t>(parents.size()) != ids.size(1)) throw std::invalid_argument("parents size");
+    return forward(ids, cache);
+  }
   [[nodiscard]] int64_t vocab_size() const { return logits_.size(0); }
   [[nodiscard]] at::Device device() const { return logits_.device(); }
   [[nodiscard]] const at::Tensor& logits() const { return logits_; }
@@ -55,7 +69,7 @@ class MarkovModel {
  private:
   at::Tensor logits_;
 };
-static_assert(LanguageModel<MarkovModel>);
+static_assert(TreeTarget<MarkovModel>);
 
 // A model whose logits at each position depend on the whole prefix and on the position: a hash of
 // (position, token) pairs summed over the prefix picks a row of a random table. A cache pruned by

@@ -10,7 +10,9 @@
 #include <optional>
 #include <random>
 #include <span>
+#include <stdexcept>
 #include <string_view>
+#include <vector>
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
@@ -78,14 +80,47 @@ class ModelRunner {
     at::Tensor logits = model_.forward(ids, cache_);
     *counters_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     ++*counters_.calls;
-    if (!logits.defined() || logits.dim() != 3 || logits.size(0) != 1 ||
-        logits.size(1) != ids.size(1) || logits.size(2) != vocab_ ||
-        !at::isFloatingType(logits.scalar_type())) {
-      throw_invalid_message(role_, ".forward must return floating-point logits [1, ", ids.size(1),
-                            ", ", vocab_, "], got ",
-                            logits.defined() ? logits.sizes() : at::IntArrayRef{});
+    return checked(logits, ids.size(1), ".forward");
+  }
+
+  // Tree verification (TreeTarget): feeds the part of `context` not cached yet as a chain and then
+  // the draft tree's tokens, node i below node parents[i] or, for -1, below the context's last
+  // token. Returns logits [u + n, vocab]: u rows for the uncached context (the last predicting the
+  // tree's first level), then one per node. Sets *uncached = u (>= 1).
+  at::Tensor forward_tree(std::span<const int64_t> context, std::span<const int64_t> tokens,
+                          std::span<const int64_t> parents, int64_t* uncached)
+    requires TreeTarget<M>
+  {
+    if (!use_cache_) cache_ = model_.make_cache(1);
+    const auto known = static_cast<int64_t>(cache_.length());
+    const int64_t u = static_cast<int64_t>(context.size()) - known;
+    if (u < 1) throw std::logic_error("forward_tree: the context's last token must not be cached yet");
+    tree_ids_.assign(context.begin() + known, context.end());
+    tree_ids_.insert(tree_ids_.end(), tokens.begin(), tokens.end());
+    tree_parents_.resize(tree_ids_.size());
+    for (int64_t j = 0; j < u; ++j) tree_parents_[static_cast<size_t>(j)] = j - 1;
+    for (size_t k = 0; k < parents.size(); ++k) {
+      tree_parents_[static_cast<size_t>(u) + k] = parents[k] < 0 ? u - 1 : u + parents[k];
     }
-    return logits[0];
+    const at::Tensor ids = host_ids(tree_ids_, device_);
+    const auto start = std::chrono::steady_clock::now();
+    at::NoGradGuard no_grad;
+    at::Tensor logits = model_.forward_tree(ids, cache_, tree_parents_);
+    *counters_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++*counters_.calls;
+    *uncached = u;
+    return checked(logits, ids.size(1), ".forward_tree");
+  }
+
+  // After forward_tree: keeps the first `prefix` positions (the context) and the tree nodes
+  // `nodes` (increasing indices into the tree's tokens), dropping the other nodes.
+  void keep_tree(int64_t prefix, std::span<const int64_t> nodes)
+    requires TreeTarget<M>
+  {
+    if (!use_cache_) return;
+    kept_.resize(nodes.size());
+    for (size_t i = 0; i < nodes.size(); ++i) kept_[i] = prefix + nodes[i];
+    cache_.keep(prefix, kept_);
   }
 
   // Keeps at most `length` cached positions: the accepted prefix after a verification.
@@ -95,6 +130,15 @@ class ModelRunner {
   }
 
  private:
+  at::Tensor checked(const at::Tensor& logits, int64_t count, const char* call) const {
+    if (!logits.defined() || logits.dim() != 3 || logits.size(0) != 1 || logits.size(1) != count ||
+        logits.size(2) != vocab_ || !at::isFloatingType(logits.scalar_type())) {
+      throw_invalid_message(role_, call, " must return floating-point logits [1, ", count, ", ", vocab_,
+                            "], got ", logits.defined() ? logits.sizes() : at::IntArrayRef{});
+    }
+    return logits[0];
+  }
+
   M& model_;
   std::string_view role_;
   bool use_cache_;
@@ -102,6 +146,7 @@ class ModelRunner {
   typename M::cache_type cache_;
   int64_t vocab_;
   at::Device device_;
+  std::vector<int64_t> tree_ids_, tree_parents_, kept_;  // forward_tree / keep_tree buffers
 };
 
 }  // namespace specdec::detail

@@ -17,6 +17,7 @@
 #include <limits>
 #include <optional>
 #include <ostream>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -26,6 +27,7 @@
 #include "specdec/detail/check.hpp"
 #include "specdec/kv_cache.hpp"
 #include "specdec/models/llama_config.hpp"
+#include "specdec/tree.hpp"
 
 namespace specdec::models {
 
@@ -168,6 +170,14 @@ class LlamaModel {
     return run(ids, cache, depth.to(device()) + cache.length(), new_token_bias(visible.to(device())));
   }
 
+  // TreeTarget: the draft tree given by parent indices (see concepts.hpp), through
+  // forward_with_mask. Requires: ids [1, T]; parents.size() == T, parents[i] in [-1, i).
+  at::Tensor forward_tree(const at::Tensor& ids, Cache& cache, std::span<const int64_t> parents) {
+    check_ids(ids, cache);
+    const TreeAttention tree = tree_attention(parents, ids.size(1));
+    return forward_with_mask(ids, cache, tree.depth, tree.visible);
+  }
+
  private:
   void check_ids(const at::Tensor& ids, const Cache& cache) const {
     if (!ids.defined() || ids.dim() != 2 || ids.size(1) < 1 || ids.scalar_type() != at::kLong) {
@@ -307,7 +317,7 @@ inline std::pair<LlamaConfig, LlamaWeights> truncated(const LlamaConfig& config,
   return {shallow, std::move(kept)};
 }
 
-static_assert(LanguageModel<LlamaModel<DynamicKVCache>>);
-static_assert(LanguageModel<LlamaModel<StaticKVCache>>);
+static_assert(TreeTarget<LlamaModel<DynamicKVCache>>);
+static_assert(TreeTarget<LlamaModel<StaticKVCache>>);
 
 }  // namespace specdec::models

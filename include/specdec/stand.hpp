@@ -1,0 +1,442 @@
+// STAND (seed 004; Song et al. 2025, arXiv 2506.04708): model-free speculative decoding from a
+// memory of the target's own next-token distributions (ProbabilisticNGramStorage). Each step
+// draws a whole draft tree from the memory, shaped by a TreeTemplate, scores every node in one
+// tree-attention forward of the target, and accepts a path by recursive rejection sampling
+// (Jeon et al. 2024, arXiv 2402.14160), so the output is distributed exactly as the target's (token
+// for token equal to autoregressive decoding under greedy decoding). The memory learns the
+// target's distribution at every verified position and is shared across calls: the more
+// trajectories of one prompt have been sampled, the better it drafts.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/detail/generation_state.hpp"
+#include "specdec/detail/model_runner.hpp"
+#include "specdec/logits_processor.hpp"
+#include "specdec/ngram_storage.hpp"
+#include "specdec/options.hpp"
+#include "specdec/result.hpp"
+#include "specdec/tree.hpp"
+
+namespace specdec {
+
+// Options of stand_generate. The common fields come first, as in every options struct.
+struct StandOptions {
+  int64_t max_new_tokens = 40;          // most tokens to generate (>= 0)
+  std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output)
+  std::optional<uint64_t> seed;         // seed of the sampling and drafting randomness
+  bool use_cache = true;                // false recomputes the whole sequence at every forward
+  StepCallback on_step;                 // called after every step; drafts = the accepted path and
+                                        // the first rejected sibling after it, gamma = tree size
+  TreeTemplate tree = TreeTemplate::default_tree();  // the shape bound of every draft tree
+  int64_t max_depth = 0;                // deepest draft (>= 0); 0: the template's depth
+  bool stochastic = true;               // children drawn by Gumbel-top-k from the memory's
+                                        // distribution (STAND); false: its most probable tokens
+  bool learn = true;                    // update the memory from the target's distributions at
+                                        // verified positions (the prompt's included)
+  std::vector<int64_t>* node_acceptances = nullptr;  // when set: one counter per template node
+                                        // (resized to tree.size() if empty), incremented for each
+                                        // accepted draft, for TreeTemplate::learned()
+};
+
+namespace detail {
+
+// Biased variants of the tree verification, for tests that must tell them from the exact one.
+enum class TreeVerification { exact, with_replacement, skip_residual };
+
+inline constexpr int64_t kStandTop = ProbabilisticNGramStorage::kTopTokens;
+
+// A draft tree drawn from the memory. Position 0 is the root (the sequence's last token);
+// position k + 1 is draft node k.
+struct DraftTree {
+  std::vector<int64_t> tokens, parents, template_nodes, depth;  // per draft node
+  std::vector<std::vector<int64_t>> children;                  // per position, in draw order
+  std::vector<std::array<int64_t, kStandTop>> q_tokens;        // per position: the distribution
+  std::vector<std::array<double, kStandTop>> q_probs;          // its children were drawn from
+  std::vector<int64_t> q_size;                                 // (0: no children)
+  int64_t lookups = 0;
+
+  [[nodiscard]] int64_t nodes() const noexcept { return static_cast<int64_t>(tokens.size()); }
+  void clear() {
+    tokens.clear();
+    parents.clear();
+    template_nodes.clear();
+    depth.clear();
+    children.assign(1, {});
+    q_tokens.assign(1, {});
+    q_probs.assign(1, {});
+    q_size.assign(1, 0);
+    lookups = 0;
+  }
+};
+
+// Draws draft trees from the memory (host side, plain integers).
+class TreeDrafter {
+ public:
+  TreeDrafter(const ProbabilisticNGramStorage& memory, const TreeTemplate& shape, bool stochastic, uint64_t seed)
+      : memory_(memory), shape_(shape), stochastic_(stochastic), rng_(seed) {}
+
+  std::mt19937_64& rng() noexcept { return rng_; }
+
+  // A tree of at most `budget` nodes, at most `max_depth` deep, below the end of `sequence`.
+  void draw(std::span<const int64_t> sequence, int64_t max_depth, int64_t budget, DraftTree& tree) {
+    tree.clear();
+    queue_.assign(1, {0, -1});
+    for (size_t head = 0; head < queue_.size(); ++head) {
+      const auto [position, template_node] = queue_[head];
+      const int64_t depth = position == 0 ? 0 : tree.depth[static_cast<size_t>(position - 1)];
+      const auto slots = shape_.children(template_node);
+      if (slots.empty() || depth >= max_depth || tree.nodes() >= budget) continue;
+      context_of(sequence, tree, position);
+      const ProbabilisticNGramStorage::Entry* entry = memory_.find(context_);
+      ++tree.lookups;
+      if (entry == nullptr) continue;
+      // q: the stored distribution renormalised over its tokens of positive probability.
+      auto& q_tokens = tree.q_tokens[static_cast<size_t>(position)];
+      auto& q_probs = tree.q_probs[static_cast<size_t>(position)];
+      int64_t support = 0;
+      double mass = 0;
+      for (uint32_t i = 0; i < entry->size; ++i) {
+        if (entry->probabilities[i] > 0.0F) {
+          q_tokens[static_cast<size_t>(support)] = entry->tokens[i];
+          q_probs[static_cast<size_t>(support)] = entry->probabilities[i];
+          mass += entry->probabilities[i];
+          ++support;
+        }
+      }
+      if (support == 0) continue;
+      for (int64_t i = 0; i < support; ++i) q_probs[static_cast<size_t>(i)] /= mass;
+      tree.q_size[static_cast<size_t>(position)] = support;
+      // Draw order: Gumbel-top-k on log q (sampling without replacement), or q's own order.
+      std::array<int64_t, kStandTop> order{};
+      for (int64_t i = 0; i < support; ++i) order[static_cast<size_t>(i)] = i;
+      if (stochastic_) {
+        std::array<double, kStandTop> keys{};
+        for (int64_t i = 0; i < support; ++i) {
+          const double u = std::max(uniform_(rng_), std::numeric_limits<double>::min());
+          keys[static_cast<size_t>(i)] = std::log(q_probs[static_cast<size_t>(i)]) - std::log(-std::log(u));
+        }
+        std::sort(order.begin(), order.begin() + support,
+                  [&](int64_t a, int64_t b) { return keys[static_cast<size_t>(a)] > keys[static_cast<size_t>(b)]; });
+      }
+      const int64_t count = std::min({static_cast<int64_t>(slots.size()), support, budget - tree.nodes()});
+      std::array<int64_t, kStandTop> drawn{};  // copied out: the loop below grows tree's vectors
+      for (int64_t j = 0; j < count; ++j) drawn[static_cast<size_t>(j)] = q_tokens[static_cast<size_t>(order[static_cast<size_t>(j)])];
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t node = tree.nodes();
+        tree.tokens.push_back(drawn[static_cast<size_t>(j)]);
+        tree.parents.push_back(position - 1);
+        tree.template_nodes.push_back(slots[static_cast<size_t>(j)]);
+        tree.depth.push_back(depth + 1);
+        tree.children[static_cast<size_t>(position)].push_back(node);
+        tree.children.emplace_back();
+        tree.q_tokens.emplace_back();
+        tree.q_probs.emplace_back();
+        tree.q_size.push_back(0);
+        queue_.push_back({node + 1, slots[static_cast<size_t>(j)]});
+      }
+    }
+  }
+
+ private:
+  // context_ <- the last max_context tokens of sequence ++ (the path to `position`).
+  void context_of(std::span<const int64_t> sequence, const DraftTree& tree, int64_t position) {
+    const int64_t want = memory_.max_context();
+    path_.clear();
+    for (int64_t p = position; p > 0 && static_cast<int64_t>(path_.size()) < want;
+         p = tree.parents[static_cast<size_t>(p - 1)] + 1) {
+      path_.push_back(tree.tokens[static_cast<size_t>(p - 1)]);
+    }
+    const int64_t from_sequence = std::min<int64_t>(want - static_cast<int64_t>(path_.size()),
+                                                    static_cast<int64_t>(sequence.size()));
+    context_.assign(sequence.end() - from_sequence, sequence.end());
+    context_.insert(context_.end(), path_.rbegin(), path_.rend());
+  }
+
+  const ProbabilisticNGramStorage& memory_;
+  const TreeTemplate& shape_;
+  bool stochastic_;
+  std::mt19937_64 rng_;
+  std::uniform_real_distribution<double> uniform_{0.0, 1.0};
+  std::vector<std::pair<int64_t, int64_t>> queue_;  // (position, template node)
+  std::vector<int64_t> path_, context_;
+};
+
+// What the host needs of the target for one tree: at each position, p at q's tokens, the mass of
+// p outside them and a token sampled from p restricted to outside them.
+struct TreeTargetView {
+  std::span<const double> at_q;            // [positions, kStandTop]
+  std::span<const double> outside_mass;    // [positions]
+  std::span<const double> outside_sample;  // [positions]
+};
+
+// The accepted path of a verified tree and the token sampled after it.
+struct TreeWalk {
+  std::vector<int64_t> path;  // accepted draft nodes, root to leaf
+  int64_t token = 0;
+  int64_t rejected = -1;      // the first rejected child at the last position, -1 if none
+};
+
+// Recursive rejection sampling down the tree (exact for children drawn without replacement, and
+// for deterministic children as one-hot drafts): at a position with target distribution r = p and
+// draft distribution q, for each child x in draw order accept with probability
+// min(1, r(x) / q_j(x)) and descend; otherwise r <- normalise(max(r - q_j, 0)) and (sampling
+// without replacement) x leaves q. q_j is q without the earlier children, renormalised, or
+// one-hot at x for deterministic children. With no child accepted, the token is drawn from r.
+// r differs from p only on q's tokens, so the host tracks those and the mass outside them.
+inline TreeWalk walk_tree(const DraftTree& tree, const TreeTargetView& target, bool stochastic,
+                          std::mt19937_64& rng, TreeVerification variant = TreeVerification::exact) {
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  TreeWalk walk;
+  int64_t position = 0;
+  while (true) {
+    const auto pos = static_cast<size_t>(position);
+    const int64_t s = tree.q_size[pos];
+    std::array<double, kStandTop> r{};
+    std::array<double, kStandTop> q = tree.q_probs[pos];
+    double inside = 0;
+    for (int64_t i = 0; i < s; ++i) {
+      r[static_cast<size_t>(i)] = target.at_q[pos * kStandTop + static_cast<size_t>(i)];
+      inside += r[static_cast<size_t>(i)];
+    }
+    const double outside = std::max(0.0, target.outside_mass[pos]);
+    double total = outside + inside;
+    int64_t accepted = -1;
+    for (const int64_t child : tree.children[pos]) {
+      const int64_t token = tree.tokens[static_cast<size_t>(child)];
+      int64_t x = 0;
+      while (tree.q_tokens[pos][static_cast<size_t>(x)] != token) ++x;
+      std::array<double, kStandTop> qj{};
+      if (!stochastic) {
+        qj[static_cast<size_t>(x)] = 1.0;
+      } else {
+        double mass = 0;
+        for (int64_t i = 0; i < s; ++i) mass += q[static_cast<size_t>(i)];
+        for (int64_t i = 0; i < s; ++i) qj[static_cast<size_t>(i)] = mass > 0 ? q[static_cast<size_t>(i)] / mass : 0.0;
+      }
+      const double ratio = total > 0 ? r[static_cast<size_t>(x)] / total / qj[static_cast<size_t>(x)] : 0.0;
+      if (uniform(rng) < ratio) {
+        accepted = child;
+        break;
+      }
+      if (walk.rejected < 0) walk.rejected = child;
+      if (variant != TreeVerification::skip_residual) {
+        std::array<double, kStandTop> next = r;
+        double next_inside = 0;
+        for (int64_t i = 0; i < s; ++i) {
+          next[static_cast<size_t>(i)] = std::max(0.0, r[static_cast<size_t>(i)] - qj[static_cast<size_t>(i)] * total);
+          next_inside += next[static_cast<size_t>(i)];
+        }
+        if (outside + next_inside > 0) {  // r == q_j exactly cannot reject; guard rounding
+          r = next;
+          inside = next_inside;
+          total = outside + inside;
+        }
+      }
+      if (stochastic && variant != TreeVerification::with_replacement) q[static_cast<size_t>(x)] = 0.0;
+    }
+    if (accepted >= 0) {
+      walk.path.push_back(accepted);
+      walk.rejected = -1;
+      position = accepted + 1;
+      continue;
+    }
+    // Sample from r: one of q's tokens with probability inside / total, else from outside them.
+    double u = uniform(rng) * total;
+    walk.token = static_cast<int64_t>(target.outside_sample[pos]);
+    if (u < inside) {
+      for (int64_t i = 0; i < s; ++i) {
+        if (u < r[static_cast<size_t>(i)] || i == s - 1) {
+          walk.token = tree.q_tokens[pos][static_cast<size_t>(i)];
+          break;
+        }
+        u -= r[static_cast<size_t>(i)];
+      }
+    }
+    return walk;
+  }
+}
+
+template <TreeTarget T, LogitsProcessor P>
+GenerationResult stand_generate_impl(ProbabilisticNGramStorage& memory, T& target, std::span<const int64_t> prompt,
+                                     const StandOptions& options, const P& processor, TreeVerification variant) {
+  const auto vocab = static_cast<int64_t>(target.vocab_size());
+  if (memory.vocab_size() != vocab) {
+    throw_invalid_message("memory.vocab_size() must equal target.vocab_size() = ", vocab, ", got ",
+                          memory.vocab_size());
+  }
+  if (options.max_depth < 0) throw_invalid("max_depth", "be >= 0", options.max_depth);
+  std::vector<int64_t>* acceptances = options.node_acceptances;
+  if (acceptances != nullptr) {
+    if (acceptances->empty()) acceptances->assign(static_cast<size_t>(options.tree.size()), 0);
+    if (static_cast<int64_t>(acceptances->size()) != options.tree.size()) {
+      throw_invalid_message("node_acceptances must be empty or have tree.size() = ", options.tree.size(),
+                            " entries, got ", acceptances->size());
+    }
+  }
+  const int64_t limit = sequence_limit(target);
+  check_common(options, prompt, vocab, limit);
+
+  GenerationState state(prompt, options, limit);
+  GenerationStats& stats = state.stats();
+  at::Generator gen = make_generator(options.seed);
+  const uint64_t draft_seed = options.seed ? *options.seed * 0x9E3779B97F4A7C15ULL + 1
+                                           : (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  ModelRunner<T> runner(target, "target", options.use_cache, {&stats.target_calls, &stats.target_seconds});
+  TreeDrafter drafter(memory, options.tree, options.stochastic, draft_seed);
+  const int64_t max_depth = options.max_depth > 0 ? options.max_depth : options.tree.max_depth();
+  const int64_t top = std::min(kStandTop, vocab);
+  const auto on_device = at::TensorOptions().device(runner.device());
+
+  DraftTree tree;
+  std::vector<int64_t> emitted_drafts;
+  std::vector<int64_t> index_buffer;
+  std::vector<double> valid_buffer;
+  std::vector<int64_t> context_buffer;
+  int64_t learned_until = 0;  // positions whose next-token distribution the memory has seen
+  while (!state.finished()) {
+    const int64_t length = state.length();
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t budget = std::min(options.tree.size(), limit == std::numeric_limits<int64_t>::max()
+                                                             ? options.tree.size()
+                                                             : limit - length);
+    drafter.draw(state.sequence(), std::min(max_depth, state.room() - 1), budget, tree);
+    stats.drafter_calls += tree.lookups;
+    stats.drafter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    int64_t u = 0;
+    const at::Tensor logits = runner.forward_tree(state.sequence(), tree.tokens, tree.parents, &u);
+    const int64_t n = tree.nodes();
+    const int64_t first_context = length - u;  // position of logits row 0
+    const int64_t learn_from = options.learn ? std::clamp<int64_t>(learned_until - first_context, 0, u - 1) : u - 1;
+    const at::Tensor p = processor(logits.narrow(0, learn_from, u + n - learn_from));
+    const at::Tensor tree_p = p.narrow(0, u - 1 - learn_from, n + 1);
+
+    // q's tokens at every position, padded: the first token again (or token 0 with weight 0).
+    index_buffer.assign(static_cast<size_t>((n + 1) * kStandTop), 0);
+    valid_buffer.assign(index_buffer.size(), 0.0);
+    for (int64_t pos = 0; pos <= n; ++pos) {
+      const int64_t s = tree.q_size[static_cast<size_t>(pos)];
+      for (int64_t i = 0; i < kStandTop && s > 0; ++i) {
+        const auto at = static_cast<size_t>(pos * kStandTop + i);
+        index_buffer[at] = tree.q_tokens[static_cast<size_t>(pos)][static_cast<size_t>(i < s ? i : 0)];
+        valid_buffer[at] = 1.0;
+      }
+    }
+    const at::Tensor q_index = host_ids(index_buffer, runner.device()).view({n + 1, kStandTop});
+    const at::Tensor q_valid =
+        at::from_blob(valid_buffer.data(), {n + 1, kStandTop}, at::kDouble).to(on_device.dtype(p.scalar_type()));
+    const at::Tensor at_q = tree_p.gather(1, q_index).to(at::kDouble) * q_valid.to(at::kDouble);
+    const at::Tensor outside = tree_p * (1 - at::zeros_like(tree_p).scatter_(1, q_index, q_valid));
+    const at::Tensor outside_mass = outside.sum(1, /*keepdim=*/true);
+    const at::Tensor outside_sample =
+        processor.sample(at::where(outside_mass > 0, outside / outside_mass.clamp_min(1e-30), tree_p), gen);
+    std::vector<at::Tensor> parts{at_q.flatten(), outside_mass.to(at::kDouble).flatten(),
+                                  outside_sample.to(at::kDouble).flatten(),
+                                  at::isfinite(p.sum()).to(at::kDouble).view({1})};
+    if (options.learn) {
+      const auto [values, indices] = p.topk(top, -1);
+      parts.push_back(values.to(at::kDouble).flatten());
+      parts.push_back(indices.to(at::kDouble).flatten());
+    }
+    const at::Tensor host = at::cat(parts).cpu();
+    const double* h = host.data_ptr<double>();
+    const auto positions = static_cast<size_t>(n + 1);
+    if (h[positions * (kStandTop + 2)] == 0.0) {
+      throw std::invalid_argument(
+          "stand_generate: the target distribution contains NaN or infinity (non-finite logits from the model)");
+    }
+    const TreeTargetView view{{h, positions * kStandTop},
+                              {h + positions * kStandTop, positions},
+                              {h + positions * (kStandTop + 1), positions}};
+    const TreeWalk walk = walk_tree(tree, view, options.stochastic, drafter.rng(), variant);
+
+    const auto accepted = static_cast<int64_t>(walk.path.size());
+    runner.keep_tree(length, walk.path);
+    emitted_drafts.clear();
+    for (const int64_t node : walk.path) emitted_drafts.push_back(tree.tokens[static_cast<size_t>(node)]);
+    if (walk.rejected >= 0) emitted_drafts.push_back(tree.tokens[static_cast<size_t>(walk.rejected)]);
+    if (acceptances != nullptr) {
+      for (const int64_t node : walk.path) ++(*acceptances)[static_cast<size_t>(tree.template_nodes[static_cast<size_t>(node)])];
+    }
+    stats.drafted += n - static_cast<int64_t>(emitted_drafts.size());  // emit() counts the rest
+    state.emit(emitted_drafts, accepted, walk.token, n);
+
+    if (options.learn) {
+      const auto t1 = std::chrono::steady_clock::now();
+      const double* values = h + positions * (kStandTop + 2) + 1;
+      const double* indices = values + (u + n - learn_from) * top;
+      const auto sequence = state.sequence();
+      const auto learn_row = [&](int64_t row, int64_t position) {  // row of p; position it predicts after
+        if (position >= static_cast<int64_t>(sequence.size())) return;
+        context_buffer.resize(static_cast<size_t>(top));
+        std::array<float, kStandTop> probabilities{};
+        for (int64_t i = 0; i < top; ++i) {
+          context_buffer[static_cast<size_t>(i)] = static_cast<int64_t>(indices[row * top + i]);
+          probabilities[static_cast<size_t>(i)] = static_cast<float>(values[row * top + i]);
+        }
+        memory.update(sequence.first(static_cast<size_t>(position + 1)), context_buffer,
+                      std::span<const float>(probabilities.data(), static_cast<size_t>(top)));
+      };
+      for (int64_t row = 0; row < u - learn_from; ++row) learn_row(row, first_context + learn_from + row);
+      for (int64_t d = 0; d < accepted; ++d) {
+        learn_row(u - learn_from + walk.path[static_cast<size_t>(d)], length + d);
+      }
+      learned_until = length + accepted;
+      stats.drafter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    }
+  }
+  return std::move(state).finish();
+}
+
+}  // namespace detail
+
+// STAND: drafts trees from `memory` and verifies them exactly in one target forward per step.
+//
+// Requires: memory.vocab_size() == target.vocab_size(); everything autoregressive_generate
+//   requires; options.max_depth >= 0; options.node_acceptances empty or of tree.size() entries.
+// Returns: as autoregressive_generate. stats.drafted counts tree nodes verified, accepted the
+//   drafts accepted, drafter_calls memory look-ups; tokens_per_target_call() is the mean
+//   acceptance length + 1.
+// Throws: std::invalid_argument naming the parameter and value; whatever the model throws.
+template <TreeTarget T, LogitsProcessor P = GreedyProcessor>
+[[nodiscard]] GenerationResult stand_generate(ProbabilisticNGramStorage& memory, T& target,
+                                              std::span<const int64_t> prompt, const StandOptions& options = {},
+                                              const P& processor = {}) {
+  return detail::stand_generate_impl(memory, target, prompt, options, processor, detail::TreeVerification::exact);
+}
+
+// Samples `trajectories` generations of one prompt, one after another, sharing `memory`: the
+// test-time-scaling use STAND is made for. Trajectory i uses seed options.seed + i when a seed
+// is set.
+template <TreeTarget T, LogitsProcessor P = GreedyProcessor>
+[[nodiscard]] std::vector<GenerationResult> stand_generate_trajectories(ProbabilisticNGramStorage& memory, T& target,
+                                                                        std::span<const int64_t> prompt,
+                                                                        int64_t trajectories,
+                                                                        const StandOptions& options = {},
+                                                                        const P& processor = {}) {
+  if (trajectories < 1) detail::throw_invalid("trajectories", "be >= 1", trajectories);
+  std::vector<GenerationResult> results;
+  results.reserve(static_cast<size_t>(trajectories));
+  StandOptions run = options;
+  for (int64_t i = 0; i < trajectories; ++i) {
+    if (options.seed) run.seed = *options.seed + static_cast<uint64_t>(i);
+    results.push_back(stand_generate(memory, target, prompt, run, processor));
+  }
+  return results;
+}
+
+}  // namespace specdec

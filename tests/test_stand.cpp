@@ -1,0 +1,420 @@
+// STAND: the probabilistic n-gram memory, tree templates, tree attention, and stand_generate —
+// greedy output equal to autoregressive decoding, and under sampling exactly the target's
+// distribution (chi-square), with biased tree verifications detected by the same harness.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <fstream>
+#include <map>
+#include <set>
+#include <vector>
+
+#include "specdec/generate.hpp"
+#include "specdec/io/checkpoint.hpp"
+#include "specdec/io/tokenizer.hpp"
+#include "specdec/models/llama.hpp"
+#include "specdec/stand.hpp"
+#include "support/expect_invalid.hpp"
+#include "support/llama_fixtures.hpp"
+#include "support/models_dir.hpp"
+#include "support/statistics.hpp"
+#include "support/toy_models.hpp"
+
+namespace {
+
+using namespace specdec;
+using test::expect_invalid;
+constexpr double kZ = 4.75;  // normal quantile of a 1e-6 tail
+
+void observe(ProbabilisticNGramStorage& memory, std::vector<int64_t> context, std::vector<int64_t> tokens,
+             std::vector<float> probabilities) {
+  memory.update(context, tokens, probabilities);
+}
+
+std::map<int64_t, double> as_map(const ProbabilisticNGramStorage::Entry& entry) {
+  std::map<int64_t, double> m;
+  for (uint32_t i = 0; i < entry.size; ++i) m[entry.tokens[i]] = entry.probabilities[i];
+  return m;
+}
+
+TEST(ProbabilisticNGramStorage, MergesObservationsAsTheRunningMean) {
+  // Seed 004's example: "I am" followed by (Bob .7, Mary .2, Tom .05), then (Bob .3, Mary .6, Sue .05).
+  enum : int64_t { I = 1, am = 2, Bob = 10, Mary = 11, Tom = 12, Sue = 13 };
+  ProbabilisticNGramStorage memory(100, 3);
+  observe(memory, {I, am}, {Bob, Mary, Tom}, {.7F, .2F, .05F});
+  observe(memory, {I, am}, {Bob, Mary, Sue}, {.3F, .6F, .05F});
+  const auto* entry = memory.find_exact(std::vector<int64_t>{I, am});
+  ASSERT_NE(entry, nullptr);
+  EXPECT_EQ(entry->observations, 2u);
+  const auto m = as_map(*entry);
+  ASSERT_EQ(m.size(), 4u);
+  EXPECT_NEAR(m.at(Bob), 0.5, 1e-6);
+  EXPECT_NEAR(m.at(Mary), 0.4, 1e-6);
+  EXPECT_NEAR(m.at(Tom), 0.025, 1e-6);
+  EXPECT_NEAR(m.at(Sue), 0.025, 1e-6);
+  EXPECT_EQ(entry->tokens[0], Bob);  // most probable first
+  // A third observation weighs 1/3: Bob .5 * 2/3 + .9 / 3 = .6333.
+  observe(memory, {I, am}, {Bob}, {.9F});
+  EXPECT_NEAR(memory.find_exact(std::vector<int64_t>{I, am})->probability(Bob), 0.5 * 2 / 3 + 0.3, 1e-6);
+  EXPECT_NEAR(memory.find_exact(std::vector<int64_t>{I, am})->probability(Mary), 0.4 * 2 / 3, 1e-6);
+  // Every context length up to max_context is updated: "am" alone too.
+  EXPECT_NE(memory.find_exact(std::vector<int64_t>{am}), nullptr);
+  EXPECT_EQ(memory.size(), 2u);
+}
+
+TEST(ProbabilisticNGramStorage, KeepsTheTenMostProbableTokens) {
+  ProbabilisticNGramStorage memory(100, 1);
+  std::vector<int64_t> tokens;
+  std::vector<float> probabilities;
+  for (int64_t t = 0; t < 12; ++t) {
+    tokens.push_back(t);
+    probabilities.push_back(0.01F * static_cast<float>(t + 1));  // 0.01 .. 0.12
+  }
+  observe(memory, {50}, tokens, probabilities);
+  const auto* entry = memory.find_exact(std::vector<int64_t>{50});
+  ASSERT_EQ(entry->size, 10u);
+  EXPECT_EQ(as_map(*entry).count(0), 0u);  // 0.01 and 0.02 are dropped
+  EXPECT_EQ(as_map(*entry).count(1), 0u);
+  EXPECT_NEAR(entry->probabilities[0], 0.12, 1e-6);
+  // A new token of high probability pushes out the least probable after the merge.
+  observe(memory, {50}, {99}, {0.9F});
+  const auto m = as_map(*memory.find_exact(std::vector<int64_t>{50}));
+  EXPECT_EQ(m.size(), 10u);
+  EXPECT_NEAR(m.at(99), 0.45, 1e-6);
+  EXPECT_EQ(m.count(2), 0u);  // 0.03 / 2 was the least
+  EXPECT_NEAR(m.at(11), 0.06, 1e-6);
+}
+
+TEST(ProbabilisticNGramStorage, LooksUpTheLongestKnownContext) {
+  ProbabilisticNGramStorage memory(50, 3);
+  observe(memory, {1, 2, 3}, {7}, {1.0F});
+  observe(memory, {9, 3}, {8}, {1.0F});
+  // (1 2 3) is known: its own distribution, not the merged one of "3".
+  EXPECT_EQ(memory.find(std::vector<int64_t>{5, 1, 2, 3})->tokens[0], 7);
+  EXPECT_NEAR(memory.find(std::vector<int64_t>{1, 2, 3})->probability(8), 0.0, 1e-12);
+  // (4 2 3) is not, (2 3) is: learned from the first observation.
+  EXPECT_EQ(memory.find(std::vector<int64_t>{4, 2, 3})->tokens[0], 7);
+  // Only "3" is known for (6 3): both observations merged.
+  const auto* backed_off = memory.find(std::vector<int64_t>{6, 3});
+  EXPECT_EQ(backed_off->observations, 2u);
+  EXPECT_NEAR(backed_off->probability(7), 0.5, 1e-6);
+  EXPECT_EQ(memory.find(std::vector<int64_t>{4}), nullptr);
+}
+
+TEST(ProbabilisticNGramStorage, SavesLoadsAndMerges) {
+  const auto path = std::filesystem::temp_directory_path() / "specdec_probabilistic.storage";
+  ProbabilisticNGramStorage memory(300, 2);
+  observe(memory, {1, 2}, {3, 4}, {.6F, .3F});
+  observe(memory, {5, 2}, {4, 6}, {.5F, .5F});
+  EXPECT_GT(memory.memory_bytes(), 0u);
+  memory.save(path);
+  const auto loaded = ProbabilisticNGramStorage::load(path);
+  EXPECT_EQ(loaded.size(), memory.size());
+  EXPECT_EQ(loaded.max_context(), 2);
+  EXPECT_EQ(as_map(*loaded.find_exact(std::vector<int64_t>{2})), as_map(*memory.find_exact(std::vector<int64_t>{2})));
+
+  // Merging weighs by observations: "2" has 2 observations here, 1 in other.
+  ProbabilisticNGramStorage other(300, 2);
+  observe(other, {7, 2}, {3}, {1.0F});
+  memory.merge(other);
+  const auto* merged = memory.find_exact(std::vector<int64_t>{2});
+  EXPECT_EQ(merged->observations, 3u);
+  EXPECT_NEAR(merged->probability(3), (0.3 * 2 + 1.0) / 3, 1e-6);
+  EXPECT_NE(memory.find_exact(std::vector<int64_t>{7, 2}), nullptr);
+
+  // Corrupt files are refused with a message naming the file.
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto write = [&](const std::string& content) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << content;
+  };
+  write(bytes.substr(0, bytes.size() - 3));
+  EXPECT_THROW((void)ProbabilisticNGramStorage::load(path), io::FormatError);
+  std::string bad_probability = bytes;
+  const float two = 2.0F;
+  std::memcpy(bad_probability.data() + 32 + 16 + 8 + 4, &two, sizeof(two));  // first entry's first probability
+  write(bad_probability);
+  EXPECT_THROW((void)ProbabilisticNGramStorage::load(path), io::FormatError);
+  write("SDNGRAM");
+  EXPECT_THROW((void)ProbabilisticNGramStorage::load(path), io::FormatError);
+  std::filesystem::remove(path);
+
+  expect_invalid([&] { observe(memory, {1}, {300}, {0.5F}); }, {"tokens[0]", "300"});
+  expect_invalid([&] { observe(memory, {1}, {3, 3}, {0.5F, 0.2F}); }, {"tokens[1]", "repeats"});
+  expect_invalid([&] { observe(memory, {1}, {3}, {1.5F}); }, {"probabilities[0]", "1.5"});
+  expect_invalid([&] { observe(memory, {}, {3}, {0.5F}); }, {"context", "empty"});
+  expect_invalid([] { ProbabilisticNGramStorage(32000, 9); }, {"max_context", "[1, 8]", "9"});
+  expect_invalid([&] { memory.merge(ProbabilisticNGramStorage(300, 3)); }, {"merge", "max_context"});
+}
+
+TEST(TreeAttention, DepthAndVisibilityFollowTheParents) {
+  const std::vector<int64_t> parents{-1, 0, 0, 1, -1};
+  const TreeAttention t = tree_attention(parents, 5);
+  EXPECT_EQ(std::vector<int64_t>(t.depth.data_ptr<int64_t>(), t.depth.data_ptr<int64_t>() + 5),
+            (std::vector<int64_t>{0, 1, 1, 2, 0}));
+  const at::Tensor expected = at::tensor(std::vector<int64_t>{1, 0, 0, 0, 0,  //
+                                                              1, 1, 0, 0, 0,  //
+                                                              1, 0, 1, 0, 0,  //
+                                                              1, 1, 0, 1, 0,  //
+                                                              0, 0, 0, 0, 1})
+                                  .view({5, 5})
+                                  .to(at::kBool);
+  EXPECT_TRUE(at::equal(t.visible, expected));
+  expect_invalid([] { (void)tree_attention(std::vector<int64_t>{-1, 1}, 2); }, {"parents[1]", "1"});
+  expect_invalid([] { (void)tree_attention(std::vector<int64_t>{-1}, 2); }, {"parents", "2"});
+}
+
+// Every node's ancestors come first, and the template is closed under ancestors by construction.
+void expect_well_formed(const TreeTemplate& t) {
+  for (int64_t i = 0; i < t.size(); ++i) {
+    EXPECT_LT(t.parent(i), i);
+    EXPECT_EQ(t.depth(i), t.parent(i) < 0 ? 1 : t.depth(t.parent(i)) + 1);
+  }
+}
+
+TEST(TreeTemplate, ShapesAreBoundedAsAsked) {
+  const TreeTemplate chain = TreeTemplate::chain(5);
+  EXPECT_EQ(chain.size(), 5);
+  EXPECT_EQ(chain.max_depth(), 5);
+  const TreeTemplate full = TreeTemplate::full(5, 4);
+  EXPECT_EQ(full.size(), 5 + 25 + 125 + 625);
+  EXPECT_EQ(full.children(-1).size(), 5u);
+  expect_well_formed(full);
+  const TreeTemplate tree = TreeTemplate::default_tree();
+  EXPECT_EQ(tree.size(), 64);
+  EXPECT_LE(tree.max_depth(), 12);
+  expect_well_formed(tree);
+  // Deep along the most likely path: the rank-0 chain is the deepest branch.
+  int64_t node = tree.children(-1)[0], depth = 1;
+  while (!tree.children(node).empty()) node = tree.children(node)[0], ++depth;
+  EXPECT_EQ(depth, tree.max_depth());
+  EXPECT_GT(tree.children(-1).size(), 2u);  // and wide at the top
+  // best_first with one rank is a chain.
+  const std::vector<double> one{0.5};
+  EXPECT_EQ(TreeTemplate::best_first(6, one).max_depth(), 6);
+  expect_invalid([] { (void)TreeTemplate(std::vector<int64_t>{0}); }, {"parents[0]", "0"});
+  expect_invalid([] { (void)TreeTemplate::chain(0); }, {"depth", "0"});
+  const std::vector<double> bad{0.5, 1.5};
+  expect_invalid([&] { (void)TreeTemplate::best_first(4, bad); }, {"rank_acceptance[1]", "1.5"});
+}
+
+TEST(TreeTemplate, LearnedTemplateKeepsTheMostAcceptedNodesClosedUnderAncestors) {
+  const TreeTemplate full = TreeTemplate::full(3, 3);  // 39 nodes
+  std::vector<int64_t> counts(static_cast<size_t>(full.size()), 0);
+  // Node 0's subtree is accepted often; a deep node under node 2 is accepted more than its parent
+  // would suggest, which must not bring it in without its ancestors.
+  const int64_t deep = full.children(full.children(2)[1])[0];
+  counts[0] = 100;
+  counts[static_cast<size_t>(full.children(0)[0])] = 80;
+  counts[static_cast<size_t>(full.children(0)[1])] = 30;
+  counts[static_cast<size_t>(deep)] = 90;
+  counts[2] = 5;
+  counts[static_cast<size_t>(full.children(2)[1])] = 1;
+  for (const int64_t k : {1, 3, 5, 8}) {
+    const TreeTemplate learned = full.learned(counts, k);
+    EXPECT_EQ(learned.size(), k);
+    expect_well_formed(learned);
+  }
+  // With 3 nodes: 0, its rank-0 child and rank-1 child (100, 80, 30) — not the deep one.
+  const TreeTemplate three = full.learned(counts, 3);
+  EXPECT_EQ(std::vector<int64_t>(three.parents().begin(), three.parents().end()), (std::vector<int64_t>{-1, 0, 0}));
+  // With 6: node 2 (5), then its child (1), then the deep node (90) only after both.
+  const TreeTemplate six = full.learned(counts, 6);
+  EXPECT_EQ(six.max_depth(), 3);
+  expect_invalid([&] { (void)full.learned(counts, 40); }, {"nodes", "40"});
+  expect_invalid([&] { (void)full.learned(std::vector<int64_t>(3, 0), 2); }, {"accepted_counts", "3"});
+}
+
+// --- Exactness --------------------------------------------------------------------------------
+
+at::Tensor rows_of(std::vector<std::vector<double>> rows) {
+  std::vector<at::Tensor> tensors;
+  for (auto& row : rows) tensors.push_back(at::tensor(row, at::kDouble));
+  return at::stack(tensors);
+}
+const at::Tensor& target_rows() {
+  static const at::Tensor t = rows_of({{.1, .2, .3, .4}, {.4, .3, .2, .1}, {.2, .3, .26, .24}, {.12, .5, .08, .3}});
+  return t;
+}
+// The memory's distributions: different from the target's, so rejections and residuals matter.
+const at::Tensor& memory_rows() {
+  static const at::Tensor t = rows_of({{.4, .3, .2, .1}, {.1, .1, .4, .4}, {.7, .1, .1, .1}, {.25, .25, .25, .25}});
+  return t;
+}
+
+ProbabilisticNGramStorage markov_memory() {
+  ProbabilisticNGramStorage memory(4, 1);
+  for (int64_t t = 0; t < 4; ++t) {
+    std::vector<float> probabilities;
+    for (int64_t v = 0; v < 4; ++v) probabilities.push_back(static_cast<float>(memory_rows()[t][v].item<double>()));
+    observe(memory, {t}, {0, 1, 2, 3}, probabilities);
+  }
+  return memory;
+}
+
+// Three children at the root, two below each, one below those.
+TreeTemplate small_tree() { return TreeTemplate({-1, -1, -1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7, 8}); }
+
+template <class P>
+test::ChiSquare stand_fit(const P& processor, bool stochastic, specdec::detail::TreeVerification variant, int64_t samples,
+                          int64_t* accepted = nullptr) {
+  test::MarkovModel target(target_rows());
+  ProbabilisticNGramStorage memory = markov_memory();
+  const std::vector<int64_t> prompt{0};
+  std::map<std::vector<int64_t>, int64_t> observed;
+  StandOptions options{.max_new_tokens = 3, .tree = small_tree(), .stochastic = stochastic, .learn = false};
+  for (int64_t i = 0; i < samples; ++i) {
+    options.seed = static_cast<uint64_t>(5000 + i);
+    const auto result = specdec::detail::stand_generate_impl(memory, target, prompt, options, processor, variant);
+    ++observed[result.tokens];
+    if (accepted != nullptr) *accepted += result.stats.accepted;
+  }
+  const at::Tensor step = processor(target.logits()).to(at::kDouble);
+  std::map<std::vector<int64_t>, double> expected;
+  for (int64_t a = 0; a < 4; ++a) {
+    for (int64_t b = 0; b < 4; ++b) {
+      for (int64_t c = 0; c < 4; ++c) {
+        expected[{a, b, c}] = (step[0][a] * step[a][b] * step[b][c]).template item<double>();
+      }
+    }
+  }
+  return test::chi_square(observed, expected, samples);
+}
+
+template <class P>
+void expect_exact(const P& processor, bool stochastic) {
+  constexpr int64_t kSamples = 8000;
+  int64_t accepted = 0;
+  const auto fit = stand_fit(processor, stochastic, specdec::detail::TreeVerification::exact, kSamples, &accepted);
+  EXPECT_EQ(fit.outside_support, 0) << processor;
+  EXPECT_GE(fit.min_expected, 5.0);
+  EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, kZ)) << processor << " stochastic " << stochastic;
+  EXPECT_GT(accepted, kSamples / 2);  // trees were accepted into, not just sampled past
+}
+
+TEST(StandDistribution, GumbelTreesEqualTheTargetUnderMultinomialAndTopK) {
+  expect_exact(MultinomialProcessor{}, true);
+  expect_exact(TopKProcessor{3}, true);
+}
+
+TEST(StandDistribution, DeterministicTreesEqualTheTarget) { expect_exact(MultinomialProcessor{}, false); }
+
+TEST(StandDistribution, TheHarnessDetectsSiblingsVerifiedWithReplacementOrWithoutResidual) {
+  constexpr int64_t kSamples = 8000;
+  for (const auto variant : {specdec::detail::TreeVerification::with_replacement, specdec::detail::TreeVerification::skip_residual}) {
+    const auto fit = stand_fit(MultinomialProcessor{}, true, variant, kSamples);
+    EXPECT_GT(fit.statistic, test::chi_square_quantile(fit.dof, kZ)) << static_cast<int>(variant);
+  }
+}
+
+// --- Greedy equality and generation -------------------------------------------------------------
+
+const std::vector<int64_t> kPrompt{1, 7, 3, 22, 5};
+
+template <class Cache>
+void expect_greedy_equal(bool use_cache, bool stochastic) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<Cache> target(config, weights);
+  models::LlamaModel<Cache> other(config, test::perturbed(weights, 0.3, 4));
+  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = 40});
+  // A memory of a different model's greedy choices: some drafts right, some wrong.
+  ProbabilisticNGramStorage memory(config.vocab_size, 3);
+  (void)stand_generate(memory, other, kPrompt, {.max_new_tokens = 40});
+  const StandOptions options{.max_new_tokens = 40, .use_cache = use_cache, .stochastic = stochastic};
+  const auto first = stand_generate(memory, target, kPrompt, options);
+  EXPECT_EQ(first.tokens, reference.tokens);
+  EXPECT_GT(first.stats.accepted, 0);
+  // The second trajectory drafts from what the first one taught the memory.
+  const auto second = stand_generate(memory, target, kPrompt, options);
+  EXPECT_EQ(second.tokens, reference.tokens);
+  EXPECT_GT(second.stats.tokens_per_target_call(), first.stats.tokens_per_target_call());
+}
+
+TEST(StandGenerate, GreedyEqualsAutoregressiveWithBothCachesWithAndWithoutCaching) {
+  for (const bool stochastic : {true, false}) {
+    expect_greedy_equal<DynamicKVCache>(true, stochastic);
+    expect_greedy_equal<StaticKVCache>(true, stochastic);
+    expect_greedy_equal<StaticKVCache>(false, stochastic);
+  }
+}
+
+TEST(StandGenerate, CountsAcceptedTemplateNodesAndRespectsMaxDepth) {
+  const models::LlamaConfig config = test::small_llama_config();
+  models::LlamaModel<StaticKVCache> target(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  ProbabilisticNGramStorage memory(config.vocab_size, 3);
+  std::vector<int64_t> counts;
+  int64_t longest = 0;
+  StandOptions options{.max_new_tokens = 40, .on_step = [&](const StepInfo& step) {
+                         longest = std::max(longest, step.accepted);
+                         EXPECT_LE(step.gamma, 64);
+                       }, .max_depth = 3, .node_acceptances = &counts};
+  const auto runs = stand_generate_trajectories(memory, target, kPrompt, 3, options);
+  ASSERT_EQ(runs.size(), 3u);
+  EXPECT_EQ(runs[1].tokens, runs[0].tokens);
+  EXPECT_EQ(longest, 3);
+  ASSERT_EQ(static_cast<int64_t>(counts.size()), options.tree.size());
+  int64_t total = 0;
+  for (const int64_t c : counts) total += c;
+  EXPECT_EQ(total, runs[0].stats.accepted + runs[1].stats.accepted + runs[2].stats.accepted);
+  // Only nodes within depth 3 were ever accepted; a learned template keeps them.
+  for (int64_t i = 0; i < options.tree.size(); ++i) {
+    if (options.tree.depth(i) > 3) {
+      EXPECT_EQ(counts[static_cast<size_t>(i)], 0);
+    }
+  }
+  const auto positive = std::count_if(counts.begin(), counts.end(), [](int64_t c) { return c > 0; });
+  ASSERT_GE(positive, 3);
+  const TreeTemplate learned = options.tree.learned(counts, positive);
+  EXPECT_EQ(learned.size(), positive);
+  EXPECT_EQ(learned.max_depth(), 3);
+}
+
+TEST(StandGenerate, EndTokenInsideAnAcceptedPathEndsGeneration) {
+  // Greedy runs 0 -> 1 -> 2 -> 3 -> 0 -> ...; once the memory knows it, one tree holds the cycle.
+  test::MarkovModel target(rows_of({{.1, .6, .2, .1}, {.1, .1, .6, .2}, {.2, .1, .1, .6}, {.6, .2, .1, .1}}));
+  ProbabilisticNGramStorage memory(4, 2);
+  const std::vector<int64_t> prompt{0};
+  const auto taught = stand_generate(memory, target, prompt, {.max_new_tokens = 12});
+  EXPECT_EQ(taught.tokens, (std::vector<int64_t>{1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0}));
+  const auto result = stand_generate(memory, target, prompt, {.max_new_tokens = 12, .eos_token_ids = {0}});
+  EXPECT_EQ(result.tokens, (std::vector<int64_t>{1, 2, 3, 0}));
+  EXPECT_EQ(result.stats.target_calls, 1);
+}
+
+TEST(StandGenerate, RejectsBadInputNamingIt) {
+  test::MarkovModel target(target_rows());
+  ProbabilisticNGramStorage memory(4, 2);
+  ProbabilisticNGramStorage wrong(5, 2);
+  const std::vector<int64_t> prompt{0};
+  expect_invalid([&] { (void)stand_generate(wrong, target, prompt); }, {"memory.vocab_size()", "4", "5"});
+  expect_invalid([&] { (void)stand_generate(memory, target, prompt, {.max_depth = -1}); }, {"max_depth", "-1"});
+  std::vector<int64_t> counts(3, 0);
+  expect_invalid([&] { (void)stand_generate(memory, target, prompt, {.node_acceptances = &counts}); },
+                 {"node_acceptances", "3"});
+  expect_invalid([&] { (void)stand_generate_trajectories(memory, target, prompt, 0); }, {"trajectories", "0"});
+  expect_invalid([&] { (void)stand_generate(memory, target, std::vector<int64_t>{9}); }, {"prompt[0]", "9"});
+}
+
+TEST(StandGenerate, StoriesGreedyEqualsAutoregressiveAndDraftsFromSharedMemory) {
+  SPECDEC_REQUIRE_MODEL(path, "stories260K/stories260K.bin");
+  SPECDEC_REQUIRE_MODEL(tokenizer_path, "stories260K/tok512.bin");
+  const auto checkpoint = io::load_llama(path);
+  models::LlamaModel<StaticKVCache> target(checkpoint.config, checkpoint.weights);
+  const auto prompt = io::Llama2cTokenizer::load(tokenizer_path, 512).encode("Once upon a time");
+  const auto reference = autoregressive_generate(target, prompt, {.max_new_tokens = 100});
+  ProbabilisticNGramStorage memory(target.vocab_size(), 3);
+  const auto runs = stand_generate_trajectories(memory, target, prompt, 2, {.max_new_tokens = 100});
+  EXPECT_EQ(runs[0].tokens, reference.tokens);
+  EXPECT_EQ(runs[1].tokens, reference.tokens);
+  std::cout << "stories260K STAND greedy: " << runs[0].stats.tokens_per_target_call() << " then "
+            << runs[1].stats.tokens_per_target_call() << " tokens per target call\n";
+  EXPECT_GT(runs[1].stats.tokens_per_target_call(), 3.0);
+}
+
+}  // namespace
