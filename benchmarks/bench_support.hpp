@@ -30,26 +30,10 @@ Baseline autoregressive_baseline(M& model, std::span<const int64_t> prompt, int6
   (void)autoregressive_generate(model, prompt, {.max_new_tokens = 8});
   GenerationStats total;
   for (int i = 0; i < 3; ++i) {
-    const auto s = autoregressive_generate(model, prompt, {.max_new_tokens = new_tokens}).stats;
-    total.generated += s.generated;
-    total.target_calls += s.target_calls;
-    total.total_seconds += s.total_seconds;
-    total.target_seconds += s.target_seconds;
+    total += autoregressive_generate(model, prompt, {.max_new_tokens = new_tokens}).stats;
   }
   return measured[&model] = Baseline{total.total_seconds / static_cast<double>(total.generated),
                                      total.target_seconds / static_cast<double>(total.target_calls)};
-}
-
-inline void add(GenerationStats& total, const GenerationStats& s) {
-  total.generated += s.generated;
-  total.drafted += s.drafted;
-  total.accepted += s.accepted;
-  total.steps += s.steps;
-  total.target_calls += s.target_calls;
-  total.drafter_calls += s.drafter_calls;
-  total.total_seconds += s.total_seconds;
-  total.target_seconds += s.target_seconds;
-  total.drafter_seconds += s.drafter_seconds;
 }
 
 // Expected speedup of Leviathan et al. (2023) for acceptance alpha, gamma drafts and cost ratio c:
@@ -65,7 +49,7 @@ void measure_autoregressive(benchmark::State& state, T& target, std::span<const 
                             int64_t new_tokens) {
   GenerationStats total;
   for (auto _ : state) {
-    for (const auto& prompt : prompts) add(total, autoregressive_generate(target, prompt, {.max_new_tokens = new_tokens}).stats);
+    for (const auto& prompt : prompts) total += autoregressive_generate(target, prompt, {.max_new_tokens = new_tokens}).stats;
   }
   state.counters["tokens_per_second"] = static_cast<double>(total.generated) / total.total_seconds;
   state.counters["target_ms_per_call"] = 1e3 * total.target_seconds / static_cast<double>(total.target_calls);
@@ -89,7 +73,7 @@ void measure_speculative(benchmark::State& state, D& drafter, T& target,
   for (auto _ : state) {
     for (const auto& prompt : prompts) {
       options.seed = seed++;
-      add(total, speculative_generate(drafter, target, prompt, options, processor).stats);
+      total += speculative_generate(drafter, target, prompt, options, processor).stats;
     }
   }
   const double seconds_per_token = total.total_seconds / static_cast<double>(total.generated);
@@ -115,7 +99,7 @@ double autoregressive_seconds_per_token(T& target, std::span<const std::vector<i
   const auto key = std::make_pair(static_cast<const void*>(&target), static_cast<const void*>(prompts.data()));
   if (auto it = measured.find(key); it != measured.end()) return it->second;
   GenerationStats total;
-  for (const auto& prompt : prompts) add(total, autoregressive_generate(target, prompt, {.max_new_tokens = new_tokens}).stats);
+  for (const auto& prompt : prompts) total += autoregressive_generate(target, prompt, {.max_new_tokens = new_tokens}).stats;
   return measured[key] = total.total_seconds / static_cast<double>(total.generated);
 }
 
@@ -129,7 +113,7 @@ void measure_ngram(benchmark::State& state, MakeDrafter make_drafter, T& target,
   for (auto _ : state) {
     for (const auto& prompt : prompts) {
       auto drafter = make_drafter();
-      add(total, ngram_assisted_generate(drafter, target, prompt, {.max_new_tokens = new_tokens, .gamma = gamma}).stats);
+      total += ngram_assisted_generate(drafter, target, prompt, {.max_new_tokens = new_tokens, .gamma = gamma}).stats;
     }
   }
   const double seconds_per_token = total.total_seconds / static_cast<double>(total.generated);

@@ -41,10 +41,13 @@ models
   --drafter PATH         drafter, same formats (default: the bundled drafter)
   --tokenizer PATH       llama2.c tokenizer file; without it the models are byte-level
 decoding
-  --mode MODE            speculative (default), autoregressive, ngram, prompt-lookup or beam
+  --mode MODE            speculative (default), autoregressive, ngram, prompt-lookup, stand or beam
+  --trajectories N       --mode stand: sample N generations of the prompt sharing one memory
+  --deterministic        --mode stand: draft the memory's most probable tokens, not Gumbel draws
+  --tree-nodes N         --mode stand: nodes of the default tree template (default 64)
   --ngram-order N        n of the n-gram storage for --mode ngram (default 3)
   --filler K             teach the storage the target's top-K per position (default 3; 1 = off)
-  --storage FILE         start --mode ngram from a storage saved with --save-storage
+  --storage FILE         start --mode ngram or stand from a storage saved with --save-storage
   --save-storage FILE    save the n-gram storage after generating
   --num-beams N          beams for --mode beam (default 4)
   --length-penalty A     beam score = log-probability / length^A (default 1)
@@ -95,6 +98,9 @@ struct Arguments {
   std::vector<double> thresholds{0.15, 0.2, 0.25, 0.3, 0.35};
   double target_acceptance = 0.7;
   int64_t num_beams = 4;
+  int64_t trajectories = 1;
+  bool deterministic = false;
+  int64_t tree_nodes = 64;
   int64_t ngram_order = 3;
   int64_t filler = 3;
   std::string storage, save_storage;
@@ -125,6 +131,7 @@ Arguments parse(int argc, char** argv) {
     if (flag == "--trace") { a.trace = true; continue; }
     if (flag == "--json") { a.json = true; continue; }
     if (flag == "--calibrate") { a.calibrate = true; continue; }
+    if (flag == "--deterministic") { a.deterministic = true; continue; }
     if (i + 1 >= argc) throw std::invalid_argument(std::string(flag) + " needs a value (see --help)");
     const std::string v = argv[++i];
     if (flag == "--target") a.target = v;
@@ -145,6 +152,8 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--thresholds") a.thresholds = parse_list(v);
     else if (flag == "--target-acceptance") a.target_acceptance = std::stod(v);
     else if (flag == "--num-beams") a.num_beams = std::stoll(v);
+    else if (flag == "--trajectories") a.trajectories = std::stoll(v);
+    else if (flag == "--tree-nodes") a.tree_nodes = std::stoll(v);
     else if (flag == "--ngram-order") a.ngram_order = std::stoll(v);
     else if (flag == "--filler") a.filler = std::stoll(v);
     else if (flag == "--storage") a.storage = v;
@@ -159,9 +168,11 @@ Arguments parse(int argc, char** argv) {
     else throw std::invalid_argument("unknown option " + std::string(flag) + " (see --help)");
   }
   if (a.mode != "speculative" && a.mode != "autoregressive" && a.mode != "beam" && a.mode != "ngram" &&
-      a.mode != "prompt-lookup") {
-    throw std::invalid_argument("--mode must be speculative, autoregressive, ngram, prompt-lookup or beam, got " + a.mode);
+      a.mode != "prompt-lookup" && a.mode != "stand") {
+    throw std::invalid_argument("--mode must be speculative, autoregressive, ngram, prompt-lookup, stand or beam, got " +
+                                a.mode);
   }
+  if (a.trajectories < 1) throw std::invalid_argument("--trajectories must be >= 1, got " + std::to_string(a.trajectories));
   if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
   if (a.gamma_policy != "fixed" && a.gamma_policy != "egag" && a.gamma_policy != "schedule") {
     throw std::invalid_argument("--gamma-policy must be fixed, egag or schedule, got " + a.gamma_policy);
@@ -256,6 +267,82 @@ int run_beam(const Arguments& a, Model& target, const Text& text, const std::vec
   return 0;
 }
 
+// --mode stand: N trajectories of the prompt, one after another, sharing one memory; each is
+// printed when done, with its tokens per target call (which grow as the memory learns).
+int run_stand(const Arguments& a, Model& target, const Text& text, const std::vector<int64_t>& prompt,
+              const std::vector<int64_t>& eos, const Processor& processor) {
+  ProbabilisticNGramStorage memory = a.storage.empty() ? ProbabilisticNGramStorage(target.vocab_size(), 3)
+                                                       : ProbabilisticNGramStorage::load(a.storage);
+  if (memory.vocab_size() != target.vocab_size()) {
+    throw std::invalid_argument("--storage was built for vocabulary " + std::to_string(memory.vocab_size()) +
+                                ", the target has " + std::to_string(target.vocab_size()));
+  }
+  static const std::vector<double> kRankAcceptance{0.55, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01};
+  const StandOptions options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed,
+                             .tree = TreeTemplate::best_first(a.tree_nodes, kRankAcceptance, 12),
+                             .stochastic = !a.deterministic};
+  const auto decode = [&](const std::vector<int64_t>& tokens) {
+    std::string out;
+    int64_t previous = prompt.back();
+    for (const int64_t t : tokens) out += text.piece(previous, t), previous = t;
+    return out;
+  };
+  nlohmann::json runs = nlohmann::json::array();
+  GenerationStats stand_total, baseline_total;
+  bool identical = true;
+  if (!a.json) {
+    std::cout << "mode: stand, " << a.trajectories << " trajectories, " << options.tree
+              << (a.deterministic ? ", deterministic drafting" : ", Gumbel drafting") << "\n";
+  }
+  for (int64_t i = 0; i < a.trajectories; ++i) {
+    StandOptions run = options;
+    run.seed = a.seed + static_cast<uint64_t>(i);
+    const GenerationResult result =
+        std::visit([&](const auto& p) { return stand_generate(memory, target, prompt, run, p); }, processor);
+    stand_total += result.stats;
+    std::optional<GenerationResult> baseline;
+    if (a.compare) {
+      baseline = std::visit([&](const auto& p) {
+        return autoregressive_generate(target, prompt, {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                                        .seed = run.seed}, p);
+      }, processor);
+      baseline_total += baseline->stats;
+      identical = identical && baseline->tokens == result.tokens;
+    }
+    const GenerationStats& s = result.stats;
+    if (a.json) {
+      runs.push_back({{"text", decode(result.tokens)}, {"stats", stats_json(s)}});
+      continue;
+    }
+    std::cout << std::fixed << std::setprecision(2) << "\n--- trajectory " << i + 1 << ": " << s.generated
+              << " tokens, " << s.tokens_per_target_call() << " tokens per target call, "
+              << s.generated / s.total_seconds << " tokens/s\n"
+              << std::defaultfloat << a.prompt << decode(result.tokens) << "\n";
+  }
+  if (!a.save_storage.empty()) memory.save(a.save_storage);
+  if (a.json) {
+    nlohmann::json out{{"mode", "stand"}, {"trajectories", runs}, {"stats", stats_json(stand_total)},
+                       {"memory_contexts", memory.size()}, {"memory_bytes", memory.memory_bytes()}};
+    if (a.compare) {
+      out["autoregressive"] = stats_json(baseline_total);
+      out["speedup"] = baseline_total.total_seconds / stand_total.total_seconds;
+      out["identical_to_autoregressive"] = identical;
+    }
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << std::fixed << std::setprecision(2) << "\nall trajectories: " << stand_total.generated << " tokens in "
+            << stand_total.total_seconds << " s: " << stand_total.generated / stand_total.total_seconds
+            << " tokens/s; " << stand_total.tokens_per_target_call() << " tokens per target call; memory "
+            << memory.size() << " contexts, " << memory.memory_bytes() / 1024 << " KiB\n";
+  if (a.compare) {
+    std::cout << "autoregressive: " << baseline_total.generated / baseline_total.total_seconds << " tokens/s; speedup "
+              << baseline_total.total_seconds / stand_total.total_seconds
+              << "x; output identical: " << (identical ? "yes" : "no") << "\n";
+  }
+  return 0;
+}
+
 // --calibrate: the threshold grid on the dev prompts, printed as a table (or kept for --json).
 CalibrationResult calibrate(const Arguments& a, Model& drafter, Model& target, const Text& text,
                             const std::vector<int64_t>& prompt, const SpeculativeOptions& options,
@@ -300,6 +387,7 @@ int run(const Arguments& a) {
   std::vector<int64_t> eos = a.eos;
   if (eos.empty() && text.llama2c()) eos.push_back(io::Llama2cTokenizer::kEos);
   if (a.mode == "beam") return run_beam(a, target, text, prompt, eos);
+  if (a.mode == "stand") return run_stand(a, target, text, prompt, eos, make_processor(a));
   if (a.mode == "speculative") {
     const io::LlamaCheckpoint drafter_checkpoint = io::load_llama(a.drafter);
     drafter.emplace(drafter_checkpoint.config, drafter_checkpoint.weights);

@@ -412,10 +412,7 @@ TEST(BundledPair, GreedyOnHeldOutTextEqualsAutoregressiveAtTwoOrMoreTokensPerTar
     const auto prompt = bytes.encode(prompt_text);
     const auto result = speculative_generate(drafter, target, prompt, {.max_new_tokens = 128, .gamma = 4});
     EXPECT_EQ(result.tokens, autoregressive_generate(target, prompt, {.max_new_tokens = 128}).tokens);
-    total.generated += result.stats.generated;
-    total.target_calls += result.stats.target_calls;
-    total.drafted += result.stats.drafted;
-    total.accepted += result.stats.accepted;
+    total += result.stats;
   }
   std::cout << "bundled pair, held-out text, gamma 4: " << total.tokens_per_target_call()
             << " tokens per target call, acceptance rate " << total.acceptance_rate() << "\n";

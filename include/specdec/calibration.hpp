@@ -71,16 +71,7 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
     run.threshold = threshold;
     GenerationStats sum;
     for (const auto& prompt : prompts) {
-      const GenerationStats s = speculative_generate(drafter, target, prompt, run, processor).stats;
-      sum.drafted += s.drafted;
-      sum.accepted += s.accepted;
-      sum.target_calls += s.target_calls;
-      sum.drafter_calls += s.drafter_calls;
-      sum.steps += s.steps;
-      sum.generated += s.generated;
-      sum.total_seconds += s.total_seconds;
-      sum.target_seconds += s.target_seconds;
-      sum.drafter_seconds += s.drafter_seconds;
+      sum += speculative_generate(drafter, target, prompt, run, processor).stats;
     }
     result.points.push_back({threshold, sum.acceptance_rate(), sum.tokens_per_target_call(),
                              sum.total_seconds, sum});

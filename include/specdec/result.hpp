@@ -19,6 +19,20 @@ struct GenerationStats {
   double target_seconds = 0;  // wall time inside target forward calls
   double drafter_seconds = 0; // wall time inside drafter forward calls
 
+  // Adds another generation's counters and times: totals over several calls.
+  GenerationStats& operator+=(const GenerationStats& other) noexcept {
+    drafted += other.drafted;
+    accepted += other.accepted;
+    target_calls += other.target_calls;
+    drafter_calls += other.drafter_calls;
+    steps += other.steps;
+    generated += other.generated;
+    total_seconds += other.total_seconds;
+    target_seconds += other.target_seconds;
+    drafter_seconds += other.drafter_seconds;
+    return *this;
+  }
+
   // accepted / drafted; 0 when nothing was drafted.
   [[nodiscard]] double acceptance_rate() const noexcept {
     return drafted == 0 ? 0.0 : static_cast<double>(accepted) / static_cast<double>(drafted);
