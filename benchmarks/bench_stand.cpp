@@ -6,13 +6,13 @@
 // Every method starts each benchmark iteration with an empty memory.
 //
 // Counters: tokens_per_second, tokens_per_target_call, acceptance_length (accepted drafts per
-// target call), speedup (against autoregressive decoding of the same trajectories, measured in
-// this run), target_ms_per_call and library_ms_per_step (time outside the target's forwards).
+// target call), speedup (against autoregressive decoding of the same trajectories, run just
+// before in each iteration), target_ms_per_call and library_ms_per_step (time outside the
+// target's forwards).
 #include <benchmark/benchmark.h>
 
 #include <cstdlib>
 #include <filesystem>
-#include <map>
 #include <optional>
 #include <string>
 
@@ -109,25 +109,27 @@ GenerationStats run(Method method, int64_t trajectories, const P& processor) {
   return total;
 }
 
+// Each iteration runs autoregressive decoding of the same trajectories right before the method,
+// so that the speedup compares runs made seconds apart (this machine's speed drifts by tens of
+// percent over minutes).
 template <class P>
 void measure(benchmark::State& state, Method method, const P& processor) {
   Stories& s = stories();
   if (!s.target) return state.SkipWithError(s.missing.c_str());
   const int64_t trajectories = state.range(0);
-  // The baseline of the same trajectories, once per (processor, trajectories).
-  static std::map<int64_t, double> baseline;
-  if (!baseline.count(trajectories)) {
-    const GenerationStats b = run(Method::autoregressive, trajectories, processor);
-    baseline[trajectories] = b.total_seconds / static_cast<double>(b.generated);
-  }
   if (method == Method::stand_learned) (void)learned_template();
-  GenerationStats total;
-  for (auto _ : state) total += run(method, trajectories, processor);
+  GenerationStats total, baseline;
+  for (auto _ : state) {
+    state.PauseTiming();
+    baseline += run(Method::autoregressive, trajectories, processor);
+    state.ResumeTiming();
+    total += run(method, trajectories, processor);
+  }
   const double seconds_per_token = total.total_seconds / static_cast<double>(total.generated);
   state.counters["tokens_per_second"] = 1.0 / seconds_per_token;
   state.counters["tokens_per_target_call"] = total.tokens_per_target_call();
   state.counters["acceptance_length"] = static_cast<double>(total.accepted) / static_cast<double>(total.target_calls);
-  state.counters["speedup"] = baseline[trajectories] / seconds_per_token;
+  state.counters["speedup"] = baseline.total_seconds / static_cast<double>(baseline.generated) / seconds_per_token;
   state.counters["target_ms_per_call"] = 1e3 * total.target_seconds / static_cast<double>(total.target_calls);
   state.counters["library_ms_per_step"] = 1e3 * total.library_seconds() / static_cast<double>(total.steps);
 }
@@ -136,18 +138,16 @@ void BM_Greedy(benchmark::State& state, Method method) { measure(state, method, 
 void BM_Sampled(benchmark::State& state, Method method) { measure(state, method, MultinomialProcessor{1.0}); }
 
 #define SPECDEC_STAND_BENCHMARKS(function)                                                             \
-  BENCHMARK_CAPTURE(function, autoregressive, Method::autoregressive)->Arg(1)->Arg(4)->Arg(8)->Arg(16)  \
-      ->Unit(benchmark::kMillisecond)->Iterations(1);                                                   \
   BENCHMARK_CAPTURE(function, nasd, Method::nasd)->Arg(1)->Arg(4)->Arg(8)->Arg(16)                      \
-      ->Unit(benchmark::kMillisecond)->Iterations(1);                                                   \
+      ->Unit(benchmark::kMillisecond)->Iterations(2);                                                   \
   BENCHMARK_CAPTURE(function, prompt_lookup, Method::prompt_lookup)->Arg(1)->Arg(4)->Arg(8)->Arg(16)    \
-      ->Unit(benchmark::kMillisecond)->Iterations(1);                                                   \
+      ->Unit(benchmark::kMillisecond)->Iterations(2);                                                   \
   BENCHMARK_CAPTURE(function, stand_gumbel, Method::stand_gumbel)->Arg(1)->Arg(4)->Arg(8)->Arg(16)      \
-      ->Unit(benchmark::kMillisecond)->Iterations(1);                                                   \
+      ->Unit(benchmark::kMillisecond)->Iterations(2);                                                   \
   BENCHMARK_CAPTURE(function, stand_deterministic, Method::stand_deterministic)                        \
-      ->Arg(1)->Arg(4)->Arg(8)->Arg(16)->Unit(benchmark::kMillisecond)->Iterations(1);                  \
+      ->Arg(1)->Arg(4)->Arg(8)->Arg(16)->Unit(benchmark::kMillisecond)->Iterations(2);                  \
   BENCHMARK_CAPTURE(function, stand_learned, Method::stand_learned)->Arg(1)->Arg(4)->Arg(8)->Arg(16)    \
-      ->Unit(benchmark::kMillisecond)->Iterations(1)
+      ->Unit(benchmark::kMillisecond)->Iterations(2)
 
 SPECDEC_STAND_BENCHMARKS(BM_Greedy);
 SPECDEC_STAND_BENCHMARKS(BM_Sampled);
