@@ -15,6 +15,7 @@
 #include "specdec/models/llama.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
+#include "support/markov_fixtures.hpp"
 #include "support/toy_models.hpp"
 
 namespace {
@@ -26,22 +27,9 @@ using test::PrefixHashModel;
 
 const std::vector<int64_t> kPrompt{1, 7, 3, 22, 5};
 
-at::Tensor rows_of(std::vector<std::vector<double>> rows) {
-  std::vector<at::Tensor> tensors;
-  for (auto& row : rows) tensors.push_back(at::tensor(row, at::kDouble));
-  return at::stack(tensors);
-}
-
-// The target and drafter Markov chains of the distribution tests: rows of different entropy and
-// top probability.
-const at::Tensor& target_rows() {
-  static const at::Tensor t = rows_of({{.1, .2, .3, .4}, {.4, .3, .2, .1}, {.2, .3, .26, .24}, {.12, .5, .08, .3}});
-  return t;
-}
-const at::Tensor& drafter_rows() {
-  static const at::Tensor t = rows_of({{.4, .3, .2, .1}, {.1, .1, .4, .4}, {.7, .1, .1, .1}, {.25, .25, .25, .25}});
-  return t;
-}
+using test::rows_of;
+const at::Tensor& target_rows() { return test::markov_target_rows(); }
+const at::Tensor& drafter_rows() { return test::markov_drafter_rows(); }
 
 // Normalised entropy and top probability of a row of probabilities, in double precision.
 double normalised_entropy(const at::Tensor& row) {

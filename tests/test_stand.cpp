@@ -18,6 +18,7 @@
 #include "specdec/stand.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
+#include "support/markov_fixtures.hpp"
 #include "support/models_dir.hpp"
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
@@ -232,20 +233,11 @@ TEST(TreeTemplate, LearnedTemplateKeepsTheMostAcceptedNodesClosedUnderAncestors)
 
 // --- Exactness --------------------------------------------------------------------------------
 
-at::Tensor rows_of(std::vector<std::vector<double>> rows) {
-  std::vector<at::Tensor> tensors;
-  for (auto& row : rows) tensors.push_back(at::tensor(row, at::kDouble));
-  return at::stack(tensors);
-}
-const at::Tensor& target_rows() {
-  static const at::Tensor t = rows_of({{.1, .2, .3, .4}, {.4, .3, .2, .1}, {.2, .3, .26, .24}, {.12, .5, .08, .3}});
-  return t;
-}
-// The memory's distributions: different from the target's, so rejections and residuals matter.
-const at::Tensor& memory_rows() {
-  static const at::Tensor t = rows_of({{.4, .3, .2, .1}, {.1, .1, .4, .4}, {.7, .1, .1, .1}, {.25, .25, .25, .25}});
-  return t;
-}
+using test::rows_of;
+const at::Tensor& target_rows() { return test::markov_target_rows(); }
+// The memory's distributions: the drafter's, different from the target's, so rejections and
+// residuals matter.
+const at::Tensor& memory_rows() { return test::markov_drafter_rows(); }
 
 ProbabilisticNGramStorage markov_memory() {
   ProbabilisticNGramStorage memory(4, 1);

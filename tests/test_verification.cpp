@@ -10,6 +10,7 @@
 
 #include "specdec/generate.hpp"
 #include "specdec/verification.hpp"
+#include "support/markov_fixtures.hpp"
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
@@ -18,16 +19,12 @@ namespace {
 using namespace specdec;
 constexpr double kZ = 4.75;  // normal quantile of a 1e-6 tail
 
-at::Tensor probs_of(std::vector<std::vector<double>> rows) {
-  std::vector<at::Tensor> tensors;
-  for (auto& row : rows) tensors.push_back(at::tensor(row, at::kDouble));
-  return at::stack(tensors);
-}
+using test::rows_of;
 
 TEST(VerifyDrafts, GreedyAcceptsTheLeadingMatchesAndCorrectsTheFirstMismatch) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
   // Target argmax per position: 2, 0, 3, 1.
-  const at::Tensor logits = probs_of({{0, 1, 5, 2}, {4, 1, 0, 0}, {0, 0, 1, 2}, {0, 3, 1, 0}});
+  const at::Tensor logits = rows_of({{0, 1, 5, 2}, {4, 1, 0, 0}, {0, 0, 1, 2}, {0, 3, 1, 0}});
   const GreedyProcessor greedy;
   const at::Tensor p = greedy(logits);
   const auto check = [&](std::vector<int64_t> drafts, int64_t accepted, int64_t token) {
@@ -49,7 +46,7 @@ TEST(VerifyDrafts, GreedyAcceptsTheLeadingMatchesAndCorrectsTheFirstMismatch) {
 
 TEST(VerifyDrafts, WithoutDraftsSamplesTheTarget) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(2);
-  const VerifiedStep step = verify_drafts(probs_of({{0, 0, 1, 0}}), at::Tensor(),
+  const VerifiedStep step = verify_drafts(rows_of({{0, 0, 1, 0}}), at::Tensor(),
                                           at::empty({0}, at::kLong), MultinomialProcessor{}, gen);
   EXPECT_EQ(step.accepted, 0);
   EXPECT_EQ(step.token, 2);
@@ -111,20 +108,12 @@ TEST(VerifyDrafts, EmittedTokensFollowTheTargetForSampledAndDeterministicDrafts)
 }
 
 // End to end: speculative_generate on Markov chains whose sequence probabilities are exact.
-const at::Tensor& target_transitions() {
-  static const at::Tensor t = probs_of({{.1, .2, .3, .4}, {.4, .3, .2, .1}, {.2, .3, .26, .24}, {.12, .5, .08, .3}});
-  return t;
-}
-const at::Tensor& drafter_transitions() {
-  static const at::Tensor t = probs_of({{.4, .3, .2, .1}, {.1, .1, .4, .4}, {.7, .1, .1, .1}, {.25, .25, .25, .25}});
-  return t;
-}
 
 // Samples 3-token sequences with `options` (max_new_tokens, seed and first_target are set here).
 template <class P>
 test::ChiSquare sequence_fit(const P& processor, SpeculativeOptions options, int64_t samples) {
-  test::MarkovModel target(target_transitions());
-  test::MarkovModel drafter(drafter_transitions());
+  test::MarkovModel target(test::markov_target_rows());
+  test::MarkovModel drafter(test::markov_drafter_rows());
   const std::vector<int64_t> prompt{0};
   constexpr int64_t kLength = 3;
   std::map<std::vector<int64_t>, int64_t> observed;

@@ -35,6 +35,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/io/atomic_file.hpp"
 #include "specdec/io/binary_reader.hpp"
 #include "specdec/io/errors.hpp"
 
@@ -163,11 +164,8 @@ class NGramCounts {
   }
 
   void save(const std::filesystem::path& path) const {
-    std::filesystem::path temporary = path;
-    temporary += ".partial";
-    {
-      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-      const auto put = [&](const auto& value) { out.write(reinterpret_cast<const char*>(&value), sizeof(value)); };
+    io::detail::write_atomically(path, [&](std::ofstream& out) {
+      const auto put = [&](const auto& value) { io::detail::put(out, value); };
       out.write(kMagic, sizeof(kMagic));
       put(kFileVersion);
       put(static_cast<uint32_t>(kind_));
@@ -187,9 +185,7 @@ class NGramCounts {
         put(best.token);
         put(best.count);
       }
-      if (!out.flush()) throw std::runtime_error("failed writing " + temporary.string());
-    }
-    std::filesystem::rename(temporary, path);
+    });
   }
 
   // Reads a file written by save() for a storage of `kind`. Throws io::FormatError.
@@ -515,11 +511,8 @@ class ProbabilisticNGramStorage {
 
   // Writes the storage atomically (a temporary file renamed over `path`).
   void save(const std::filesystem::path& path) const {
-    std::filesystem::path temporary = path;
-    temporary += ".partial";
-    {
-      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-      const auto put = [&](const auto& value) { out.write(reinterpret_cast<const char*>(&value), sizeof(value)); };
+    io::detail::write_atomically(path, [&](std::ofstream& out) {
+      const auto put = [&](const auto& value) { io::detail::put(out, value); };
       out.write(kMagic, sizeof(kMagic));
       put(kFileVersion);
       put(static_cast<uint32_t>(max_context_));
@@ -535,9 +528,7 @@ class ProbabilisticNGramStorage {
           put(entry.probabilities[static_cast<size_t>(i)]);
         }
       }
-      if (!out.flush()) throw std::runtime_error("failed writing " + temporary.string());
-    }
-    std::filesystem::rename(temporary, path);
+    });
   }
 
   // Reads a file written by save(), checking every field. Throws io::FormatError.

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "specdec/io/atomic_file.hpp"
 #include "specdec/io/binary_reader.hpp"
 #include "specdec/io/detail/read_tensor.hpp"
 #include "specdec/io/errors.hpp"
@@ -123,41 +124,37 @@ inline void save_llama2c(const std::filesystem::path& path, const models::LlamaC
     for (const auto& layer : w.layers) matrices.push_back(layer.*field);
   }
   if (!shared) matrices.push_back(w.output);
-  std::filesystem::path temporary = path;
-  temporary += ".partial";
-  std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-  const auto write = [&](const at::Tensor& t, at::ScalarType type) {
-    const at::Tensor cpu = t.detach().to(at::kCPU, type).contiguous();
-    out.write(static_cast<const char*>(cpu.data_ptr()), static_cast<std::streamsize>(cpu.numel() * cpu.element_size()));
-  };
-  std::vector<char> header(detail::kLlama2cHeaderBytes, 0);
-  const int32_t fields[] = {version, static_cast<int32_t>(c.dim), static_cast<int32_t>(c.hidden_dim),
-                            static_cast<int32_t>(c.n_layers), static_cast<int32_t>(c.n_heads),
-                            static_cast<int32_t>(c.n_kv_heads), static_cast<int32_t>(c.vocab_size),
-                            static_cast<int32_t>(c.max_seq_len)};
-  std::memcpy(header.data(), &detail::kLlama2cMagic, 4);
-  std::memcpy(header.data() + 4, fields, sizeof(fields));
-  header[4 + sizeof(fields)] = shared ? 1 : 0;
-  if (version == 2) std::memcpy(header.data() + 5 + sizeof(fields), &group_size, 4);
-  out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  for (const auto& l : w.layers) write(l.attention_norm, at::kFloat);
-  for (const auto& l : w.layers) write(l.ffn_norm, at::kFloat);
-  write(w.norm, at::kFloat);
-  if (version == 1) {
-    for (const auto& m : matrices) write(m, at::kFloat);
-  } else {
-    std::vector<at::Tensor> scales;
-    for (const auto& m : matrices) {
-      const at::Tensor groups = m.detach().to(at::kCPU, at::kFloat).reshape({-1, group_size});
-      const at::Tensor scale = groups.abs().amax(1, /*keepdim=*/true) / 127.0;
-      write(at::round(groups / scale.clamp_min(1e-30)), at::kChar);
-      scales.push_back(scale);
+  detail::write_atomically(path, [&](std::ofstream& out) {
+    const auto write = [&](const at::Tensor& t, at::ScalarType type) {
+      const at::Tensor cpu = t.detach().to(at::kCPU, type).contiguous();
+      out.write(static_cast<const char*>(cpu.data_ptr()), static_cast<std::streamsize>(cpu.numel() * cpu.element_size()));
+    };
+    std::vector<char> header(detail::kLlama2cHeaderBytes, 0);
+    const int32_t fields[] = {version, static_cast<int32_t>(c.dim), static_cast<int32_t>(c.hidden_dim),
+                              static_cast<int32_t>(c.n_layers), static_cast<int32_t>(c.n_heads),
+                              static_cast<int32_t>(c.n_kv_heads), static_cast<int32_t>(c.vocab_size),
+                              static_cast<int32_t>(c.max_seq_len)};
+    std::memcpy(header.data(), &detail::kLlama2cMagic, 4);
+    std::memcpy(header.data() + 4, fields, sizeof(fields));
+    header[4 + sizeof(fields)] = shared ? 1 : 0;
+    if (version == 2) std::memcpy(header.data() + 5 + sizeof(fields), &group_size, 4);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    for (const auto& l : w.layers) write(l.attention_norm, at::kFloat);
+    for (const auto& l : w.layers) write(l.ffn_norm, at::kFloat);
+    write(w.norm, at::kFloat);
+    if (version == 1) {
+      for (const auto& m : matrices) write(m, at::kFloat);
+    } else {
+      std::vector<at::Tensor> scales;
+      for (const auto& m : matrices) {
+        const at::Tensor groups = m.detach().to(at::kCPU, at::kFloat).reshape({-1, group_size});
+        const at::Tensor scale = groups.abs().amax(1, /*keepdim=*/true) / 127.0;
+        write(at::round(groups / scale.clamp_min(1e-30)), at::kChar);
+        scales.push_back(scale);
+      }
+      for (const auto& s : scales) write(s, at::kFloat);
     }
-    for (const auto& s : scales) write(s, at::kFloat);
-  }
-  out.close();
-  if (!out) throw std::runtime_error("failed writing " + temporary.string());
-  std::filesystem::rename(temporary, path);
+  });
 }
 
 }  // namespace specdec::io

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "specdec/io/atomic_file.hpp"
 #include "specdec/io/binary_reader.hpp"
 #include "specdec/io/detail/read_tensor.hpp"
 #include "specdec/io/errors.hpp"
@@ -92,24 +93,14 @@ inline void save_safetensors(const std::filesystem::path& path,
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // align the data to 8 bytes
 
-  std::filesystem::path temporary = path;
-  temporary += ".partial";
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    if (!out) throw std::runtime_error("cannot write " + temporary.string());
-    const uint64_t length = text.size();
-    out.write(reinterpret_cast<const char*>(&length), sizeof(length));
+  detail::write_atomically(path, [&](std::ofstream& out) {
+    detail::put(out, static_cast<uint64_t>(text.size()));
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
     for (const auto& tensor : ordered) {
       out.write(static_cast<const char*>(tensor.data_ptr()),
                 static_cast<std::streamsize>(tensor.numel() * tensor.element_size()));
     }
-    if (!out.flush()) {
-      std::filesystem::remove(temporary);
-      throw std::runtime_error("failed writing " + temporary.string());
-    }
-  }
-  std::filesystem::rename(temporary, path);
+  });
 }
 
 }  // namespace specdec::io
