@@ -143,8 +143,8 @@ void BM_Calibration(benchmark::State& state, Pair& (*pair)()) {
   for (const CalibrationPoint& point : result.points) {
     if (point.threshold == result.best_threshold) {
       state.counters["best_threshold"] = point.threshold;
-      state.counters["acceptance_rate"] = point.acceptance_rate;
-      state.counters["tokens_per_target_call"] = point.tokens_per_target_call;
+      state.counters["acceptance_rate"] = point.acceptance_rate();
+      state.counters["tokens_per_target_call"] = point.tokens_per_target_call();
     }
   }
 }

@@ -211,6 +211,12 @@ class Text {
   [[nodiscard]] std::string piece(int64_t previous, int64_t token) const {
     return tokenizer_ ? tokenizer_->decode_piece(previous, token) : bytes_.decode_piece(previous, token);
   }
+  // The text of `tokens` following the token `previous`.
+  [[nodiscard]] std::string decode(int64_t previous, const std::vector<int64_t>& tokens) const {
+    std::string out;
+    for (const int64_t t : tokens) out += piece(previous, t), previous = t;
+    return out;
+  }
 
  private:
   std::optional<io::Llama2cTokenizer> tokenizer_;
@@ -239,12 +245,7 @@ int run_beam(const Arguments& a, Model& target, const Text& text, const std::vec
   const BeamSearchResult result = beam_search_generate(
       target, prompt, {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .num_beams = a.num_beams,
                        .top_k = a.num_beams, .alpha = a.length_penalty});
-  const auto decode = [&](const std::vector<int64_t>& tokens) {
-    std::string out;
-    int64_t previous = prompt.back();
-    for (const int64_t t : tokens) out += text.piece(previous, t), previous = t;
-    return out;
-  };
+  const auto decode = [&](const std::vector<int64_t>& tokens) { return text.decode(prompt.back(), tokens); };
   const GenerationStats& s = result.stats;
   if (a.json) {
     nlohmann::json hypotheses = nlohmann::json::array();
@@ -277,16 +278,10 @@ int run_stand(const Arguments& a, Model& target, const Text& text, const std::ve
     throw std::invalid_argument("--storage was built for vocabulary " + std::to_string(memory.vocab_size()) +
                                 ", the target has " + std::to_string(target.vocab_size()));
   }
-  static const std::vector<double> kRankAcceptance{0.55, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01};
   const StandOptions options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed,
-                             .tree = TreeTemplate::best_first(a.tree_nodes, kRankAcceptance, 12),
+                             .tree = TreeTemplate::default_tree(a.tree_nodes),
                              .stochastic = !a.deterministic};
-  const auto decode = [&](const std::vector<int64_t>& tokens) {
-    std::string out;
-    int64_t previous = prompt.back();
-    for (const int64_t t : tokens) out += text.piece(previous, t), previous = t;
-    return out;
-  };
+  const auto decode = [&](const std::vector<int64_t>& tokens) { return text.decode(prompt.back(), tokens); };
   nlohmann::json runs = nlohmann::json::array();
   GenerationStats stand_total, baseline_total;
   bool identical = true;
@@ -369,8 +364,8 @@ CalibrationResult calibrate(const Arguments& a, Model& drafter, Model& target, c
               << "\n  threshold  acceptance  tokens/call  seconds\n" << std::fixed;
     for (const CalibrationPoint& point : result.points) {
       std::cout << std::setprecision(2) << "  " << std::setw(9) << point.threshold << std::setprecision(3)
-                << std::setw(12) << point.acceptance_rate << std::setw(13) << point.tokens_per_target_call
-                << std::setw(9) << point.seconds << (point.threshold == result.best_threshold ? "  <- chosen" : "")
+                << std::setw(12) << point.acceptance_rate() << std::setw(13) << point.tokens_per_target_call()
+                << std::setw(9) << point.seconds() << (point.threshold == result.best_threshold ? "  <- chosen" : "")
                 << "\n";
     }
     std::cout << std::defaultfloat << "\n";
@@ -507,8 +502,8 @@ int run(const Arguments& a) {
     if (calibration) {
       nlohmann::json table = nlohmann::json::array();
       for (const CalibrationPoint& point : calibration->points) {
-        table.push_back({{"threshold", point.threshold}, {"acceptance_rate", point.acceptance_rate},
-                         {"tokens_per_target_call", point.tokens_per_target_call}, {"seconds", point.seconds}});
+        table.push_back({{"threshold", point.threshold}, {"acceptance_rate", point.acceptance_rate()},
+                         {"tokens_per_target_call", point.tokens_per_target_call()}, {"seconds", point.seconds()}});
       }
       out["calibration"] = {{"points", table}, {"best_threshold", calibration->best_threshold}};
     }

@@ -110,7 +110,7 @@ template <class T>
         rows.insert(rows.end(), prompt.begin(), prompt.end());
         rows.insert(rows.end(), beam.begin(), beam.end());
       }
-      ids = at::from_blob(rows.data(), {beams, static_cast<int64_t>(rows.size()) / beams}, at::kLong).to(device, false, true);
+      ids = detail::host_tensor<int64_t>(rows, {beams, static_cast<int64_t>(rows.size()) / beams}, device);
     }
     const at::Tensor logits = target.forward(ids, cache);
     ++stats.target_calls;

@@ -24,10 +24,11 @@ struct CalibrationOptions {
 // The measurements of one threshold, summed over the prompts.
 struct CalibrationPoint {
   double threshold = 0;
-  double acceptance_rate = 0;         // accepted / drafted
-  double tokens_per_target_call = 0;  // generated / target_calls
-  double seconds = 0;                 // wall time of all the prompts' generations
-  GenerationStats stats;              // the summed counters (times summed as well)
+  GenerationStats stats;  // the summed counters and times of all the prompts' generations
+
+  [[nodiscard]] double acceptance_rate() const noexcept { return stats.acceptance_rate(); }
+  [[nodiscard]] double tokens_per_target_call() const noexcept { return stats.tokens_per_target_call(); }
+  [[nodiscard]] double seconds() const noexcept { return stats.total_seconds; }
 };
 
 struct CalibrationResult {
@@ -73,8 +74,7 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
     for (const auto& prompt : prompts) {
       sum += speculative_generate(drafter, target, prompt, run, processor).stats;
     }
-    result.points.push_back({threshold, sum.acceptance_rate(), sum.tokens_per_target_call(),
-                             sum.total_seconds, sum});
+    result.points.push_back({threshold, sum});
     const double distance = std::abs(sum.acceptance_rate() - calibration.target_acceptance);
     if (result.points.size() == 1 || distance < best_distance ||
         (distance == best_distance && threshold > result.best_threshold)) {

@@ -35,7 +35,7 @@ void target_step(ModelRunner<T>& target, GenerationState& state, const P& proces
   const at::Tensor probs = processor(logits.narrow(0, logits.size(0) - 1, 1));
   const at::Tensor no_drafts = at::empty({0}, at::TensorOptions().dtype(at::kLong).device(target.device()));
   const VerifiedStep step = verify_drafts(probs, at::Tensor(), no_drafts, processor, gen);
-  state.emit({}, 0, step.token);
+  state.emit({.token = step.token});
 }
 
 }  // namespace detail
@@ -146,7 +146,7 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
     target_runner.truncate(accepted_length);
     drafter_runner.truncate(accepted_length);
     draft_length.after(drafted, step.accepted);
-    state.emit(step.drafts, step.accepted, step.token, gamma, entropy);
+    state.emit({.drafts = step.drafts, .accepted = step.accepted, .token = step.token, .gamma = gamma, .entropy = entropy});
   }
   return std::move(state).finish();
 }
@@ -209,7 +209,7 @@ template <NGramDrafter S, Target T, LogitsProcessor P = GreedyProcessor>
     const VerifiedStep step = verify_drafts(processor(last), at::Tensor(),
                                             at::empty({0}, at::TensorOptions().dtype(at::kLong).device(runner.device())),
                                             processor, gen);
-    state.emit({}, 0, step.token);
+    state.emit({.token = step.token});
     learn(position, top_k_of(last));
   }
   // The sequence followed by this step's drafts; kept across steps and brought up to date by
@@ -241,7 +241,7 @@ template <NGramDrafter S, Target T, LogitsProcessor P = GreedyProcessor>
     const at::Tensor verified = logits.narrow(0, logits.size(0) - drafted - 1, drafted + 1);
     const VerifiedStep step = verify_drafts(processor(verified), at::Tensor(), draft_ids.view({drafted}), processor, gen);
     runner.truncate(position + step.accepted);
-    state.emit(step.drafts, step.accepted, step.token);
+    state.emit({.drafts = step.drafts, .accepted = step.accepted, .token = step.token});
     learn(position, top_k_of(verified));
   }
   return std::move(state).finish();

@@ -22,6 +22,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/host_tensor.hpp"
 
 namespace specdec {
 namespace detail {
@@ -73,9 +74,7 @@ inline at::Tensor keep_index(int64_t prefix, std::span<const int64_t> positions,
     }
     previous = positions[i];
   }
-  const auto host = at::from_blob(const_cast<int64_t*>(positions.data()), {static_cast<int64_t>(positions.size())},
-                                  at::TensorOptions().dtype(at::kLong));
-  return host.to(device, /*non_blocking=*/false, /*copy=*/true);
+  return host_tensor(positions, {static_cast<int64_t>(positions.size())}, device);
 }
 
 }  // namespace detail

@@ -64,6 +64,32 @@ using NGramTable = tsl::hopscotch_map<NGramKey, Value, NGramKeyHash>;
 using NGramTable = std::unordered_map<NGramKey, Value, NGramKeyHash>;
 #endif
 
+// Bits per token in a packed key for `vocab_size` tokens (validated: [1, 2^31]).
+inline int token_bits(int64_t vocab_size) {
+  if (vocab_size < 1 || vocab_size > (int64_t{1} << 31)) throw_invalid("vocab_size", "be in [1, 2^31]", vocab_size);
+  return std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(vocab_size - 1))));
+}
+
+// The key of a token sequence: its length in the top 4 bits, then the tokens at `bits` each.
+inline NGramKey pack_tokens(std::span<const int64_t> tokens, int bits) noexcept {
+  NGramKey key = static_cast<NGramKey>(tokens.size()) << 124;
+  for (size_t i = 0; i < tokens.size(); ++i) key |= static_cast<NGramKey>(tokens[i]) << (bits * static_cast<int>(i));
+  return key;
+}
+
+inline int64_t key_length(NGramKey key) noexcept { return static_cast<int64_t>(key >> 124); }
+
+// Whether the key's tokens are all below vocab_size with no stray bits past its length (keys read
+// from files are untrusted).
+inline bool key_tokens_valid(NGramKey key, int bits, int64_t vocab_size) noexcept {
+  NGramKey tokens = key & ((NGramKey{1} << 124) - 1);
+  const NGramKey mask = (NGramKey{1} << bits) - 1;
+  for (int64_t i = 0; i < key_length(key); ++i, tokens >>= bits) {
+    if (static_cast<uint64_t>(tokens & mask) >= static_cast<uint64_t>(vocab_size)) return false;
+  }
+  return tokens == 0;
+}
+
 struct BestFollower {
   uint32_t token = 0;
   uint32_t count = 0;  // 0: no follower yet
@@ -75,9 +101,7 @@ class NGramCounts {
   static constexpr uint32_t kFileVersion = 1;
 
   NGramCounts(int64_t n, int64_t vocab_size, int64_t min_context, int kind)
-      : n_(n), vocab_(vocab_size), min_context_(min_context), kind_(kind) {
-    if (vocab_size < 1 || vocab_size > (int64_t{1} << 31)) throw_invalid("vocab_size", "be in [1, 2^31]", vocab_size);
-    bits_ = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(vocab_size - 1))));
+      : n_(n), vocab_(vocab_size), min_context_(min_context), kind_(kind), bits_(token_bits(vocab_size)) {
     if (n < 2 || n * bits_ > 124) {
       throw_invalid_message("n must be in [2, ", 124 / bits_, "] for vocab_size ", vocab_size, ", got ", n);
     }
@@ -87,11 +111,7 @@ class NGramCounts {
   [[nodiscard]] int64_t vocab_size() const noexcept { return vocab_; }
 
   void check_tokens(std::span<const int64_t> tokens, const char* name) const {
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      if (tokens[i] < 0 || tokens[i] >= vocab_) {
-        throw_invalid_message(name, "[", i, "] must be in [0, vocab_size = ", vocab_, "), got ", tokens[i]);
-      }
-    }
+    detail::check_tokens(name, tokens, vocab_);
   }
 
   // The best follower of the longest known context among the last max_context..min_context tokens.
@@ -249,14 +269,9 @@ class NGramCounts {
  private:
   static constexpr char kMagic[8] = {'S', 'D', 'N', 'G', 'R', 'A', 'M', '\0'};
 
-  // Key of a context: its length in the top 4 bits, then the tokens.
-  [[nodiscard]] NGramKey pack(std::span<const int64_t> context) const noexcept {
-    NGramKey key = static_cast<NGramKey>(context.size()) << 124;
-    for (size_t i = 0; i < context.size(); ++i) key |= static_cast<NGramKey>(context[i]) << (bits_ * static_cast<int>(i));
-    return key;
-  }
+  [[nodiscard]] NGramKey pack(std::span<const int64_t> context) const noexcept { return pack_tokens(context, bits_); }
   [[nodiscard]] NGramKey token_mask() const noexcept { return (NGramKey{1} << bits_) - 1; }
-  [[nodiscard]] int64_t length_of(NGramKey key) const noexcept { return static_cast<int64_t>(key >> 124); }
+  [[nodiscard]] static int64_t length_of(NGramKey key) noexcept { return key_length(key); }
   // (context, follower) key: the context's key with the follower after its tokens, length + 1.
   [[nodiscard]] NGramKey follower_key(NGramKey context, uint32_t token) const noexcept {
     const int64_t length = length_of(context);
@@ -277,11 +292,7 @@ class NGramCounts {
   [[nodiscard]] bool valid_key(NGramKey key, int64_t extra) const noexcept {
     const int64_t length = length_of(key);
     if (length - extra < min_context_ || length - extra > n_ - 1) return false;
-    NGramKey tokens = key & ((NGramKey{1} << 124) - 1);
-    for (int64_t i = 0; i < length; ++i, tokens >>= bits_) {
-      if (static_cast<uint64_t>(tokens & token_mask()) >= static_cast<uint64_t>(vocab_)) return false;
-    }
-    return tokens == 0;
+    return key_tokens_valid(key, bits_, vocab_);
   }
 
   static uint32_t saturating_add(uint32_t a, uint32_t b) noexcept {
@@ -425,9 +436,7 @@ class ProbabilisticNGramStorage {
   // Requires: vocab_size in [1, 2^31]; max_context >= 1 with max_context tokens fitting in 124
   // bits (ceil(log2(vocab_size)) bits each: at most 8 at vocabulary 32000).
   explicit ProbabilisticNGramStorage(int64_t vocab_size, int64_t max_context = 3)
-      : vocab_(vocab_size), max_context_(max_context) {
-    if (vocab_size < 1 || vocab_size > (int64_t{1} << 31)) detail::throw_invalid("vocab_size", "be in [1, 2^31]", vocab_size);
-    bits_ = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(vocab_size - 1))));
+      : vocab_(vocab_size), max_context_(max_context), bits_(detail::token_bits(vocab_size)) {
     if (max_context < 1 || max_context * bits_ > 124) {
       detail::throw_invalid_message("max_context must be in [1, ", 124 / bits_, "] for vocab_size ", vocab_size,
                                     ", got ", max_context);
@@ -581,31 +590,14 @@ class ProbabilisticNGramStorage {
   static constexpr char kMagic[8] = {'S', 'D', 'P', 'N', 'G', 'R', 'A', 'M'};
 
   void check_tokens(std::span<const int64_t> tokens, const char* name) const {
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      if (tokens[i] < 0 || tokens[i] >= vocab_) {
-        detail::throw_invalid_message(name, "[", i, "] must be in [0, vocab_size = ", vocab_, "), got ", tokens[i]);
-      }
-    }
+    detail::check_tokens(name, tokens, vocab_);
   }
-
-  // Key of a context: its length in the top 4 bits, then the tokens.
   [[nodiscard]] detail::NGramKey pack(std::span<const int64_t> context) const noexcept {
-    auto key = static_cast<detail::NGramKey>(context.size()) << 124;
-    for (size_t i = 0; i < context.size(); ++i) {
-      key |= static_cast<detail::NGramKey>(context[i]) << (bits_ * static_cast<int>(i));
-    }
-    return key;
+    return detail::pack_tokens(context, bits_);
   }
-
   [[nodiscard]] bool valid_key(detail::NGramKey key) const noexcept {
-    const auto length = static_cast<int64_t>(key >> 124);
-    if (length < 1 || length > max_context_) return false;
-    detail::NGramKey tokens = key & ((detail::NGramKey{1} << 124) - 1);
-    const detail::NGramKey mask = (detail::NGramKey{1} << bits_) - 1;
-    for (int64_t i = 0; i < length; ++i, tokens >>= bits_) {
-      if (static_cast<uint64_t>(tokens & mask) >= static_cast<uint64_t>(vocab_)) return false;
-    }
-    return tokens == 0;
+    const int64_t length = detail::key_length(key);
+    return length >= 1 && length <= max_context_ && detail::key_tokens_valid(key, bits_, vocab_);
   }
 
   [[nodiscard]] bool valid_entry(const Entry& entry) const noexcept {
@@ -624,45 +616,31 @@ class ProbabilisticNGramStorage {
   }
 
   // entry <- (c entry + weight obs) / (c + weight), truncated to the kTopTokens most probable
-  // (ties keep the earlier: entry's order, then the observation's).
-  static void merge_into(Entry& entry, std::span<const int64_t> tokens, std::span<const float> probabilities,
-                         uint32_t weight) {
+  // (ties keep the earlier: entry's order, then the observation's). Observation tokens are
+  // distinct. Reuses merged_ as scratch: no allocation once it has grown.
+  void merge_into(Entry& entry, std::span<const int64_t> tokens, std::span<const float> probabilities,
+                  uint32_t weight) {
     const double c = entry.observations;
     const double total = c + weight;
-    std::array<std::pair<int64_t, double>, 2 * kTopTokens> merged{};
-    size_t count = 0;
-    for (uint32_t i = 0; i < entry.size; ++i) {
-      merged[count++] = {entry.tokens[i], c / total * entry.probabilities[i]};
-    }
-    std::vector<std::pair<int64_t, double>> extra;  // observation tokens beyond the array
+    merged_.clear();
+    for (uint32_t i = 0; i < entry.size; ++i) merged_.emplace_back(entry.tokens[i], c / total * entry.probabilities[i]);
     for (size_t i = 0; i < tokens.size(); ++i) {
       const double add = weight / total * probabilities[i];
-      bool found = false;
-      for (size_t j = 0; j < entry.size; ++j) {
-        if (merged[j].first == tokens[i]) {
-          merged[j].second += add;
-          found = true;
-          break;
-        }
-      }
-      if (found) continue;
-      if (count < merged.size()) {
-        merged[count++] = {tokens[i], add};
+      const auto known = std::find_if(merged_.begin(), merged_.begin() + entry.size,
+                                      [&](const auto& pair) { return pair.first == tokens[i]; });
+      if (known != merged_.begin() + entry.size) {
+        known->second += add;
       } else {
-        extra.emplace_back(tokens[i], add);
+        merged_.emplace_back(tokens[i], add);
       }
     }
-    std::vector<std::pair<int64_t, double>> all(merged.begin(), merged.begin() + static_cast<std::ptrdiff_t>(count));
-    all.insert(all.end(), extra.begin(), extra.end());
-    std::stable_sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
-    entry.size = static_cast<uint32_t>(std::min<size_t>(all.size(), kTopTokens));
+    std::stable_sort(merged_.begin(), merged_.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    entry.size = static_cast<uint32_t>(std::min<size_t>(merged_.size(), kTopTokens));
+    entry.tokens.fill(0);
+    entry.probabilities.fill(0.0F);
     for (uint32_t i = 0; i < entry.size; ++i) {
-      entry.tokens[i] = static_cast<int32_t>(all[i].first);
-      entry.probabilities[i] = static_cast<float>(all[i].second);
-    }
-    for (uint32_t i = entry.size; i < kTopTokens; ++i) {
-      entry.tokens[i] = 0;
-      entry.probabilities[i] = 0.0F;
+      entry.tokens[i] = static_cast<int32_t>(merged_[i].first);
+      entry.probabilities[i] = static_cast<float>(merged_[i].second);
     }
     entry.observations = entry.observations > std::numeric_limits<uint32_t>::max() - weight
                              ? std::numeric_limits<uint32_t>::max()
@@ -673,6 +651,7 @@ class ProbabilisticNGramStorage {
   int64_t max_context_;
   int bits_ = 1;
   detail::NGramTable<Entry> table_;
+  std::vector<std::pair<int64_t, double>> merged_;  // merge_into's scratch
 };
 
 }  // namespace specdec

@@ -24,6 +24,7 @@
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/generation_state.hpp"
+#include "specdec/detail/host_tensor.hpp"
 #include "specdec/detail/model_runner.hpp"
 #include "specdec/logits_processor.hpp"
 #include "specdec/ngram_storage.hpp"
@@ -60,13 +61,19 @@ enum class TreeVerification { exact, with_replacement, skip_residual };
 inline constexpr int64_t kStandTop = ProbabilisticNGramStorage::kTopTokens;
 
 // A draft tree drawn from the memory. Position 0 is the root (the sequence's last token);
-// position k + 1 is draft node k.
+// position k + 1 is draft node k. Nodes are created breadth-first, so the children of a position
+// are the consecutive nodes first_child .. first_child + children - 1, in draw order.
 struct DraftTree {
+  // What a position's children were drawn from: q over q_size tokens, renormalised.
+  struct Position {
+    int64_t first_child = 0;
+    int64_t children = 0;
+    int64_t q_size = 0;
+    std::array<int64_t, kStandTop> q_tokens{};
+    std::array<double, kStandTop> q_probs{};
+  };
   std::vector<int64_t> tokens, parents, template_nodes, depth;  // per draft node
-  std::vector<std::vector<int64_t>> children;                  // per position, in draw order
-  std::vector<std::array<int64_t, kStandTop>> q_tokens;        // per position: the distribution
-  std::vector<std::array<double, kStandTop>> q_probs;          // its children were drawn from
-  std::vector<int64_t> q_size;                                 // (0: no children)
+  std::vector<Position> positions;                             // root, then one per node
   int64_t lookups = 0;
 
   [[nodiscard]] int64_t nodes() const noexcept { return static_cast<int64_t>(tokens.size()); }
@@ -75,15 +82,12 @@ struct DraftTree {
     parents.clear();
     template_nodes.clear();
     depth.clear();
-    children.assign(1, {});
-    q_tokens.assign(1, {});
-    q_probs.assign(1, {});
-    q_size.assign(1, 0);
+    positions.assign(1, Position{});
     lookups = 0;
   }
 };
 
-// Draws draft trees from the memory (host side, plain integers).
+// Draws draft trees from the memory (host side, plain integers; buffers are reused across steps).
 class TreeDrafter {
  public:
   TreeDrafter(const ProbabilisticNGramStorage& memory, const TreeTemplate& shape, bool stochastic, uint64_t seed)
@@ -92,62 +96,53 @@ class TreeDrafter {
   std::mt19937_64& rng() noexcept { return rng_; }
 
   // A tree of at most `budget` nodes, at most `max_depth` deep, below the end of `sequence`.
+  // Positions are expanded in creation order, which is breadth-first.
   void draw(std::span<const int64_t> sequence, int64_t max_depth, int64_t budget, DraftTree& tree) {
     tree.clear();
-    queue_.assign(1, {0, -1});
-    for (size_t head = 0; head < queue_.size(); ++head) {
-      const auto [position, template_node] = queue_[head];
-      const int64_t depth = position == 0 ? 0 : tree.depth[static_cast<size_t>(position - 1)];
-      const auto slots = shape_.children(template_node);
+    for (int64_t position = 0; position <= tree.nodes(); ++position) {
+      const auto node = static_cast<size_t>(position - 1);
+      const int64_t depth = position == 0 ? 0 : tree.depth[node];
+      const auto slots = shape_.children(position == 0 ? -1 : tree.template_nodes[node]);
       if (slots.empty() || depth >= max_depth || tree.nodes() >= budget) continue;
       context_of(sequence, tree, position);
       const ProbabilisticNGramStorage::Entry* entry = memory_.find(context_);
       ++tree.lookups;
       if (entry == nullptr) continue;
       // q: the stored distribution renormalised over its tokens of positive probability.
-      auto& q_tokens = tree.q_tokens[static_cast<size_t>(position)];
-      auto& q_probs = tree.q_probs[static_cast<size_t>(position)];
-      int64_t support = 0;
+      DraftTree::Position& here = tree.positions[static_cast<size_t>(position)];
       double mass = 0;
       for (uint32_t i = 0; i < entry->size; ++i) {
         if (entry->probabilities[i] > 0.0F) {
-          q_tokens[static_cast<size_t>(support)] = entry->tokens[i];
-          q_probs[static_cast<size_t>(support)] = entry->probabilities[i];
+          here.q_tokens[static_cast<size_t>(here.q_size)] = entry->tokens[i];
+          here.q_probs[static_cast<size_t>(here.q_size)] = entry->probabilities[i];
           mass += entry->probabilities[i];
-          ++support;
+          ++here.q_size;
         }
       }
-      if (support == 0) continue;
-      for (int64_t i = 0; i < support; ++i) q_probs[static_cast<size_t>(i)] /= mass;
-      tree.q_size[static_cast<size_t>(position)] = support;
+      if (here.q_size == 0) continue;
+      for (int64_t i = 0; i < here.q_size; ++i) here.q_probs[static_cast<size_t>(i)] /= mass;
       // Draw order: Gumbel-top-k on log q (sampling without replacement), or q's own order.
       std::array<int64_t, kStandTop> order{};
-      for (int64_t i = 0; i < support; ++i) order[static_cast<size_t>(i)] = i;
+      for (int64_t i = 0; i < here.q_size; ++i) order[static_cast<size_t>(i)] = i;
       if (stochastic_) {
         std::array<double, kStandTop> keys{};
-        for (int64_t i = 0; i < support; ++i) {
+        for (int64_t i = 0; i < here.q_size; ++i) {
           const double u = std::max(uniform_(rng_), std::numeric_limits<double>::min());
-          keys[static_cast<size_t>(i)] = std::log(q_probs[static_cast<size_t>(i)]) - std::log(-std::log(u));
+          keys[static_cast<size_t>(i)] = std::log(here.q_probs[static_cast<size_t>(i)]) - std::log(-std::log(u));
         }
-        std::sort(order.begin(), order.begin() + support,
+        std::sort(order.begin(), order.begin() + here.q_size,
                   [&](int64_t a, int64_t b) { return keys[static_cast<size_t>(a)] > keys[static_cast<size_t>(b)]; });
       }
-      const int64_t count = std::min({static_cast<int64_t>(slots.size()), support, budget - tree.nodes()});
-      std::array<int64_t, kStandTop> drawn{};  // copied out: the loop below grows tree's vectors
-      for (int64_t j = 0; j < count; ++j) drawn[static_cast<size_t>(j)] = q_tokens[static_cast<size_t>(order[static_cast<size_t>(j)])];
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t node = tree.nodes();
-        tree.tokens.push_back(drawn[static_cast<size_t>(j)]);
+      here.first_child = tree.nodes();
+      here.children = std::min({static_cast<int64_t>(slots.size()), here.q_size, budget - tree.nodes()});
+      for (int64_t j = 0; j < here.children; ++j) {
+        tree.tokens.push_back(here.q_tokens[static_cast<size_t>(order[static_cast<size_t>(j)])]);
         tree.parents.push_back(position - 1);
         tree.template_nodes.push_back(slots[static_cast<size_t>(j)]);
         tree.depth.push_back(depth + 1);
-        tree.children[static_cast<size_t>(position)].push_back(node);
-        tree.children.emplace_back();
-        tree.q_tokens.emplace_back();
-        tree.q_probs.emplace_back();
-        tree.q_size.push_back(0);
-        queue_.push_back({node + 1, slots[static_cast<size_t>(j)]});
       }
+      // Only now grow positions: `here` refers into it.
+      tree.positions.resize(static_cast<size_t>(tree.nodes()) + 1);
     }
   }
 
@@ -171,7 +166,6 @@ class TreeDrafter {
   bool stochastic_;
   std::mt19937_64 rng_;
   std::uniform_real_distribution<double> uniform_{0.0, 1.0};
-  std::vector<std::pair<int64_t, int64_t>> queue_;  // (position, template node)
   std::vector<int64_t> path_, context_;
 };
 
@@ -197,16 +191,18 @@ struct TreeWalk {
 // without replacement) x leaves q. q_j is q without the earlier children, renormalised, or
 // one-hot at x for deterministic children. With no child accepted, the token is drawn from r.
 // r differs from p only on q's tokens, so the host tracks those and the mass outside them.
-inline TreeWalk walk_tree(const DraftTree& tree, const TreeTargetView& target, bool stochastic,
-                          std::mt19937_64& rng, TreeVerification variant = TreeVerification::exact) {
+inline void walk_tree(const DraftTree& tree, const TreeTargetView& target, bool stochastic, std::mt19937_64& rng,
+                      TreeWalk& walk, TreeVerification variant = TreeVerification::exact) {
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
-  TreeWalk walk;
+  walk.path.clear();
+  walk.rejected = -1;
   int64_t position = 0;
   while (true) {
     const auto pos = static_cast<size_t>(position);
-    const int64_t s = tree.q_size[pos];
+    const DraftTree::Position& here = tree.positions[pos];
+    const int64_t s = here.q_size;
     std::array<double, kStandTop> r{};
-    std::array<double, kStandTop> q = tree.q_probs[pos];
+    std::array<double, kStandTop> q = here.q_probs;
     double inside = 0;
     for (int64_t i = 0; i < s; ++i) {
       r[static_cast<size_t>(i)] = target.at_q[pos * kStandTop + static_cast<size_t>(i)];
@@ -215,10 +211,10 @@ inline TreeWalk walk_tree(const DraftTree& tree, const TreeTargetView& target, b
     const double outside = std::max(0.0, target.outside_mass[pos]);
     double total = outside + inside;
     int64_t accepted = -1;
-    for (const int64_t child : tree.children[pos]) {
+    for (int64_t child = here.first_child; child < here.first_child + here.children; ++child) {
       const int64_t token = tree.tokens[static_cast<size_t>(child)];
       int64_t x = 0;
-      while (tree.q_tokens[pos][static_cast<size_t>(x)] != token) ++x;
+      while (here.q_tokens[static_cast<size_t>(x)] != token) ++x;
       std::array<double, kStandTop> qj{};
       if (!stochastic) {
         qj[static_cast<size_t>(x)] = 1.0;
@@ -260,13 +256,13 @@ inline TreeWalk walk_tree(const DraftTree& tree, const TreeTargetView& target, b
     if (u < inside) {
       for (int64_t i = 0; i < s; ++i) {
         if (u < r[static_cast<size_t>(i)] || i == s - 1) {
-          walk.token = tree.q_tokens[pos][static_cast<size_t>(i)];
+          walk.token = here.q_tokens[static_cast<size_t>(i)];
           break;
         }
         u -= r[static_cast<size_t>(i)];
       }
     }
-    return walk;
+    return;
   }
 }
 
@@ -293,19 +289,19 @@ GenerationResult stand_generate_impl(ProbabilisticNGramStorage& memory, T& targe
   GenerationState state(prompt, options, limit);
   GenerationStats& stats = state.stats();
   at::Generator gen = make_generator(options.seed);
-  const uint64_t draft_seed = options.seed ? *options.seed * 0x9E3779B97F4A7C15ULL + 1
-                                           : (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  // Drafting and the host walk draw from their own stream, derived from the seed.
+  const uint64_t draft_seed = options.seed ? *options.seed * 0x9E3779B97F4A7C15ULL + 1 : random_seed();
   ModelRunner<T> runner(target, "target", options.use_cache, {&stats.target_calls, &stats.target_seconds});
   TreeDrafter drafter(memory, options.tree, options.stochastic, draft_seed);
   const int64_t max_depth = options.max_depth > 0 ? options.max_depth : options.tree.max_depth();
   const int64_t top = std::min(kStandTop, vocab);
-  const auto on_device = at::TensorOptions().device(runner.device());
 
   DraftTree tree;
+  TreeWalk walk;
   std::vector<int64_t> emitted_drafts;
-  std::vector<int64_t> index_buffer;
-  std::vector<double> valid_buffer;
-  std::vector<int64_t> context_buffer;
+  std::vector<int64_t> q_index_buffer;
+  std::vector<double> has_q_buffer;
+  std::vector<int64_t> observed_tokens;
   int64_t learned_until = 0;  // positions whose next-token distribution the memory has seen
   while (!state.finished()) {
     const int64_t length = state.length();
@@ -325,26 +321,29 @@ GenerationResult stand_generate_impl(ProbabilisticNGramStorage& memory, T& targe
     const at::Tensor p = processor(logits.narrow(0, learn_from, u + n - learn_from));
     const at::Tensor tree_p = p.narrow(0, u - 1 - learn_from, n + 1);
 
-    // q's tokens at every position, padded: the first token again (or token 0 with weight 0).
-    index_buffer.assign(static_cast<size_t>((n + 1) * kStandTop), 0);
-    valid_buffer.assign(index_buffer.size(), 0.0);
+    // q's tokens at every position, padded with its first token; token 0 where q is empty, which
+    // has_q marks so that nothing is masked there.
+    q_index_buffer.assign(static_cast<size_t>((n + 1) * kStandTop), 0);
+    has_q_buffer.assign(static_cast<size_t>(n + 1), 0.0);
     for (int64_t pos = 0; pos <= n; ++pos) {
-      const int64_t s = tree.q_size[static_cast<size_t>(pos)];
-      for (int64_t i = 0; i < kStandTop && s > 0; ++i) {
-        const auto at = static_cast<size_t>(pos * kStandTop + i);
-        index_buffer[at] = tree.q_tokens[static_cast<size_t>(pos)][static_cast<size_t>(i < s ? i : 0)];
-        valid_buffer[at] = 1.0;
+      const DraftTree::Position& here = tree.positions[static_cast<size_t>(pos)];
+      if (here.q_size == 0) continue;
+      has_q_buffer[static_cast<size_t>(pos)] = 1.0;
+      for (int64_t i = 0; i < kStandTop; ++i) {
+        q_index_buffer[static_cast<size_t>(pos * kStandTop + i)] = here.q_tokens[static_cast<size_t>(i < here.q_size ? i : 0)];
       }
     }
-    const at::Tensor q_index = host_ids(index_buffer, runner.device()).view({n + 1, kStandTop});
-    const at::Tensor q_valid =
-        at::from_blob(valid_buffer.data(), {n + 1, kStandTop}, at::kDouble).to(on_device.dtype(p.scalar_type()));
-    const at::Tensor at_q = tree_p.gather(1, q_index).to(at::kDouble) * q_valid.to(at::kDouble);
-    const at::Tensor outside = tree_p * (1 - at::zeros_like(tree_p).scatter_(1, q_index, q_valid));
+    const at::Tensor q_index = host_tensor<int64_t>(q_index_buffer, {n + 1, kStandTop}, runner.device());
+    const at::Tensor has_q = host_tensor<double>(has_q_buffer, {n + 1, 1}, runner.device()).to(tree_p.scalar_type());
+    const at::Tensor p_at_index = tree_p.gather(1, q_index);
+    const at::Tensor at_q = p_at_index * has_q;
+    // p with q's tokens zeroed (rows without q write their own values back), its mass, and a token
+    // drawn from it: the part of r no rejection changes.
+    const at::Tensor outside = tree_p.scatter(1, q_index, p_at_index - at_q);
     const at::Tensor outside_mass = outside.sum(1, /*keepdim=*/true);
     const at::Tensor outside_sample =
         processor.sample(at::where(outside_mass > 0, outside / outside_mass.clamp_min(1e-30), tree_p), gen);
-    std::vector<at::Tensor> parts{at_q.flatten(), outside_mass.to(at::kDouble).flatten(),
+    std::vector<at::Tensor> parts{at_q.to(at::kDouble).flatten(), outside_mass.to(at::kDouble).flatten(),
                                   outside_sample.to(at::kDouble).flatten(),
                                   at::isfinite(p.sum()).to(at::kDouble).view({1})};
     if (options.learn) {
@@ -362,7 +361,7 @@ GenerationResult stand_generate_impl(ProbabilisticNGramStorage& memory, T& targe
     const TreeTargetView view{{h, positions * kStandTop},
                               {h + positions * kStandTop, positions},
                               {h + positions * (kStandTop + 1), positions}};
-    const TreeWalk walk = walk_tree(tree, view, options.stochastic, drafter.rng(), variant);
+    walk_tree(tree, view, options.stochastic, drafter.rng(), walk, variant);
 
     const auto accepted = static_cast<int64_t>(walk.path.size());
     runner.keep_tree(length, walk.path);
@@ -372,8 +371,7 @@ GenerationResult stand_generate_impl(ProbabilisticNGramStorage& memory, T& targe
     if (acceptances != nullptr) {
       for (const int64_t node : walk.path) ++(*acceptances)[static_cast<size_t>(tree.template_nodes[static_cast<size_t>(node)])];
     }
-    stats.drafted += n - static_cast<int64_t>(emitted_drafts.size());  // emit() counts the rest
-    state.emit(emitted_drafts, accepted, walk.token, n);
+    state.emit({.drafts = emitted_drafts, .accepted = accepted, .token = walk.token, .gamma = n, .verified = n});
 
     if (options.learn) {
       const auto t1 = std::chrono::steady_clock::now();
@@ -382,13 +380,13 @@ GenerationResult stand_generate_impl(ProbabilisticNGramStorage& memory, T& targe
       const auto sequence = state.sequence();
       const auto learn_row = [&](int64_t row, int64_t position) {  // row of p; position it predicts after
         if (position >= static_cast<int64_t>(sequence.size())) return;
-        context_buffer.resize(static_cast<size_t>(top));
+        observed_tokens.resize(static_cast<size_t>(top));
         std::array<float, kStandTop> probabilities{};
         for (int64_t i = 0; i < top; ++i) {
-          context_buffer[static_cast<size_t>(i)] = static_cast<int64_t>(indices[row * top + i]);
+          observed_tokens[static_cast<size_t>(i)] = static_cast<int64_t>(indices[row * top + i]);
           probabilities[static_cast<size_t>(i)] = static_cast<float>(values[row * top + i]);
         }
-        memory.update(sequence.first(static_cast<size_t>(position + 1)), context_buffer,
+        memory.update(sequence.first(static_cast<size_t>(position + 1)), observed_tokens,
                       std::span<const float>(probabilities.data(), static_cast<size_t>(top)));
       };
       for (int64_t row = 0; row < u - learn_from; ++row) learn_row(row, first_context + learn_from + row);

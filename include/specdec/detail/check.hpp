@@ -2,6 +2,8 @@
 // names the parameter, the rule it broke and the value it had.
 #pragma once
 
+#include <cstdint>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -23,6 +25,15 @@ template <class... Parts>
   std::ostringstream message;
   (message << ... << parts);
   throw std::invalid_argument(message.str());
+}
+
+// Throws unless every token is in [0, vocab): "<name>[i] must be in [0, vocab_size = V), got t".
+inline void check_tokens(std::string_view name, std::span<const int64_t> tokens, int64_t vocab) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab) {
+      throw_invalid_message(name, "[", i, "] must be in [0, vocab_size = ", vocab, "), got ", tokens[i]);
+    }
+  }
 }
 
 }  // namespace specdec::detail

@@ -18,15 +18,6 @@
 
 namespace specdec::detail {
 
-inline void check_tokens(std::string_view name, std::span<const int64_t> tokens, int64_t vocab) {
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] < 0 || tokens[i] >= vocab) {
-      throw_invalid_message(name, "[", i, "] must be in [0, vocab_size = ", vocab, "), got ",
-                            tokens[i]);
-    }
-  }
-}
-
 // Validates what every generation function takes. Throws std::invalid_argument.
 template <class Options>
 void check_common(const Options& options, std::span<const int64_t> prompt, int64_t vocab,
@@ -40,6 +31,18 @@ void check_common(const Options& options, std::span<const int64_t> prompt, int64
                           " must not exceed the model's max_sequence_length ", sequence_limit);
   }
 }
+
+// What one step emits: the drafts it reports, how many leading drafts were accepted, the token
+// the target sampled after them, and what the step callback and stats see beyond that.
+struct EmittedStep {
+  std::span<const int64_t> drafts;   // StepInfo::drafts
+  int64_t accepted = 0;
+  int64_t token = 0;
+  std::optional<int64_t> gamma;      // drafts the policy chose; default drafts.size()
+  double entropy = std::numeric_limits<double>::quiet_NaN();
+  std::optional<int64_t> verified;   // draft tokens the target scored (stats.drafted); default
+                                     // drafts.size() (a tree verifies more than it reports)
+};
 
 // The sequence being generated: prompt plus output, the stopping rules and the step callback.
 class GenerationState {
@@ -63,32 +66,30 @@ class GenerationState {
   GenerationStats& stats() noexcept { return stats_; }
 
   // Appends the accepted drafts and the sampled token, stopping after an end token or at the
-  // length limit, and reports the step to the callback. `gamma` is the number of drafts the
-  // draft-length policy chose (default: as many as were drafted); `entropy` what set it.
-  void emit(std::span<const int64_t> drafts, int64_t accepted, int64_t token,
-            std::optional<int64_t> gamma = std::nullopt,
-            double entropy = std::numeric_limits<double>::quiet_NaN()) {
+  // length limit, counts the step and reports it to the callback.
+  void emit(const EmittedStep& step) {
     const int64_t position = length();
     const auto append = [&](int64_t t) {
       if (finished()) return;
       sequence_.push_back(t);
       if (std::find(eos_.begin(), eos_.end(), t) != eos_.end()) finished_ = true;
     };
-    for (int64_t i = 0; i < accepted; ++i) append(drafts[static_cast<size_t>(i)]);
-    append(token);
+    for (int64_t i = 0; i < step.accepted; ++i) append(step.drafts[static_cast<size_t>(i)]);
+    append(step.token);
+    const auto reported = static_cast<int64_t>(step.drafts.size());
     ++stats_.steps;
-    stats_.drafted += static_cast<int64_t>(drafts.size());
-    stats_.accepted += accepted;
+    stats_.drafted += step.verified.value_or(reported);
+    stats_.accepted += step.accepted;
     if (on_step_) {
       on_step_(StepInfo{.step = stats_.steps - 1,
                         .position = position,
-                        .drafts = drafts,
-                        .accepted = accepted,
-                        .token = token,
+                        .drafts = step.drafts,
+                        .accepted = step.accepted,
+                        .token = step.token,
                         .emitted = std::span<const int64_t>(sequence_).subspan(
                             static_cast<size_t>(position)),
-                        .gamma = gamma.value_or(static_cast<int64_t>(drafts.size())),
-                        .entropy = entropy,
+                        .gamma = step.gamma.value_or(reported),
+                        .entropy = step.entropy,
                         .target_seconds = stats_.target_seconds - reported_target_seconds_,
                         .drafter_seconds = stats_.drafter_seconds - reported_drafter_seconds_});
     }

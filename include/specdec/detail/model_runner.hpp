@@ -16,6 +16,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/host_tensor.hpp"
 
 namespace specdec::detail {
 
@@ -29,15 +30,11 @@ int64_t sequence_limit(const M& model) {
   }
 }
 
-inline at::Generator make_generator(std::optional<uint64_t> seed) {
-  const uint64_t value = seed ? *seed : (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
-  return at::make_generator<at::CPUGeneratorImpl>(value);
-}
+// A 64-bit seed from the system's entropy source, for runs without options.seed.
+inline uint64_t random_seed() { return (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}(); }
 
-// Ids [1, n] on `device` for host tokens.
-inline at::Tensor host_ids(std::span<const int64_t> tokens, const at::Device& device) {
-  const auto count = static_cast<int64_t>(tokens.size());
-  return at::from_blob(const_cast<int64_t*>(tokens.data()), {1, count}, at::kLong).to(device, /*non_blocking=*/false, /*copy=*/true);
+inline at::Generator make_generator(std::optional<uint64_t> seed) {
+  return at::make_generator<at::CPUGeneratorImpl>(seed ? *seed : random_seed());
 }
 
 // Counters a runner adds to.
@@ -75,12 +72,7 @@ class ModelRunner {
     } else {
       ids = tail.narrow(1, known - context_length, tail.size(1) - (known - context_length));
     }
-    const auto start = std::chrono::steady_clock::now();
-    at::NoGradGuard no_grad;  // weights that require grad must not record a graph here
-    at::Tensor logits = model_.forward(ids, cache_);
-    *counters_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    ++*counters_.calls;
-    return checked(logits, ids.size(1), ".forward");
+    return timed(ids.size(1), ".forward", [&] { return model_.forward(ids, cache_); });
   }
 
   // Tree verification (TreeTarget): feeds the part of `context` not cached yet as a chain and then
@@ -103,13 +95,8 @@ class ModelRunner {
       tree_parents_[static_cast<size_t>(u) + k] = parents[k] < 0 ? u - 1 : u + parents[k];
     }
     const at::Tensor ids = host_ids(tree_ids_, device_);
-    const auto start = std::chrono::steady_clock::now();
-    at::NoGradGuard no_grad;
-    at::Tensor logits = model_.forward_tree(ids, cache_, tree_parents_);
-    *counters_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    ++*counters_.calls;
     *uncached = u;
-    return checked(logits, ids.size(1), ".forward_tree");
+    return timed(ids.size(1), ".forward_tree", [&] { return model_.forward_tree(ids, cache_, tree_parents_); });
   }
 
   // After forward_tree: keeps the first `prefix` positions (the context) and the tree nodes
@@ -130,6 +117,18 @@ class ModelRunner {
   }
 
  private:
+  // Runs one forward of `count` tokens without recording a graph (weights may require grad),
+  // counts it and its time, and checks and returns its logits [count, vocab].
+  template <class Forward>
+  at::Tensor timed(int64_t count, const char* call, Forward forward) {
+    const auto start = std::chrono::steady_clock::now();
+    at::NoGradGuard no_grad;
+    const at::Tensor logits = forward();
+    *counters_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++*counters_.calls;
+    return checked(logits, count, call);
+  }
+
   at::Tensor checked(const at::Tensor& logits, int64_t count, const char* call) const {
     if (!logits.defined() || logits.dim() != 3 || logits.size(0) != 1 || logits.size(1) != count ||
         logits.size(2) != vocab_ || !at::isFloatingType(logits.scalar_type())) {
