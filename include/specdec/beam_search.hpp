@@ -18,6 +18,7 @@
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/generation_state.hpp"
 #include "specdec/detail/model_runner.hpp"
+#include "specdec/device.hpp"
 #include "specdec/result.hpp"
 
 namespace specdec {
@@ -81,9 +82,12 @@ template <class T>
 
   BeamSearchResult result;
   GenerationStats& stats = result.stats;
-  at::NoGradGuard no_grad;
   const at::Device device = target.device();
-  auto cache = target.make_cache(beams);
+  detail::ModelRunner<T> runner(target, "target", options.use_cache,
+                                {.calls = &stats.target_calls, .seconds = &stats.target_seconds,
+                                 .positions = &stats.target_positions},
+                                beams);
+  const at::Tensor eos_ids = detail::to_device<int64_t>(eos, {static_cast<int64_t>(eos.size())}, device);
 
   // Live beams: tokens so far and log-probability; one live beam at the start, the others dead.
   std::vector<std::vector<int64_t>> live(static_cast<size_t>(beams));
@@ -101,35 +105,28 @@ template <class T>
   };
 
   // Every beam starts as the prompt: one prompt row repeated.
-  at::Tensor ids = detail::host_ids(prompt, device).expand({beams, static_cast<int64_t>(prompt.size())}).contiguous();
+  at::Tensor ids = detail::to_device_ids(prompt, device).expand({beams, static_cast<int64_t>(prompt.size())}).contiguous();
+  std::vector<int64_t> rows;
   for (int64_t step = 0; step < max_new; ++step) {
     if (!options.use_cache) {
-      cache = target.make_cache(beams);
-      std::vector<int64_t> rows;
+      rows.clear();
       for (const auto& beam : live) {
         rows.insert(rows.end(), prompt.begin(), prompt.end());
         rows.insert(rows.end(), beam.begin(), beam.end());
       }
-      ids = detail::host_tensor<int64_t>(rows, {beams, static_cast<int64_t>(rows.size()) / beams}, device);
+      ids = detail::to_device<int64_t>(rows, {beams, static_cast<int64_t>(rows.size()) / beams}, device);
     }
-    const at::Tensor logits = target.forward(ids, cache);
-    ++stats.target_calls;
-    result.tokens_scored += ids.numel();
-    if (logits.dim() != 3 || logits.size(0) != beams || logits.size(1) != ids.size(1) || logits.size(2) != vocab) {
-      detail::throw_invalid_message("target.forward must return logits [", beams, ", ", ids.size(1), ", ",
-                                    vocab, "], got ", logits.sizes());
-    }
+    const at::Tensor logits = runner.forward_batch(ids);
     at::Tensor log_probs = logits.select(1, logits.size(1) - 1).to(at::kDouble).log_softmax(-1);
-    if (step < options.min_length && !eos.empty()) {
-      log_probs.index_fill_(1, at::tensor(eos, at::kLong).to(device), kDead);
-    }
-    // One synchronisation: the top-k of every beam.
+    if (step < options.min_length && !eos.empty()) log_probs.index_fill_(1, eos_ids, kDead);
+    // One device-to-host copy: the top-k of every beam, and whether the best of each is valid.
     const auto [top_values, top_tokens] = log_probs.topk(k, -1);
-    const at::Tensor host_values = top_values.cpu().contiguous();
-    const at::Tensor host_tokens = top_tokens.cpu().contiguous();
-    const double* values = host_values.data_ptr<double>();
-    const int64_t* top = host_tokens.data_ptr<int64_t>();
-    if (!at::isfinite(host_values.select(1, 0)).logical_or(host_values.select(1, 0) == kDead).all().item<bool>()) {
+    const at::Tensor best = top_values.select(1, 0);
+    const at::Tensor valid = at::isfinite(best).logical_or(best == kDead).all().to(at::kDouble).view({1});
+    const at::Tensor host = detail::to_host(at::cat({top_values.flatten(), top_tokens.to(at::kDouble).flatten(), valid}));
+    const double* values = host.data_ptr<double>();
+    const double* top = values + beams * k;
+    if (values[2 * beams * k] == 0.0) {
       throw std::invalid_argument("beam_search_generate: the target's logits contain NaN or infinity");
     }
     struct Candidate {
@@ -143,7 +140,7 @@ template <class T>
       for (int64_t j = 0; j < k; ++j) {
         const double lp = values[b * k + j];
         if (lp == kDead) continue;
-        candidates.push_back({live_log_probability[static_cast<size_t>(b)] + lp, b, top[b * k + j]});
+        candidates.push_back({live_log_probability[static_cast<size_t>(b)] + lp, b, static_cast<int64_t>(top[b * k + j])});
       }
     }
     std::stable_sort(candidates.begin(), candidates.end(),
@@ -187,8 +184,8 @@ template <class T>
     if (options.use_cache) {
       std::vector<int64_t> identity(static_cast<size_t>(beams));
       std::iota(identity.begin(), identity.end(), 0);
-      if (parents != identity) cache.reorder(at::tensor(parents, at::kLong));  // host rows: no extra sync
-      ids = at::tensor(tokens, at::kLong).to(device).view({beams, 1});
+      if (parents != identity) runner.reorder(at::from_blob(parents.data(), {beams}, at::kLong));  // checked, one upload
+      ids = detail::to_device<int64_t>(tokens, {beams, 1}, device);
     }
   }
   for (size_t b = 0; b < live.size(); ++b) {
@@ -200,7 +197,7 @@ template <class T>
   if (!result.n_best.empty()) result.tokens = result.n_best.front().tokens;
   stats.generated = static_cast<int64_t>(result.tokens.size());
   stats.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count();
-  stats.target_seconds = stats.total_seconds;
+  result.tokens_scored = stats.target_positions;
   return result;
 }
 

@@ -22,7 +22,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
-#include "specdec/detail/host_tensor.hpp"
+#include "specdec/device.hpp"
 
 namespace specdec {
 namespace detail {
@@ -50,15 +50,25 @@ inline void check_rows(const at::Tensor& rows, int64_t batch) {
   if (!rows.defined() || rows.dim() != 1 || rows.scalar_type() != at::kLong) {
     throw_invalid_message("rows must be a 1-D int64 tensor of batch indices");
   }
-  if (rows.numel() == 0) return;
-  // Host rows are checked in place; rows on a device cost one synchronisation to check.
-  const at::Tensor host = rows.is_cpu() ? rows.contiguous() : at::stack({rows.min(), rows.max()}).cpu();
+  if (rows.numel() == 0 || !rows.is_cpu()) return;
+  const at::Tensor host = rows.contiguous();
   const int64_t* data = host.data_ptr<int64_t>();
   const auto [low, high] = std::minmax_element(data, data + host.numel());
   if (*low < 0 || *high >= batch) {
     throw_invalid_message("rows must index batch rows in [0, ", batch, "), got values in [", *low, ", ",
                           *high, "]");
   }
+}
+
+// Checks reorder()'s rows and returns them on `device`. Host rows are checked value by value and
+// copied up once without blocking; rows already on a device are used as they are (checking their
+// values would cost a synchronisation; an out-of-range row fails in index_select).
+inline at::Tensor rows_on(const at::Tensor& rows, int64_t batch, const at::Device& device) {
+  check_rows(rows, batch);
+  if (!rows.is_cpu()) return rows.to(device);
+  const at::Tensor host = rows.contiguous();
+  return to_device<int64_t>(std::span<const int64_t>(host.data_ptr<int64_t>(), static_cast<size_t>(host.numel())),
+                            {host.numel()}, device);
 }
 
 // Checks keep()'s arguments and returns the positions as an int64 tensor on `device` (an
@@ -74,7 +84,7 @@ inline at::Tensor keep_index(int64_t prefix, std::span<const int64_t> positions,
     }
     previous = positions[i];
   }
-  return host_tensor(positions, {static_cast<int64_t>(positions.size())}, device);
+  return to_device(positions, {static_cast<int64_t>(positions.size())}, device);
 }
 
 }  // namespace detail
@@ -153,12 +163,12 @@ class DynamicKVCache {
   }
 
   // Reorders (or repeats) the batch rows: row i becomes the old row rows[i]. For beam search.
-  // rows may live on the host (checked without a synchronisation) or on the cache's device.
+  // rows may live on the host (checked, then copied up once without blocking) or on the cache's
+  // device (used as they are).
   void reorder(const at::Tensor& rows) {
     if (length_ == 0) return;
-    detail::check_rows(rows, keys_.front().size(0));
+    const at::Tensor index = detail::rows_on(rows, keys_.front().size(0), keys_.front().device());
     for (size_t layer = 0; layer < keys_.size(); ++layer) {
-      const at::Tensor index = rows.to(keys_[layer].device());
       keys_[layer] = keys_[layer].narrow(2, 0, length_).index_select(0, index);
       values_[layer] = values_[layer].narrow(2, 0, length_).index_select(0, index);
     }
@@ -202,11 +212,12 @@ struct StaticKVCacheShape {
 // back in O(1), and no step allocates storage.
 class StaticKVCache {
  public:
-  // Allocates [num_layers, 2, batch, kv_heads, capacity, head_dim] with `options` (dtype, device).
+  // Allocates [num_layers, 2, batch, kv_heads, capacity, head_dim] with `options` (dtype, device),
+  // uninitialised: only positions written by update() are ever read.
   // Requires every dimension >= 1.
   StaticKVCache(const StaticKVCacheShape& shape, const at::TensorOptions& options)
       : shape_(check_shape(shape)),
-        storage_(at::zeros({shape.num_layers, 2, shape.batch, shape.kv_heads, shape.capacity,
+        storage_(at::empty({shape.num_layers, 2, shape.batch, shape.kv_heads, shape.capacity,
                             shape.head_dim},
                            options)) {}
 
@@ -282,7 +293,7 @@ class StaticKVCache {
     }
     if (length_ == 0) return;
     const at::Tensor valid = storage_.narrow(4, 0, length_);
-    valid.copy_(valid.index_select(2, rows.to(storage_.device())));
+    valid.copy_(valid.index_select(2, detail::rows_on(rows, shape_.batch, storage_.device())));
   }
 
  private:

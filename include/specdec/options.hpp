@@ -5,11 +5,16 @@
 // The fields every function shares come first, in the same order, in every options struct.
 #pragma once
 
+#include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <optional>
+#include <ostream>
 #include <span>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace specdec {
@@ -33,16 +38,77 @@ struct StepInfo {
   double drafter_seconds = 0;            // wall time of the step's drafting
 };
 
-using StepCallback = std::function<void(const StepInfo&)>;
+// What a step callback tells the generation loop.
+enum class StepAction {
+  proceed,  // go on generating
+  stop,     // stop now: the tokens emitted so far are returned, with StopReason::callback
+};
+
+// The step callback: any callable taking const StepInfo&, returning void (never stops) or
+// StepAction. Empty (default, or nullptr) when no callback is set.
+class StepCallback {
+ public:
+  StepCallback() = default;
+  StepCallback(std::nullptr_t) noexcept {}  // NOLINT(google-explicit-constructor)
+
+  template <class F>
+    requires(!std::same_as<std::remove_cvref_t<F>, StepCallback> &&
+             std::invocable<std::remove_cvref_t<F>&, const StepInfo&>)
+  StepCallback(F&& f) {  // NOLINT(google-explicit-constructor)
+    using Result = std::invoke_result_t<std::remove_cvref_t<F>&, const StepInfo&>;
+    if constexpr (std::is_constructible_v<bool, const std::remove_cvref_t<F>&>) {
+      if (!static_cast<bool>(f)) return;  // an empty std::function or a null function pointer
+    }
+    if constexpr (std::is_void_v<Result>) {
+      callback_ = [g = std::forward<F>(f)](const StepInfo& info) mutable {
+        g(info);
+        return StepAction::proceed;
+      };
+    } else {
+      static_assert(std::same_as<Result, StepAction>, "a step callback returns void or StepAction");
+      callback_ = std::forward<F>(f);
+    }
+  }
+
+  explicit operator bool() const noexcept { return static_cast<bool>(callback_); }
+  // Requires a callback to be set.
+  StepAction operator()(const StepInfo& info) const { return callback_(info); }
+
+ private:
+  std::function<StepAction(const StepInfo&)> callback_;
+};
+
+// Why a generation ended.
+enum class StopReason {
+  max_new_tokens,   // max_new_tokens tokens were generated
+  end_token,        // an end token (eos_token_ids) was generated; it ends the output
+  stop_sequence,    // a stop sequence was generated; the output ends with its last token
+  callback,         // on_step returned StepAction::stop
+  sequence_limit,   // the model's max_sequence_length() was reached
+};
+
+inline std::ostream& operator<<(std::ostream& out, StopReason reason) {
+  switch (reason) {
+    case StopReason::max_new_tokens: return out << "max_new_tokens";
+    case StopReason::end_token: return out << "end_token";
+    case StopReason::stop_sequence: return out << "stop_sequence";
+    case StopReason::callback: return out << "callback";
+    case StopReason::sequence_limit: return out << "sequence_limit";
+  }
+  return out << "unknown";
+}
 
 // Options of autoregressive_generate.
 struct GenerationOptions {
   int64_t max_new_tokens = 40;          // most tokens to generate (>= 0); the seeds' max_gen_len
   std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output); empty:
                                         // generate until max_new_tokens
+  std::vector<std::vector<int64_t>> stop_sequences;  // token sequences that end generation when
+                                        // generated (kept in the output); matched over
+                                        // the generated tokens, across step boundaries
   std::optional<uint64_t> seed;         // seed of the sampling generator; unset: nondeterministic
   bool use_cache = true;                // false recomputes the whole sequence at every forward
-  StepCallback on_step;                 // called after every step; empty: not called
+  StepCallback on_step;                 // called after every step (may stop); empty: not called
 };
 
 // How speculative_generate chooses the number of drafts of each step.
@@ -66,9 +132,12 @@ enum class Verification {
 struct SpeculativeOptions {
   int64_t max_new_tokens = 40;          // most tokens to generate (>= 0); the seeds' max_gen_len
   std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output)
+  std::vector<std::vector<int64_t>> stop_sequences;  // token sequences that end generation when
+                                        // generated (kept in the output); matched over
+                                        // the generated tokens, across step boundaries
   std::optional<uint64_t> seed;         // seed of the sampling generator; unset: nondeterministic
   bool use_cache = true;                // false recomputes the whole sequence at every forward
-  StepCallback on_step;                 // called after every step; empty: not called
+  StepCallback on_step;                 // called after every step (may stop); empty: not called
   int64_t gamma = 5;                    // drafts per step (>= 1); fewer near the length limit
   bool first_target = true;             // the first token comes from the target alone (seed 002)
   bool skip_sample_adjustment = false;  // after a rejection sample from p instead of the residual
@@ -93,9 +162,12 @@ struct SpeculativeOptions {
 struct NGramAssistedOptions {
   int64_t max_new_tokens = 40;          // most tokens to generate (>= 0)
   std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output)
+  std::vector<std::vector<int64_t>> stop_sequences;  // token sequences that end generation when
+                                        // generated (kept in the output); matched over
+                                        // the generated tokens, across step boundaries
   std::optional<uint64_t> seed;         // seed of the sampling generator; unset: nondeterministic
   bool use_cache = true;                // false recomputes the whole sequence at every forward
-  StepCallback on_step;                 // called after every step; empty: not called
+  StepCallback on_step;                 // called after every step (may stop); empty: not called
   int64_t gamma = 5;                    // most drafts per step (>= 1)
   int64_t filler_top_k = 3;             // after verification, also teach the storage the target's
                                         // top-k tokens at every verified position (>= 1; 1: only

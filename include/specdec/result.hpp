@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "specdec/options.hpp"
+
 namespace specdec {
 
 // Counters of one generation. Times are host wall-clock seconds; on an asynchronous device a
@@ -15,6 +17,8 @@ struct GenerationStats {
   int64_t drafter_calls = 0;  // drafter forward calls
   int64_t steps = 0;          // generation steps (each ends with one token sampled from the target)
   int64_t generated = 0;      // tokens generated (the size of GenerationResult::tokens)
+  int64_t target_positions = 0;  // positions the target computed, over all its forwards: the
+                                 // uncached context (prefill) plus every verified draft
   double total_seconds = 0;   // wall time of the whole call
   double target_seconds = 0;  // wall time inside target forward calls
   double drafter_seconds = 0; // wall time inside drafter forward calls
@@ -27,6 +31,7 @@ struct GenerationStats {
     drafter_calls += other.drafter_calls;
     steps += other.steps;
     generated += other.generated;
+    target_positions += other.target_positions;
     total_seconds += other.total_seconds;
     target_seconds += other.target_seconds;
     drafter_seconds += other.drafter_seconds;
@@ -64,6 +69,7 @@ struct GenerationStats {
 struct GenerationResult {
   std::vector<int64_t> tokens;  // generated tokens, prompt excluded; an end token is included
   GenerationStats stats;
+  StopReason stop_reason = StopReason::max_new_tokens;  // why generation ended
 };
 
 }  // namespace specdec

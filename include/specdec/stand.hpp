@@ -24,12 +24,13 @@
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/generation_state.hpp"
-#include "specdec/detail/host_tensor.hpp"
 #include "specdec/detail/model_runner.hpp"
+#include "specdec/device.hpp"
 #include "specdec/logits_processor.hpp"
 #include "specdec/ngram_storage.hpp"
 #include "specdec/options.hpp"
 #include "specdec/result.hpp"
+#include "specdec/step.hpp"
 #include "specdec/tree.hpp"
 
 namespace specdec {
@@ -38,6 +39,8 @@ namespace specdec {
 struct StandOptions {
   int64_t max_new_tokens = 40;          // most tokens to generate (>= 0)
   std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output)
+  std::vector<std::vector<int64_t>> stop_sequences;  // token sequences that end generation when
+                                        // generated (kept in the output)
   std::optional<uint64_t> seed;         // seed of the sampling and drafting randomness
   bool use_cache = true;                // false recomputes the whole sequence at every forward
   StepCallback on_step;                 // called after every step; drafts = the accepted path and
@@ -266,6 +269,144 @@ inline void walk_tree(const DraftTree& tree, const TreeTargetView& target, bool 
   }
 }
 
+// STAND as a TreeDraftSource of the shared step (step.hpp): draws trees from the memory, asks the
+// target's device for what the host walk needs (p at q's tokens, the mass outside them, a token
+// sampled outside them and, to learn from, the top tokens of every verified row), walks the tree
+// and teaches the memory the target's distributions at the verified positions.
+class StandDraftSource {
+ public:
+  StandDraftSource(ProbabilisticNGramStorage& memory, const StandOptions& options, TreeVerification variant,
+                   int64_t limit, int64_t vocab)
+      : memory_(memory),
+        options_(options),
+        variant_(variant),
+        limit_(limit),
+        top_(std::min(kStandTop, vocab)),
+        max_depth_(options.max_depth > 0 ? options.max_depth : options.tree.max_depth()),
+        // Drafting and the host walk draw from their own stream, derived from the seed.
+        drafter_(memory, options.tree, options.stochastic,
+                 options.seed ? *options.seed * 0x9E3779B97F4A7C15ULL + 1 : random_seed()) {}
+
+  TreeDrafts draft_tree(const DraftRequest& request) {
+    length_ = static_cast<int64_t>(request.sequence.size());
+    const int64_t budget = std::min(options_.tree.size(), limit_ == std::numeric_limits<int64_t>::max()
+                                                              ? options_.tree.size()
+                                                              : limit_ - length_);
+    drafter_.draw(request.sequence, std::min(max_depth_, request.room), budget, tree_);
+    return TreeDrafts{.tokens = tree_.tokens, .parents = tree_.parents, .calls = tree_.lookups};
+  }
+
+  template <LogitsProcessor P>
+  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
+    const int64_t u = uncached;
+    const int64_t n = tree_.nodes();
+    u_ = u;
+    first_context_ = length_ - u;  // position of logits row 0
+    learn_from_ = options_.learn ? std::clamp<int64_t>(learned_until_ - first_context_, 0, u - 1) : u - 1;
+    const at::Tensor p = processor(logits.narrow(0, learn_from_, u + n - learn_from_));
+    const at::Tensor tree_p = p.narrow(0, u - 1 - learn_from_, n + 1);
+
+    // q's tokens at every position, padded with its first token; token 0 where q is empty, which
+    // has_q marks so that nothing is masked there.
+    q_index_buffer_.assign(static_cast<size_t>((n + 1) * kStandTop), 0);
+    has_q_buffer_.assign(static_cast<size_t>(n + 1), 0.0);
+    for (int64_t pos = 0; pos <= n; ++pos) {
+      const DraftTree::Position& here = tree_.positions[static_cast<size_t>(pos)];
+      if (here.q_size == 0) continue;
+      has_q_buffer_[static_cast<size_t>(pos)] = 1.0;
+      for (int64_t i = 0; i < kStandTop; ++i) {
+        q_index_buffer_[static_cast<size_t>(pos * kStandTop + i)] = here.q_tokens[static_cast<size_t>(i < here.q_size ? i : 0)];
+      }
+    }
+    const at::Device device = logits.device();
+    const at::Tensor q_index = to_device<int64_t>(q_index_buffer_, {n + 1, kStandTop}, device);
+    const at::Tensor has_q = to_device<double>(has_q_buffer_, {n + 1, 1}, device).to(tree_p.scalar_type());
+    const at::Tensor p_at_index = tree_p.gather(1, q_index);
+    const at::Tensor at_q = p_at_index * has_q;
+    // p with q's tokens zeroed (rows without q write their own values back), its mass, and a token
+    // drawn from it: the part of r no rejection changes.
+    const at::Tensor outside = tree_p.scatter(1, q_index, p_at_index - at_q);
+    const at::Tensor outside_mass = outside.sum(1, /*keepdim=*/true);
+    const at::Tensor outside_sample =
+        processor.sample(at::where(outside_mass > 0, outside / outside_mass.clamp_min(1e-30), tree_p), gen);
+    std::vector<at::Tensor> parts{at_q.to(at::kDouble).flatten(), outside_mass.to(at::kDouble).flatten(),
+                                  outside_sample.to(at::kDouble).flatten(),
+                                  at::isfinite(p.sum()).to(at::kDouble).view({1})};
+    if (options_.learn) {
+      const auto [values, indices] = p.topk(top_, -1);
+      parts.push_back(values.to(at::kDouble).flatten());
+      parts.push_back(indices.to(at::kDouble).flatten());
+    }
+    return at::cat(parts);
+  }
+
+  // Reads the host copy of score_tree's tensor; `values` stays valid until verified_tree returns.
+  TreeVerdict walk_tree(const double* values) {
+    values_ = values;
+    const auto positions = static_cast<size_t>(tree_.nodes() + 1);
+    if (values[positions * (kStandTop + 2)] == 0.0) {
+      throw std::invalid_argument(
+          "stand_generate: the target distribution contains NaN or infinity (non-finite logits from the model)");
+    }
+    const TreeTargetView view{{values, positions * kStandTop},
+                              {values + positions * kStandTop, positions},
+                              {values + positions * (kStandTop + 1), positions}};
+    detail::walk_tree(tree_, view, options_.stochastic, drafter_.rng(), walk_, variant_);
+    emitted_drafts_.clear();
+    for (const int64_t node : walk_.path) emitted_drafts_.push_back(tree_.tokens[static_cast<size_t>(node)]);
+    if (walk_.rejected >= 0) emitted_drafts_.push_back(tree_.tokens[static_cast<size_t>(walk_.rejected)]);
+    if (options_.node_acceptances != nullptr) {
+      for (const int64_t node : walk_.path) {
+        ++(*options_.node_acceptances)[static_cast<size_t>(tree_.template_nodes[static_cast<size_t>(node)])];
+      }
+    }
+    return TreeVerdict{.path = walk_.path, .drafts = emitted_drafts_, .token = walk_.token};
+  }
+
+  // Teaches the memory the target's distributions at the verified positions not learned yet.
+  void verified_tree(std::span<const int64_t> sequence, int64_t /*position*/) {
+    if (!options_.learn) return;
+    const int64_t n = tree_.nodes();
+    const auto positions = n + 1;
+    const int64_t u = u_;
+    const double* values = values_ + positions * (kStandTop + 2) + 1;
+    const double* indices = values + (u + n - learn_from_) * top_;
+    const auto learn_row = [&](int64_t row, int64_t position) {  // row of p; position it predicts after
+      if (position >= static_cast<int64_t>(sequence.size())) return;
+      observed_tokens_.resize(static_cast<size_t>(top_));
+      std::array<float, kStandTop> probabilities{};
+      for (int64_t i = 0; i < top_; ++i) {
+        observed_tokens_[static_cast<size_t>(i)] = static_cast<int64_t>(indices[row * top_ + i]);
+        probabilities[static_cast<size_t>(i)] = static_cast<float>(values[row * top_ + i]);
+      }
+      memory_.update(sequence.first(static_cast<size_t>(position + 1)), observed_tokens_,
+                     std::span<const float>(probabilities.data(), static_cast<size_t>(top_)));
+    };
+    for (int64_t row = 0; row < u - learn_from_; ++row) learn_row(row, first_context_ + learn_from_ + row);
+    const auto accepted = static_cast<int64_t>(walk_.path.size());
+    for (int64_t d = 0; d < accepted; ++d) {
+      learn_row(u - learn_from_ + walk_.path[static_cast<size_t>(d)], length_ + d);
+    }
+    learned_until_ = length_ + accepted;
+  }
+
+ private:
+  ProbabilisticNGramStorage& memory_;
+  const StandOptions& options_;
+  TreeVerification variant_;
+  int64_t limit_;
+  int64_t top_;
+  int64_t max_depth_;
+  TreeDrafter drafter_;
+  DraftTree tree_;
+  TreeWalk walk_;
+  std::vector<int64_t> emitted_drafts_, q_index_buffer_, observed_tokens_;
+  std::vector<double> has_q_buffer_;
+  const double* values_ = nullptr;
+  int64_t length_ = 0, u_ = 0, first_context_ = 0, learn_from_ = 0;
+  int64_t learned_until_ = 0;  // positions whose next-token distribution the memory has seen
+};
+
 template <TreeTarget T, LogitsProcessor P>
 GenerationResult stand_generate_impl(ProbabilisticNGramStorage& memory, T& target, std::span<const int64_t> prompt,
                                      const StandOptions& options, const P& processor, TreeVerification variant) {
@@ -285,119 +426,10 @@ GenerationResult stand_generate_impl(ProbabilisticNGramStorage& memory, T& targe
   }
   const int64_t limit = sequence_limit(target);
   check_common(options, prompt, vocab, limit);
-
-  GenerationState state(prompt, options, limit);
-  GenerationStats& stats = state.stats();
-  at::Generator gen = make_generator(options.seed);
-  // Drafting and the host walk draw from their own stream, derived from the seed.
-  const uint64_t draft_seed = options.seed ? *options.seed * 0x9E3779B97F4A7C15ULL + 1 : random_seed();
-  ModelRunner<T> runner(target, "target", options.use_cache, {&stats.target_calls, &stats.target_seconds});
-  TreeDrafter drafter(memory, options.tree, options.stochastic, draft_seed);
-  const int64_t max_depth = options.max_depth > 0 ? options.max_depth : options.tree.max_depth();
-  const int64_t top = std::min(kStandTop, vocab);
-
-  DraftTree tree;
-  TreeWalk walk;
-  std::vector<int64_t> emitted_drafts;
-  std::vector<int64_t> q_index_buffer;
-  std::vector<double> has_q_buffer;
-  std::vector<int64_t> observed_tokens;
-  int64_t learned_until = 0;  // positions whose next-token distribution the memory has seen
-  while (!state.finished()) {
-    const int64_t length = state.length();
-    const auto t0 = std::chrono::steady_clock::now();
-    const int64_t budget = std::min(options.tree.size(), limit == std::numeric_limits<int64_t>::max()
-                                                             ? options.tree.size()
-                                                             : limit - length);
-    drafter.draw(state.sequence(), std::min(max_depth, state.room() - 1), budget, tree);
-    stats.drafter_calls += tree.lookups;
-    stats.drafter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-
-    int64_t u = 0;
-    const at::Tensor logits = runner.forward_tree(state.sequence(), tree.tokens, tree.parents, &u);
-    const int64_t n = tree.nodes();
-    const int64_t first_context = length - u;  // position of logits row 0
-    const int64_t learn_from = options.learn ? std::clamp<int64_t>(learned_until - first_context, 0, u - 1) : u - 1;
-    const at::Tensor p = processor(logits.narrow(0, learn_from, u + n - learn_from));
-    const at::Tensor tree_p = p.narrow(0, u - 1 - learn_from, n + 1);
-
-    // q's tokens at every position, padded with its first token; token 0 where q is empty, which
-    // has_q marks so that nothing is masked there.
-    q_index_buffer.assign(static_cast<size_t>((n + 1) * kStandTop), 0);
-    has_q_buffer.assign(static_cast<size_t>(n + 1), 0.0);
-    for (int64_t pos = 0; pos <= n; ++pos) {
-      const DraftTree::Position& here = tree.positions[static_cast<size_t>(pos)];
-      if (here.q_size == 0) continue;
-      has_q_buffer[static_cast<size_t>(pos)] = 1.0;
-      for (int64_t i = 0; i < kStandTop; ++i) {
-        q_index_buffer[static_cast<size_t>(pos * kStandTop + i)] = here.q_tokens[static_cast<size_t>(i < here.q_size ? i : 0)];
-      }
-    }
-    const at::Tensor q_index = host_tensor<int64_t>(q_index_buffer, {n + 1, kStandTop}, runner.device());
-    const at::Tensor has_q = host_tensor<double>(has_q_buffer, {n + 1, 1}, runner.device()).to(tree_p.scalar_type());
-    const at::Tensor p_at_index = tree_p.gather(1, q_index);
-    const at::Tensor at_q = p_at_index * has_q;
-    // p with q's tokens zeroed (rows without q write their own values back), its mass, and a token
-    // drawn from it: the part of r no rejection changes.
-    const at::Tensor outside = tree_p.scatter(1, q_index, p_at_index - at_q);
-    const at::Tensor outside_mass = outside.sum(1, /*keepdim=*/true);
-    const at::Tensor outside_sample =
-        processor.sample(at::where(outside_mass > 0, outside / outside_mass.clamp_min(1e-30), tree_p), gen);
-    std::vector<at::Tensor> parts{at_q.to(at::kDouble).flatten(), outside_mass.to(at::kDouble).flatten(),
-                                  outside_sample.to(at::kDouble).flatten(),
-                                  at::isfinite(p.sum()).to(at::kDouble).view({1})};
-    if (options.learn) {
-      const auto [values, indices] = p.topk(top, -1);
-      parts.push_back(values.to(at::kDouble).flatten());
-      parts.push_back(indices.to(at::kDouble).flatten());
-    }
-    const at::Tensor host = at::cat(parts).cpu();
-    const double* h = host.data_ptr<double>();
-    const auto positions = static_cast<size_t>(n + 1);
-    if (h[positions * (kStandTop + 2)] == 0.0) {
-      throw std::invalid_argument(
-          "stand_generate: the target distribution contains NaN or infinity (non-finite logits from the model)");
-    }
-    const TreeTargetView view{{h, positions * kStandTop},
-                              {h + positions * kStandTop, positions},
-                              {h + positions * (kStandTop + 1), positions}};
-    walk_tree(tree, view, options.stochastic, drafter.rng(), walk, variant);
-
-    const auto accepted = static_cast<int64_t>(walk.path.size());
-    runner.keep_tree(length, walk.path);
-    emitted_drafts.clear();
-    for (const int64_t node : walk.path) emitted_drafts.push_back(tree.tokens[static_cast<size_t>(node)]);
-    if (walk.rejected >= 0) emitted_drafts.push_back(tree.tokens[static_cast<size_t>(walk.rejected)]);
-    if (acceptances != nullptr) {
-      for (const int64_t node : walk.path) ++(*acceptances)[static_cast<size_t>(tree.template_nodes[static_cast<size_t>(node)])];
-    }
-    state.emit({.drafts = emitted_drafts, .accepted = accepted, .token = walk.token, .gamma = n, .verified = n});
-
-    if (options.learn) {
-      const auto t1 = std::chrono::steady_clock::now();
-      const double* values = h + positions * (kStandTop + 2) + 1;
-      const double* indices = values + (u + n - learn_from) * top;
-      const auto sequence = state.sequence();
-      const auto learn_row = [&](int64_t row, int64_t position) {  // row of p; position it predicts after
-        if (position >= static_cast<int64_t>(sequence.size())) return;
-        observed_tokens.resize(static_cast<size_t>(top));
-        std::array<float, kStandTop> probabilities{};
-        for (int64_t i = 0; i < top; ++i) {
-          observed_tokens[static_cast<size_t>(i)] = static_cast<int64_t>(indices[row * top + i]);
-          probabilities[static_cast<size_t>(i)] = static_cast<float>(values[row * top + i]);
-        }
-        memory.update(sequence.first(static_cast<size_t>(position + 1)), observed_tokens,
-                      std::span<const float>(probabilities.data(), static_cast<size_t>(top)));
-      };
-      for (int64_t row = 0; row < u - learn_from; ++row) learn_row(row, first_context + learn_from + row);
-      for (int64_t d = 0; d < accepted; ++d) {
-        learn_row(u - learn_from + walk.path[static_cast<size_t>(d)], length + d);
-      }
-      learned_until = length + accepted;
-      stats.drafter_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-    }
-  }
-  return std::move(state).finish();
+  std::vector<int64_t> sequence(prompt.begin(), prompt.end());
+  ModelRunner<T> runner(target, "target", options.use_cache);
+  StandDraftSource source(memory, options, variant, limit, vocab);
+  return run_generation(runner, sequence, source, step_options(options), processor, limit, /*draft=*/true);
 }
 
 }  // namespace detail

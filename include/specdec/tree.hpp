@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "specdec/detail/check.hpp"
+#include "specdec/device.hpp"
 
 namespace specdec {
 
@@ -60,6 +61,36 @@ inline TreeAttention tree_attention(std::span<const int64_t> parents, int64_t co
     v[i * count + i] = true;
   }
   return {depth, visible};
+}
+
+// The tree-attention layout of `parents` on `device`. Off the CPU it is built there: the parent
+// indices and depths (host integers, O(count)) go up without blocking, and the visibility of
+// each node's ancestors is filled by following parent pointers depth + 1 times, so that no
+// [count, count] mask crosses to the device.
+inline TreeAttention tree_attention(std::span<const int64_t> parents, int64_t count, const at::Device& device) {
+  if (device.is_cpu()) return tree_attention(parents, count);
+  if (static_cast<int64_t>(parents.size()) != count) {
+    detail::throw_invalid_message("parents must have one entry per token (", count, "), got ", parents.size());
+  }
+  detail::check_parents(parents);
+  std::vector<int64_t> depth(static_cast<size_t>(count));
+  std::vector<int64_t> up(static_cast<size_t>(count));  // parent, or the node itself at depth 0
+  int64_t deepest = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t parent = parents[static_cast<size_t>(i)];
+    depth[static_cast<size_t>(i)] = parent < 0 ? 0 : depth[static_cast<size_t>(parent)] + 1;
+    up[static_cast<size_t>(i)] = parent < 0 ? i : parent;
+    deepest = std::max(deepest, depth[static_cast<size_t>(i)]);
+  }
+  const at::Tensor device_depth = detail::to_device<int64_t>(depth, {count}, device);
+  const at::Tensor device_up = detail::to_device<int64_t>(up, {count}, device);
+  at::Tensor visible = at::zeros({count, count}, at::TensorOptions().dtype(at::kBool).device(device));
+  at::Tensor ancestor = at::arange(count, at::TensorOptions().dtype(at::kLong).device(device));
+  for (int64_t k = 0; k <= deepest; ++k) {
+    visible.scatter_(1, ancestor.view({count, 1}), true);
+    ancestor = device_up.index_select(0, ancestor);
+  }
+  return {device_depth, visible};
 }
 
 // The shape bound of a draft tree: every draft tree is a subtree of its template, node i of the

@@ -11,7 +11,8 @@
 // step is plain sampling from p_0: autoregressive decoding uses the same core.
 //
 // The acceptance tests of all gamma positions are one tensor expression on the target's device,
-// and the step costs exactly one device-to-host synchronisation.
+// and the step costs exactly one device-to-host copy (detail::to_host, counted by
+// device_to_host_copies()).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,6 +24,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/device.hpp"
 
 namespace specdec {
 
@@ -50,22 +52,45 @@ inline int64_t check_verify_inputs(const at::Tensor& target_probs, const at::Ten
   return gamma;
 }
 
-// The step's single device-to-host copy: accepted [1], token [1], finite (bool scalar) and the
-// drafts [gamma, 1] come back together.
-inline VerifiedStep to_host(const char* caller, const at::Tensor& accepted, const at::Tensor& token,
-                            const at::Tensor& finite, const at::Tensor& draft_index) {
+// A verification's outcome still on the device, before the step's one host copy: packed holds
+// int64 [3 + gamma] = accepted, token, finite (0 or 1), then the gamma drafts. The generation
+// step appends what else it needs from the device to the same copy.
+struct PendingStep {
+  at::Tensor packed;
+  int64_t gamma = 0;
+  const char* caller = "";
+};
+
+inline PendingStep pack_step(const char* caller, const at::Tensor& accepted, const at::Tensor& token,
+                             const at::Tensor& finite, const at::Tensor& draft_index) {
   const int64_t gamma = draft_index.size(0);
-  const at::Tensor host = at::cat({accepted, token.to(at::kLong), finite.to(at::kLong).view({1}),
-                                   draft_index.view({gamma})})
-                              .cpu();
-  const int64_t* values = host.data_ptr<int64_t>();
-  if (values[2] == 0) {
-    throw std::invalid_argument(std::string(caller) +
-                                ": the target or drafter distribution contains NaN or infinity "
-                                "(non-finite logits from the model)");
-  }
-  return VerifiedStep{values[0], values[1], std::vector<int64_t>(values + 3, values + 3 + gamma)};
+  return PendingStep{at::cat({accepted, token.to(at::kLong).view({1}), finite.to(at::kLong).view({1}),
+                              draft_index.view({gamma})}),
+                     gamma, caller};
 }
+
+// Reads a PendingStep from host values (its packed entries, copied). Throws
+// std::invalid_argument when the distributions were not finite.
+inline VerifiedStep read_step(const PendingStep& pending, const int64_t* values) {
+  if (values[2] == 0) {
+    throw std::invalid_argument(std::string(pending.caller) +
+                                ": the target or drafter distribution contains NaN or infinity "
+                                "(non-finite logits from the model, or a temperature too small "
+                                "for their range)");
+  }
+  return VerifiedStep{values[0], values[1], std::vector<int64_t>(values + 3, values + 3 + pending.gamma)};
+}
+
+// verify_drafts without its host copy; see verify_drafts.
+template <LogitsProcessor P>
+PendingStep verify_drafts_pending(const at::Tensor& target_probs, const at::Tensor& draft_probs,
+                                  const at::Tensor& drafts, const P& processor, at::Generator& gen,
+                                  bool skip_sample_adjustment);
+
+// verify_threshold without its host copy; see verify_threshold.
+template <LogitsProcessor P>
+PendingStep verify_threshold_pending(const at::Tensor& target_probs, const at::Tensor& drafts, double threshold,
+                                     const P& processor, at::Generator& gen);
 
 }  // namespace detail
 
@@ -89,11 +114,40 @@ template <LogitsProcessor P>
                                          const at::Tensor& draft_probs, const at::Tensor& drafts,
                                          const P& processor, at::Generator& gen,
                                          const VerifyOptions& options = {}) {
-  const int64_t gamma = detail::check_verify_inputs(target_probs, drafts);
+  const detail::PendingStep pending = detail::verify_drafts_pending(
+      target_probs, draft_probs, drafts, processor, gen, options.skip_sample_adjustment);
+  return detail::read_step(pending, detail::to_host(pending.packed).data_ptr<int64_t>());
+}
+
+// Threshold verification (seed 003): keeps draft i while p_i(d_i) >= threshold and samples the
+// token after the kept drafts from p at that position (the first failure's correction, or the
+// bonus token when every draft passed). LOSSY under sampling: the emitted tokens are not
+// distributed as the target's. With a greedy processor and 0 < threshold <= 1 it keeps exactly
+// the drafts equal to the target's argmax, as verify_drafts does. threshold = 0 keeps every draft;
+// threshold > 1 keeps none, and the step is plain sampling from p_0.
+//
+// Requires: target_probs and drafts as for verify_drafts; threshold >= 0.
+// Returns: the kept count, the sampled token and the drafts, after one synchronisation.
+// Throws: std::invalid_argument on mismatched shapes, a negative or NaN threshold, and when the
+//   target distribution holds NaN or infinity.
+template <LogitsProcessor P>
+[[nodiscard]] VerifiedStep verify_threshold(const at::Tensor& target_probs, const at::Tensor& drafts,
+                                            double threshold, const P& processor, at::Generator& gen) {
+  const detail::PendingStep pending = detail::verify_threshold_pending(target_probs, drafts, threshold, processor, gen);
+  return detail::read_step(pending, detail::to_host(pending.packed).data_ptr<int64_t>());
+}
+
+// Definitions of the pending verifications declared above.
+namespace detail {
+template <LogitsProcessor P>
+PendingStep verify_drafts_pending(const at::Tensor& target_probs, const at::Tensor& draft_probs,
+                                          const at::Tensor& drafts, const P& processor, at::Generator& gen,
+                                          bool skip_sample_adjustment) {
+  const int64_t gamma = check_verify_inputs(target_probs, drafts);
   const int64_t vocab = target_probs.size(1);
   if (draft_probs.defined() &&
       (draft_probs.dim() != 2 || draft_probs.size(0) != gamma || draft_probs.size(1) != vocab)) {
-    detail::throw_invalid_message("draft_probs must be [gamma = ", gamma, ", vocab = ", vocab,
+    throw_invalid_message("draft_probs must be [gamma = ", gamma, ", vocab = ", vocab,
                                   "], got ", draft_probs.sizes());
   }
 
@@ -117,7 +171,7 @@ template <LogitsProcessor P>
   // max(0, p_n - q_n) after a rejection at n, p_gamma when every draft was accepted (q_gamma = 0).
   const at::Tensor p_row = target_probs.index_select(0, accepted).to(at::kDouble);
   at::Tensor next = p_row;
-  if (gamma > 0 && !options.skip_sample_adjustment) {
+  if (gamma > 0 && !skip_sample_adjustment) {
     const at::Tensor row = accepted.clamp_max(gamma - 1);
     const at::Tensor q_row =
         draft_probs.defined()
@@ -132,32 +186,22 @@ template <LogitsProcessor P>
   // Probabilities are non-negative, so a sum is finite exactly when every entry is.
   at::Tensor finite = at::isfinite(target_probs.sum());
   if (draft_probs.defined()) finite = finite.logical_and(at::isfinite(draft_probs.sum()).to(device));
-  return detail::to_host("verify_drafts", accepted, token, finite, draft_index);
+  return pack_step("verify_drafts", accepted, token, finite, draft_index);
 }
 
-// Threshold verification (seed 003): keeps draft i while p_i(d_i) >= threshold and samples the
-// token after the kept drafts from p at that position (the first failure's correction, or the
-// bonus token when every draft passed). LOSSY under sampling: the emitted tokens are not
-// distributed as the target's. With a greedy processor and 0 < threshold <= 1 it keeps exactly
-// the drafts equal to the target's argmax, as verify_drafts does. threshold = 0 keeps every draft;
-// threshold > 1 keeps none, and the step is plain sampling from p_0.
-//
-// Requires: target_probs and drafts as for verify_drafts; threshold >= 0.
-// Returns: the kept count, the sampled token and the drafts, after one synchronisation.
-// Throws: std::invalid_argument on mismatched shapes, a negative or NaN threshold, and when the
-//   target distribution holds NaN or infinity.
 template <LogitsProcessor P>
-[[nodiscard]] VerifiedStep verify_threshold(const at::Tensor& target_probs, const at::Tensor& drafts,
-                                            double threshold, const P& processor, at::Generator& gen) {
-  if (!(threshold >= 0.0)) detail::throw_invalid("threshold", "be >= 0", threshold);
-  const int64_t gamma = detail::check_verify_inputs(target_probs, drafts);
+PendingStep verify_threshold_pending(const at::Tensor& target_probs, const at::Tensor& drafts,
+                                             double threshold, const P& processor, at::Generator& gen) {
+  if (!(threshold >= 0.0)) throw_invalid("threshold", "be >= 0", threshold);
+  const int64_t gamma = check_verify_inputs(target_probs, drafts);
   const at::Tensor draft_index = drafts.to(target_probs.device()).view({gamma, 1});
   const at::Tensor p_drafted =
       target_probs.narrow(0, 0, gamma).gather(1, draft_index).view({gamma}).to(at::kDouble);
   const at::Tensor accepted = (p_drafted >= threshold).to(at::kLong).cumprod(0).sum().view({1});
   const at::Tensor token = processor.sample(target_probs.index_select(0, accepted), gen).view({1});
-  return detail::to_host("verify_threshold", accepted, token, at::isfinite(target_probs.sum()),
-                         draft_index);
+  return pack_step("verify_threshold", accepted, token, at::isfinite(target_probs.sum()), draft_index);
 }
+
+}  // namespace detail
 
 }  // namespace specdec

@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "specdec/detail/check.hpp"
+#include "specdec/device.hpp"
 #include "specdec/options.hpp"
 
 namespace specdec::detail {
@@ -23,14 +24,14 @@ struct DrafterSignal {
 };
 
 // The normalised entropy and top probability of softmax(logits) for logits [1, vocab]: the
-// drafter's own distribution, before any processor. One device-to-host copy.
+// drafter's own distribution, before any processor. One device-to-host copy (counted).
 inline DrafterSignal drafter_signal(const at::Tensor& logits) {
   const int64_t vocab = logits.size(-1);
   const at::Tensor log_p = logits.reshape({vocab}).to(at::kDouble).log_softmax(0);
   const at::Tensor p = log_p.exp();
   // p * log p with 0 * log 0 = 0, for tokens whose logit is -inf.
   const at::Tensor plogp = at::where(p > 0, p * log_p, at::zeros_like(p));
-  const at::Tensor host = at::stack({-plogp.sum(), p.max()}).cpu();
+  const at::Tensor host = to_host(at::stack({-plogp.sum(), p.max()}));
   const double* values = host.data_ptr<double>();
   if (!std::isfinite(values[0]) || !std::isfinite(values[1])) {
     throw std::invalid_argument(

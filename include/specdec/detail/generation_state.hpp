@@ -25,6 +25,13 @@ void check_common(const Options& options, std::span<const int64_t> prompt, int64
   if (prompt.empty()) throw std::invalid_argument("prompt must not be empty");
   check_tokens("prompt", prompt, vocab);
   check_tokens("eos_token_ids", options.eos_token_ids, vocab);
+  if constexpr (requires { options.stop_sequences; }) {
+    for (size_t i = 0; i < options.stop_sequences.size(); ++i) {
+      const std::string name = "stop_sequences[" + std::to_string(i) + "]";
+      if (options.stop_sequences[i].empty()) throw std::invalid_argument(name + " must not be empty");
+      check_tokens(name, options.stop_sequences[i], vocab);
+    }
+  }
   if (options.max_new_tokens < 0) throw_invalid("max_new_tokens", "be >= 0", options.max_new_tokens);
   if (static_cast<int64_t>(prompt.size()) > sequence_limit) {
     throw_invalid_message("prompt length ", prompt.size(),
@@ -44,35 +51,53 @@ struct EmittedStep {
                                      // drafts.size() (a tree verifies more than it reports)
 };
 
-// The sequence being generated: prompt plus output, the stopping rules and the step callback.
+// The sequence being generated (prompt plus output, in a vector the caller owns: a session's
+// tokens or a call's own copy of the prompt), the stopping rules and the step callback.
 class GenerationState {
  public:
   template <class Options>
-  GenerationState(std::span<const int64_t> prompt, const Options& options, int64_t sequence_limit)
-      : sequence_(prompt.begin(), prompt.end()),
-        prompt_length_(static_cast<int64_t>(prompt.size())),
-        end_(std::min(sequence_limit, prompt_length_ + options.max_new_tokens)),
+  GenerationState(std::vector<int64_t>& sequence, const Options& options, int64_t sequence_limit)
+      : sequence_(sequence),
+        prompt_length_(static_cast<int64_t>(sequence.size())),
+        limit_(sequence_limit),
+        max_new_tokens_(options.max_new_tokens),
+        end_(prompt_length_ + std::min(options.max_new_tokens, sequence_limit - prompt_length_)),
         eos_(options.eos_token_ids),
         on_step_(options.on_step),
-        start_(std::chrono::steady_clock::now()) {}
+        start_(std::chrono::steady_clock::now()) {
+    if constexpr (requires { options.stop_sequences; }) stop_sequences_ = options.stop_sequences;
+    if (room() <= 0) reason_ = stop_reason_at_end();
+  }
 
   // Tokens so far, prompt included.
   [[nodiscard]] std::span<const int64_t> sequence() const noexcept { return sequence_; }
   [[nodiscard]] int64_t length() const noexcept { return static_cast<int64_t>(sequence_.size()); }
   // Tokens that can still be appended.
-  [[nodiscard]] int64_t room() const noexcept { return finished_ ? 0 : end_ - length(); }
+  [[nodiscard]] int64_t room() const noexcept { return reason_ ? 0 : end_ - length(); }
   [[nodiscard]] bool finished() const noexcept { return room() <= 0; }
 
   GenerationStats& stats() noexcept { return stats_; }
 
-  // Appends the accepted drafts and the sampled token, stopping after an end token or at the
-  // length limit, counts the step and reports it to the callback.
+  // Appends the accepted drafts and the sampled token, stopping after an end token, a stop
+  // sequence or at the length limit, counts the step, runs `after` (what the draft source learns
+  // from the step, so that its time is in the step's report) and reports the step to the
+  // callback, which may stop generation.
   void emit(const EmittedStep& step) {
+    emit(step, [] {});
+  }
+  template <class After>
+  void emit(const EmittedStep& step, After&& after) {
     const int64_t position = length();
     const auto append = [&](int64_t t) {
       if (finished()) return;
       sequence_.push_back(t);
-      if (std::find(eos_.begin(), eos_.end(), t) != eos_.end()) finished_ = true;
+      if (std::find(eos_.begin(), eos_.end(), t) != eos_.end()) {
+        reason_ = StopReason::end_token;
+      } else if (ends_with_stop_sequence()) {
+        reason_ = StopReason::stop_sequence;
+      } else if (length() >= end_) {
+        reason_ = stop_reason_at_end();
+      }
     };
     for (int64_t i = 0; i < step.accepted; ++i) append(step.drafts[static_cast<size_t>(i)]);
     append(step.token);
@@ -80,42 +105,66 @@ class GenerationState {
     ++stats_.steps;
     stats_.drafted += step.verified.value_or(reported);
     stats_.accepted += step.accepted;
+    after();
     if (on_step_) {
-      on_step_(StepInfo{.step = stats_.steps - 1,
-                        .position = position,
-                        .drafts = step.drafts,
-                        .accepted = step.accepted,
-                        .token = step.token,
-                        .emitted = std::span<const int64_t>(sequence_).subspan(
-                            static_cast<size_t>(position)),
-                        .gamma = step.gamma.value_or(reported),
-                        .entropy = step.entropy,
-                        .target_seconds = stats_.target_seconds - reported_target_seconds_,
-                        .drafter_seconds = stats_.drafter_seconds - reported_drafter_seconds_});
+      const StepAction action = on_step_(StepInfo{
+          .step = stats_.steps - 1,
+          .position = position,
+          .drafts = step.drafts,
+          .accepted = step.accepted,
+          .token = step.token,
+          .emitted = std::span<const int64_t>(sequence_).subspan(static_cast<size_t>(position)),
+          .gamma = step.gamma.value_or(reported),
+          .entropy = step.entropy,
+          .target_seconds = stats_.target_seconds - reported_target_seconds_,
+          .drafter_seconds = stats_.drafter_seconds - reported_drafter_seconds_});
+      if (action == StepAction::stop && !reason_) reason_ = StopReason::callback;
     }
     reported_target_seconds_ = stats_.target_seconds;
     reported_drafter_seconds_ = stats_.drafter_seconds;
   }
 
+  // The tokens generated by this call, its stats and why it stopped (max_new_tokens when it was
+  // left before finishing, which only an exception does).
   [[nodiscard]] GenerationResult finish() && {
     stats_.generated = length() - prompt_length_;
     stats_.total_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     return GenerationResult{
-        std::vector<int64_t>(sequence_.begin() + prompt_length_, sequence_.end()), stats_};
+        std::vector<int64_t>(sequence_.begin() + prompt_length_, sequence_.end()), stats_,
+        reason_.value_or(StopReason::max_new_tokens)};
   }
 
  private:
-  std::vector<int64_t> sequence_;
+  // Why the sequence stops at end_: the model's limit when it comes before max_new_tokens.
+  [[nodiscard]] StopReason stop_reason_at_end() const noexcept {
+    return limit_ - prompt_length_ < max_new_tokens_ ? StopReason::sequence_limit
+                                                     : StopReason::max_new_tokens;
+  }
+
+  // Whether the generated tokens end with one of the stop sequences.
+  [[nodiscard]] bool ends_with_stop_sequence() const noexcept {
+    const int64_t generated = length() - prompt_length_;
+    for (const auto& stop : stop_sequences_) {
+      const auto n = static_cast<int64_t>(stop.size());
+      if (n <= generated && std::equal(stop.begin(), stop.end(), sequence_.end() - n)) return true;
+    }
+    return false;
+  }
+
+  std::vector<int64_t>& sequence_;
   int64_t prompt_length_;
+  int64_t limit_;
+  int64_t max_new_tokens_;
   int64_t end_;
   std::span<const int64_t> eos_;
+  std::span<const std::vector<int64_t>> stop_sequences_;
   const StepCallback& on_step_;
   std::chrono::steady_clock::time_point start_;
   GenerationStats stats_;
   double reported_target_seconds_ = 0;   // stats_ times at the last emit, for per-step times
   double reported_drafter_seconds_ = 0;
-  bool finished_ = false;
+  std::optional<StopReason> reason_;
 };
 
 }  // namespace specdec::detail

@@ -4,11 +4,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <limits>
-#include <optional>
-#include <random>
+#include <memory>
 #include <span>
 #include <stdexcept>
 #include <string_view>
@@ -16,7 +14,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
-#include "specdec/detail/host_tensor.hpp"
+#include "specdec/device.hpp"
 
 namespace specdec::detail {
 
@@ -30,50 +28,69 @@ int64_t sequence_limit(const M& model) {
   }
 }
 
-// A 64-bit seed from the system's entropy source, for runs without options.seed.
-inline uint64_t random_seed() { return (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}(); }
-
-inline at::Generator make_generator(std::optional<uint64_t> seed) {
-  return at::make_generator<at::CPUGeneratorImpl>(seed ? *seed : random_seed());
+// Checks a model's output: floating-point logits [batch, count, vocab]. Throws
+// std::invalid_argument naming the model's role and the call.
+inline void check_model_logits(const at::Tensor& logits, int64_t batch, int64_t count, int64_t vocab,
+                               std::string_view role, std::string_view call) {
+  if (!logits.defined() || logits.dim() != 3 || logits.size(0) != batch || logits.size(1) != count ||
+      logits.size(2) != vocab || !at::isFloatingType(logits.scalar_type())) {
+    throw_invalid_message(role, call, " must return floating-point logits [", batch, ", ", count, ", ",
+                          vocab, "], got ", logits.defined() ? logits.sizes() : at::IntArrayRef{});
+  }
 }
 
-// Counters a runner adds to.
+// Counters a runner adds to; any may be null.
 struct ForwardCounters {
-  int64_t* calls;
-  double* seconds;
+  int64_t* calls = nullptr;
+  double* seconds = nullptr;
+  int64_t* positions = nullptr;  // positions computed (batch rows x new tokens)
 };
 
 // A model, its cache and how it is fed. The sequence the model sees is `context ++ tail`: host
-// tokens followed by device tokens (drafts); forward() feeds the part not in the cache yet.
+// tokens followed by device tokens (drafts); forward() feeds the part not in the cache yet. The
+// cache is the runner's own, or the caller's (borrowed: used as it is, never reallocated), and
+// lives across generation calls: resume() keeps the cached prefix that still matches.
 template <LanguageModel M>
 class ModelRunner {
  public:
-  ModelRunner(M& model, std::string_view role, bool use_cache, ForwardCounters counters)
-      : model_(model),
-        role_(role),
-        use_cache_(use_cache),
-        counters_(counters),
-        cache_(model.make_cache(1)),
-        vocab_(static_cast<int64_t>(model.vocab_size())),
-        device_(model.device()) {}
+  using cache_type = typename M::cache_type;
+
+  // A runner with a cache of its own for `batch` rows, made by model.make_cache(batch).
+  ModelRunner(M& model, std::string_view role, bool use_cache, ForwardCounters counters = {}, int64_t batch = 1)
+      : ModelRunner(model, role, use_cache, counters, batch, nullptr) {}
+
+  // A runner on the caller's cache (which must outlive it).
+  ModelRunner(M& model, std::string_view role, cache_type& cache, ForwardCounters counters = {}, int64_t batch = 1)
+      : ModelRunner(model, role, true, counters, batch, &cache) {}
+
+  ModelRunner(ModelRunner&&) noexcept = default;
+  ModelRunner& operator=(ModelRunner&&) = delete;
 
   [[nodiscard]] const at::Device& device() const noexcept { return device_; }
+  [[nodiscard]] M& model() const noexcept { return model_; }
+  [[nodiscard]] const cache_type& cache() const noexcept { return *cache_; }
+  [[nodiscard]] int64_t cached() const { return static_cast<int64_t>(cache_->length()); }
+  void set_counters(ForwardCounters counters) noexcept { counters_ = counters; }
+  void set_use_cache(bool use_cache) noexcept { use_cache_ = use_cache; }
 
   // Logits [T, vocab] of the T positions of `context ++ tail` that were not cached. tail is int64
   // [1, k] on this model's device or undefined.
   at::Tensor forward(std::span<const int64_t> context, const at::Tensor& tail) {
-    if (!use_cache_) cache_ = model_.make_cache(1);
-    const auto known = static_cast<int64_t>(cache_.length());
+    cache_type& cache = active_cache();
+    const auto known = static_cast<int64_t>(cache.length());
     const auto context_length = static_cast<int64_t>(context.size());
     at::Tensor ids;
     if (known < context_length) {
-      ids = host_ids(context.subspan(static_cast<size_t>(known)), device_);
+      ids = to_device_ids(context.subspan(static_cast<size_t>(known)), device_);
       if (tail.defined() && tail.size(1) > 0) ids = at::cat({ids, tail}, 1);
     } else {
       ids = tail.narrow(1, known - context_length, tail.size(1) - (known - context_length));
     }
-    return timed(ids.size(1), ".forward", [&] { return model_.forward(ids, cache_); });
+    return forward_ids(ids, cache, ".forward")[0];
   }
+
+  // Logits [batch, T, vocab] of ids [batch, T] on this model's device, appended to the cache.
+  at::Tensor forward_batch(const at::Tensor& ids) { return forward_ids(ids, active_cache(), ".forward"); }
 
   // Tree verification (TreeTarget): feeds the part of `context` not cached yet as a chain and then
   // the draft tree's tokens, node i below node parents[i] or, for -1, below the context's last
@@ -83,8 +100,8 @@ class ModelRunner {
                           std::span<const int64_t> parents, int64_t* uncached)
     requires TreeTarget<M>
   {
-    if (!use_cache_) cache_ = model_.make_cache(1);
-    const auto known = static_cast<int64_t>(cache_.length());
+    cache_type& cache = active_cache();
+    const auto known = static_cast<int64_t>(cache.length());
     const int64_t u = static_cast<int64_t>(context.size()) - known;
     if (u < 1) throw std::logic_error("forward_tree: the context's last token must not be cached yet");
     tree_ids_.assign(context.begin() + known, context.end());
@@ -94,9 +111,9 @@ class ModelRunner {
     for (size_t k = 0; k < parents.size(); ++k) {
       tree_parents_[static_cast<size_t>(u) + k] = parents[k] < 0 ? u - 1 : u + parents[k];
     }
-    const at::Tensor ids = host_ids(tree_ids_, device_);
+    const at::Tensor ids = to_device_ids(tree_ids_, device_);
     *uncached = u;
-    return timed(ids.size(1), ".forward_tree", [&] { return model_.forward_tree(ids, cache_, tree_parents_); });
+    return timed(ids.size(1), ".forward_tree", [&] { return model_.forward_tree(ids, cache, tree_parents_); })[0];
   }
 
   // After forward_tree: keeps the first `prefix` positions (the context) and the tree nodes
@@ -107,44 +124,94 @@ class ModelRunner {
     if (!use_cache_) return;
     kept_.resize(nodes.size());
     for (size_t i = 0; i < nodes.size(); ++i) kept_[i] = prefix + nodes[i];
-    cache_.keep(prefix, kept_);
+    cache_->keep(prefix, kept_);
   }
 
   // Keeps at most `length` cached positions: the accepted prefix after a verification.
   void truncate(int64_t length) {
-    const auto cached = static_cast<int64_t>(cache_.length());
-    if (use_cache_ && cached > length) cache_.prune(cached - length);
+    const auto held = cached();
+    if (use_cache_ && held > length) cache_->prune(held - length);
+  }
+
+  // Reorders the cache's batch rows (beam search): row i becomes old row rows[i]; rows int64
+  // [batch] on this model's device.
+  void reorder(const at::Tensor& rows)
+    requires ReorderableKVCache<cache_type>
+  {
+    if (use_cache_) cache_->reorder(rows);
+  }
+
+  // Before a generation over `sequence`: keeps the cached positions whose tokens still match it
+  // (what the last record() saw, up to the first difference) and drops the rest.
+  void resume(std::span<const int64_t> sequence) {
+    size_t same = 0;
+    const size_t limit = std::min(history_.size(), sequence.size());
+    while (same < limit && history_[same] == sequence[same]) ++same;
+    truncate(static_cast<int64_t>(same));
+  }
+
+  // After a generation over `sequence`: remembers which tokens the cached positions hold.
+  void record(std::span<const int64_t> sequence) {
+    const auto held = static_cast<size_t>(std::min<int64_t>(cached(), static_cast<int64_t>(sequence.size())));
+    truncate(static_cast<int64_t>(held));
+    history_.assign(sequence.begin(), sequence.begin() + static_cast<std::ptrdiff_t>(held));
   }
 
  private:
-  // Runs one forward of `count` tokens without recording a graph (weights may require grad),
-  // counts it and its time, and checks and returns its logits [count, vocab].
-  template <class Forward>
-  at::Tensor timed(int64_t count, const char* call, Forward forward) {
-    const auto start = std::chrono::steady_clock::now();
-    at::NoGradGuard no_grad;
-    const at::Tensor logits = forward();
-    *counters_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    ++*counters_.calls;
-    return checked(logits, count, call);
+  ModelRunner(M& model, std::string_view role, bool use_cache, ForwardCounters counters, int64_t batch,
+              cache_type* borrowed)
+      : model_(model),
+        role_(role),
+        use_cache_(use_cache),
+        counters_(counters),
+        batch_(batch),
+        owned_(borrowed == nullptr ? std::make_unique<cache_type>(model.make_cache(batch)) : nullptr),
+        cache_(borrowed == nullptr ? owned_.get() : borrowed),
+        vocab_(static_cast<int64_t>(model.vocab_size())),
+        device_(model.device()) {}
+
+  // The cache a forward extends: the runner's, or a fresh one each time without caching.
+  cache_type& active_cache() {
+    if (use_cache_) return *cache_;
+    scratch_ = std::make_unique<cache_type>(model_.make_cache(batch_));
+    return *scratch_;
   }
 
-  at::Tensor checked(const at::Tensor& logits, int64_t count, const char* call) const {
-    if (!logits.defined() || logits.dim() != 3 || logits.size(0) != 1 || logits.size(1) != count ||
-        logits.size(2) != vocab_ || !at::isFloatingType(logits.scalar_type())) {
-      throw_invalid_message(role_, call, " must return floating-point logits [1, ", count, ", ", vocab_,
-                            "], got ", logits.defined() ? logits.sizes() : at::IntArrayRef{});
+  at::Tensor forward_ids(const at::Tensor& ids, cache_type& cache, const char* call) {
+    return timed(ids.size(1), call, [&] { return model_.forward(ids, cache); });
+  }
+
+  // Runs one forward of `count` tokens per row without recording a graph (weights may require
+  // grad), counts it and its time, and checks and returns its logits [batch, count, vocab].
+  template <class Forward>
+  at::Tensor timed(int64_t count, const char* call, Forward forward) {
+    at::Tensor logits;
+    {
+      double elapsed = 0;
+      {
+        ScopedTimer timer(elapsed);
+        at::NoGradGuard no_grad;
+        logits = forward();
+      }
+      if (counters_.seconds != nullptr) *counters_.seconds += elapsed;
     }
-    return logits[0];
+    if (counters_.calls != nullptr) ++*counters_.calls;
+    if (counters_.positions != nullptr) *counters_.positions += batch_ * count;
+    check_model_logits(logits, batch_, count, vocab_, role_, call);
+    return logits;
   }
 
   M& model_;
   std::string_view role_;
   bool use_cache_;
   ForwardCounters counters_;
-  typename M::cache_type cache_;
+  int64_t batch_;
+  std::unique_ptr<cache_type> owned_;    // the runner's own cache; null when borrowed
+  cache_type* cache_;                    // the cache generation extends
+  std::unique_ptr<cache_type> scratch_;  // without caching: the cache of the last forward
   int64_t vocab_;
   at::Device device_;
+  std::vector<int64_t> history_;         // tokens of the cached positions at the last record()
   std::vector<int64_t> tree_ids_, tree_parents_, kept_;  // forward_tree / keep_tree buffers
 };
 

@@ -174,7 +174,7 @@ class LlamaModel {
   // forward_with_mask. Requires: ids [1, T]; parents.size() == T, parents[i] in [-1, i).
   at::Tensor forward_tree(const at::Tensor& ids, Cache& cache, std::span<const int64_t> parents) {
     check_ids(ids, cache);
-    const TreeAttention tree = tree_attention(parents, ids.size(1));
+    const TreeAttention tree = tree_attention(parents, ids.size(1), device());
     return forward_with_mask(ids, cache, tree.depth, tree.visible);
   }
 
@@ -202,8 +202,11 @@ class LlamaModel {
         .masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
   }
 
+  // RMSNorm computed in at least float32 whatever the activations' dtype (fp16 squares overflow
+  // on real checkpoints), scaled by the weight in the activations' dtype.
   static at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-    return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight;
+    const at::Tensor wide = x.to(at::promote_types(x.scalar_type(), at::kFloat));
+    return (wide * at::rsqrt(wide.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type()) * weight;
   }
 
   // Rotates consecutive pairs (2i, 2i+1) of x [B, T, heads, head_dim] by the angles of positions.
@@ -242,7 +245,9 @@ class LlamaModel {
       const at::Tensor grouped = q.transpose(1, 2).reshape({batch, kv_heads, group * count, head_dim});
       at::Tensor scores = at::matmul(grouped, keys.transpose(2, 3)).mul_(scale);
       if (group_bias.defined()) scores.narrow(-1, scores.size(-1) - count, count).add_(group_bias);
-      const at::Tensor attended = at::matmul(scores.softmax(-1), values)
+      // Softmax in at least float32, as the reference implementations do for fp16 and bf16.
+      const at::Tensor weights = scores.softmax(-1, at::promote_types(scores.scalar_type(), at::kFloat));
+      const at::Tensor attended = at::matmul(weights.to(values.scalar_type()), values)
                                       .view({batch, heads, count, head_dim})
                                       .transpose(1, 2)
                                       .reshape({batch, count, config_.dim});

@@ -1,0 +1,261 @@
+// Draft sources: where a speculative step's drafts come from. The step itself (step.hpp) is the
+// same for all of them: draft, verify in one target forward through the verification core,
+// prune, emit. A new way of drafting is one new type that models DraftSource, and no edit to the
+// loop (examples/custom_drafter.cpp drafts by repeating the text's last tokens).
+//
+// Here: NoDrafts (autoregressive decoding), ModelDraftSource (a drafter model, with the
+// draft-length policies) and NGramDraftSource (n-gram storages and prompt lookup). STAND's tree
+// drafts are in stand.hpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <concepts>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/detail/draft_length.hpp"
+#include "specdec/detail/model_runner.hpp"
+#include "specdec/device.hpp"
+#include "specdec/logits_processor.hpp"
+#include "specdec/ngram_storage.hpp"
+#include "specdec/options.hpp"
+#include "specdec/result.hpp"
+
+namespace specdec {
+
+// What the step asks a draft source for.
+struct DraftRequest {
+  std::span<const int64_t> sequence;  // prompt and output so far: the drafts continue it
+  int64_t gamma = 0;                  // drafts the options ask for (>= 1, within room)
+  int64_t room = 0;                   // the most drafts this step can verify (>= gamma)
+  at::Device device = at::kCPU;       // the target's device, where verification runs
+};
+
+// A chain of drafts, as a draft source proposes them.
+struct Drafts {
+  at::Tensor tokens;               // int64 [k], k in [0, room], on any device; undefined: k = 0
+  at::Tensor probs;                // [k, vocab]: the processed distributions the tokens were
+                                   // sampled from (q); undefined: deterministic drafts (q one-hot)
+  int64_t calls = 0;               // drafter calls made (forwards, look-ups), for stats
+  std::optional<int64_t> gamma;    // the source's chosen length (StepInfo::gamma); default k
+  double entropy = std::numeric_limits<double>::quiet_NaN();  // StepInfo::entropy
+
+  // Deterministic drafts from host tokens, on `device` without blocking the host.
+  [[nodiscard]] static Drafts from_host(std::span<const int64_t> tokens, const at::Device& device,
+                                        int64_t calls = 0) {
+    return Drafts{.tokens = detail::to_device(tokens, {static_cast<int64_t>(tokens.size())}, device),
+                  .calls = calls};
+  }
+  [[nodiscard]] int64_t size() const { return tokens.defined() ? tokens.numel() : 0; }
+};
+
+// What verification decided, for the source to learn from and to prune its own state.
+struct VerifiedDrafts {
+  std::span<const int64_t> sequence;       // the sequence after the step
+  int64_t position = 0;                    // position of the step's first draft (= its first
+                                           // emitted token)
+  int64_t drafted = 0;                     // drafts verified
+  int64_t accepted = 0;                    // leading drafts accepted
+  std::span<const int64_t> target_top_k;   // [drafted + 1, top_k] row-major: the target's most
+                                           // probable tokens at each verified position, when
+                                           // the source asked for them (target_top_k())
+  int64_t top_k = 0;                       // min(target_top_k(), vocab); 0: not asked for
+};
+
+// DraftSource: proposes a chain of drafts for each speculative step.
+//
+// A type S satisfies DraftSource<S, P> for a LogitsProcessor P if, for `s` an S:
+//   1. `s.draft(request, processor, gen)` returns Drafts continuing request.sequence: at most
+//      request.room tokens; with probs, drawn from probs using `gen` (verification is then exact
+//      rejection sampling against q = probs); without, q is one-hot at each token.
+//   2. `s.verified(verified)` takes the outcome of each step (also steps that drafted nothing).
+// Optional members, used when present:
+//   `s.start(sequence, options)`: before a generation's first step (options: SpeculativeOptions);
+//   `s.finish(sequence)`: after its last; `cs.target_top_k()`: how many of the target's top
+//   tokens per verified position verified() should see (one extra host copy costs nothing: they
+//   travel in the step's one copy); `cs.vocab_size()` and `cs.max_sequence_length()`, checked
+//   against and bounding the target's.
+// Not required: copyability, thread safety.
+template <class S, class P>
+concept DraftSource =
+    LogitsProcessor<P> &&
+    requires(S& s, const DraftRequest& request, const VerifiedDrafts& verified, const P& processor,
+             at::Generator& gen) {
+      { s.draft(request, processor, gen) } -> std::same_as<Drafts>;
+      s.verified(verified);
+    };
+
+// Drafts nothing: every step samples from the target alone (autoregressive decoding).
+struct NoDrafts {
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& /*request*/, const P& /*processor*/, at::Generator& /*gen*/) const {
+    return {};
+  }
+  void verified(const VerifiedDrafts& /*verified*/) const noexcept {}
+};
+static_assert(DraftSource<NoDrafts, GreedyProcessor>);
+
+// Drafts from a drafter model (seeds 001, 002): gamma tokens sampled one by one through the
+// processor, with the draft-length policies of SpeculativeOptions (fixed, EGAG, schedule, the
+// confidence stop). The drafter's cache is the source's own or the caller's, and lives across
+// generations: a session's next turn feeds the drafter only what it has not seen.
+template <Drafter D>
+class ModelDraftSource {
+ public:
+  // A source with a cache of its own (use_cache false recomputes the sequence at every forward).
+  explicit ModelDraftSource(D& drafter, bool use_cache = true)
+      : runner_(drafter, "drafter", use_cache) {}
+  // A source on the caller's cache (which must outlive it).
+  ModelDraftSource(D& drafter, typename D::cache_type& cache) : runner_(drafter, "drafter", cache) {}
+
+  [[nodiscard]] int64_t vocab_size() const { return static_cast<int64_t>(runner_.model().vocab_size()); }
+  [[nodiscard]] int64_t max_sequence_length() const { return detail::sequence_limit(runner_.model()); }
+  [[nodiscard]] const typename D::cache_type& cache() const noexcept { return runner_.cache(); }
+
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) {
+    detail::check_draft_length_options(options);
+    policy_.emplace(options);
+    runner_.set_use_cache(options.use_cache);
+    runner_.resume(sequence);
+  }
+
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
+    if (!policy_) policy_.emplace(SpeculativeOptions{.gamma = request.gamma});
+    Drafts result;
+    const ForwardCounters counters{.calls = &result.calls};
+    runner_.set_counters(counters);
+    int64_t gamma = policy_->limit(request.room);
+    probs_.clear();
+    at::Tensor drafts = at::empty({1, 0}, at::TensorOptions().dtype(at::kLong).device(runner_.device()));
+    for (int64_t i = 0; i < gamma; ++i) {
+      const at::Tensor logits = runner_.forward(request.sequence, drafts);
+      const at::Tensor last = logits.narrow(0, logits.size(0) - 1, 1);
+      if (policy_->needs_signal(i)) {
+        const detail::DrafterSignal signal = detail::drafter_signal(last);
+        if (i == 0 && policy_->uses_entropy()) {
+          gamma = policy_->choose(signal, request.room);
+          result.entropy = policy_->smoothed_entropy();
+        }
+        if (policy_->stop(signal)) break;
+      }
+      const at::Tensor q = processor(last);
+      drafts = at::cat({drafts, processor.sample(q, gen).view({1, 1})}, 1);
+      probs_.push_back(q);
+    }
+    runner_.set_counters({});
+    result.gamma = gamma;
+    if (!probs_.empty()) {
+      result.tokens = drafts.view({drafts.size(1)});
+      result.probs = at::cat(probs_, 0);
+    }
+    return result;
+  }
+
+  void verified(const VerifiedDrafts& verified) {
+    runner_.truncate(verified.position + verified.accepted);
+    if (policy_) policy_->after(verified.drafted, verified.accepted);
+  }
+
+  void finish(std::span<const int64_t> sequence) { runner_.record(sequence); }
+
+ private:
+  using ForwardCounters = detail::ForwardCounters;
+  detail::ModelRunner<D> runner_;
+  std::optional<detail::DraftLength> policy_;
+  std::vector<at::Tensor> probs_;
+};
+
+// Settings of NGramDraftSource (the n-gram fields of NGramAssistedOptions).
+struct NGramDraftSettings {
+  int64_t filler_top_k = 3;       // teach the storage the target's top-k at every verified
+                                  // position (>= 1; 1: only the emitted tokens)
+  bool stop_if_unknown = false;   // stop drafting at an unknown context; false drafts the
+                                  // context's last token again there
+};
+
+// Drafts from an n-gram storage or prompt lookup (seed 000, NASD): deterministic drafts from the
+// storage's statistics, which learn the sequence and the target's top-k online. Host-side work
+// on plain integers; the storage is borrowed and keeps what it learned.
+template <NGramDrafter S>
+class NGramDraftSource {
+ public:
+  // Requires settings.filler_top_k >= 1.
+  explicit NGramDraftSource(S& storage, NGramDraftSettings settings = {})
+      : storage_(storage), settings_(settings) {
+    if (settings.filler_top_k < 1) detail::throw_invalid("filler_top_k", "be >= 1", settings.filler_top_k);
+  }
+
+  [[nodiscard]] int64_t target_top_k() const noexcept { return settings_.filler_top_k > 1 ? settings_.filler_top_k : 0; }
+
+  // Learns the prompt: all of it the first time, afterwards what follows what it has seen.
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& /*options*/) {
+    if (!initialized_) {
+      storage_.initialize(sequence);
+      initialized_ = true;
+    } else {
+      for (auto position = static_cast<int64_t>(learned_); position < static_cast<int64_t>(sequence.size()); ++position) {
+        learn_position(sequence, position);
+      }
+    }
+    learned_ = sequence.size();
+    context_.assign(sequence.begin(), sequence.end());
+    drafts_.clear();
+  }
+
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& request, const P& /*processor*/, at::Generator& /*gen*/) {
+    // context_ is the sequence followed by the last step's drafts: brought up to date by dropping
+    // those drafts and appending what was emitted, so no step copies the sequence.
+    const auto sequence = request.sequence;
+    context_.resize(std::min(context_.size() - drafts_.size(), sequence.size()));
+    context_.insert(context_.end(), sequence.begin() + static_cast<std::ptrdiff_t>(context_.size()), sequence.end());
+    drafts_.clear();
+    int64_t calls = 0;
+    for (int64_t i = 0; i < request.gamma; ++i) {
+      std::optional<int64_t> next = storage_.next_token(context_);
+      ++calls;
+      if (!next) {
+        if (settings_.stop_if_unknown) break;
+        next = context_.back();
+      }
+      drafts_.push_back(*next);
+      context_.push_back(*next);
+    }
+    return Drafts::from_host(drafts_, request.device, calls);
+  }
+
+  // Teaches the storage the emitted tokens and the target's top-k at each verified position.
+  void verified(const VerifiedDrafts& verified) {
+    const int64_t filler = verified.top_k > 1 ? verified.top_k : 0;
+    for (int64_t position = verified.position; position < static_cast<int64_t>(verified.sequence.size()); ++position) {
+      learn_position(verified.sequence, position);
+      const int64_t row = position - verified.position;
+      if (filler > 0 && row <= verified.drafted) {
+        storage_.update(verified.sequence.first(static_cast<size_t>(position)),
+                        verified.target_top_k.subspan(static_cast<size_t>(row * filler), static_cast<size_t>(filler)));
+      }
+    }
+    learned_ = verified.sequence.size();
+  }
+
+ private:
+  void learn_position(std::span<const int64_t> sequence, int64_t position) {
+    storage_.update(sequence.first(static_cast<size_t>(position)), sequence.subspan(static_cast<size_t>(position), 1));
+  }
+
+  S& storage_;
+  NGramDraftSettings settings_;
+  bool initialized_ = false;
+  size_t learned_ = 0;                    // positions of the sequence the storage has learned
+  std::vector<int64_t> context_, drafts_;
+};
+
+}  // namespace specdec

@@ -1,0 +1,266 @@
+// The generation step every method shares: a draft source proposes, the target scores the
+// proposal in one forward, the verification core decides, the caches are pruned to the accepted
+// prefix and the accepted tokens are emitted. Autoregressive decoding, speculative decoding with a
+// drafter model, n-gram drafting, STAND's draft trees and sessions are all this loop with another
+// draft source (draft_source.hpp, stand.hpp).
+//
+// A step costs exactly one device-to-host copy: verification's outcome, the finiteness check and
+// whatever the source asked to learn from (the target's top-k, STAND's statistics) come back
+// together. The documented extras are the EGAG and confidence-stop signals of ModelDraftSource
+// (one small copy per signal).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <concepts>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <vector>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/detail/draft_length.hpp"
+#include "specdec/detail/generation_state.hpp"
+#include "specdec/detail/model_runner.hpp"
+#include "specdec/device.hpp"
+#include "specdec/draft_source.hpp"
+#include "specdec/logits_processor.hpp"
+#include "specdec/options.hpp"
+#include "specdec/result.hpp"
+#include "specdec/verification.hpp"
+
+namespace specdec {
+
+// A draft tree, as a TreeDraftSource proposes it: node i is tokens[i], hanging below node
+// parents[i] or, for -1, below the sequence's last token; parents[i] < i.
+struct TreeDrafts {
+  std::span<const int64_t> tokens;
+  std::span<const int64_t> parents;
+  int64_t calls = 0;  // look-ups made, for stats
+};
+
+// What walking a scored tree decided, on the host.
+struct TreeVerdict {
+  std::span<const int64_t> path;    // accepted nodes, root to leaf
+  std::span<const int64_t> drafts;  // what StepInfo::drafts reports (the accepted path's tokens
+                                    // and the first rejected sibling after it)
+  int64_t token = 0;                // the token sampled after the path
+};
+
+// TreeDraftSource: proposes a draft tree per step and verifies it exactly (STAND).
+//
+// A type S satisfies TreeDraftSource<S, P> if, for `s` an S:
+//   1. `s.draft_tree(request)` returns TreeDrafts no deeper than request.gamma, with no more
+//      nodes than the target's cache can take after request.sequence.
+//   2. `s.score_tree(logits, uncached, processor, gen)` takes the target's logits [u + n, vocab]
+//      (u rows for the uncached context, then one per node) and returns a 1-D float64 tensor on
+//      the target's device: everything the host walk needs, fetched in the step's one copy.
+//   3. `s.walk_tree(values)` reads that tensor's host copy and returns the TreeVerdict.
+//   4. `s.verified_tree(sequence, position)` runs after the verdict is emitted (learning).
+template <class S, class P>
+concept TreeDraftSource =
+    LogitsProcessor<P> &&
+    requires(S& s, const DraftRequest& request, const at::Tensor& logits, int64_t uncached, const P& processor,
+             at::Generator& gen, const double* values, std::span<const int64_t> sequence, int64_t position) {
+      { s.draft_tree(request) } -> std::same_as<TreeDrafts>;
+      { s.score_tree(logits, uncached, processor, gen) } -> std::convertible_to<at::Tensor>;
+      { s.walk_tree(values) } -> std::same_as<TreeVerdict>;
+      s.verified_tree(sequence, position);
+    };
+
+namespace detail {
+
+template <class S>
+int64_t source_top_k(const S& source) {
+  if constexpr (requires { source.target_top_k(); }) {
+    return static_cast<int64_t>(source.target_top_k());
+  } else {
+    return 0;
+  }
+}
+
+// One step of chain drafting. target_only: the step drafts nothing (a first target step, or
+// autoregressive decoding).
+template <LanguageModel T, class S, LogitsProcessor P>
+void chain_step(ModelRunner<T>& target, GenerationState& state, S& source, const P& processor, at::Generator& gen,
+                const SpeculativeOptions& options, bool target_only, int64_t vocab) {
+  GenerationStats& stats = state.stats();
+  const int64_t position = state.length();
+  const int64_t room = state.room() - 1;  // the target's own token comes after the drafts
+  Drafts drafts;
+  if (!target_only && room > 0) {
+    ScopedTimer timer(stats.drafter_seconds);
+    drafts = source.draft(DraftRequest{.sequence = state.sequence(),
+                                       .gamma = std::min(options.gamma, room),
+                                       .room = room,
+                                       .device = target.device()},
+                          processor, gen);
+  }
+  stats.drafter_calls += drafts.calls;
+  const int64_t k = drafts.size();
+  if (k > room) throw_invalid_message("the draft source proposed ", k, " drafts, more than room = ", room);
+  const at::Tensor draft_ids = k > 0 ? drafts.tokens.to(target.device()).view({k})
+                                     : at::empty({0}, at::TensorOptions().dtype(at::kLong).device(target.device()));
+  const at::Tensor logits = target.forward(state.sequence(), k > 0 ? draft_ids.view({1, k}) : at::Tensor());
+  const at::Tensor rows = logits.narrow(0, logits.size(0) - k - 1, k + 1);
+  const at::Tensor p = processor(rows);
+  const PendingStep pending =
+      options.verification == Verification::threshold && !target_only
+          ? verify_threshold_pending(p, draft_ids, options.threshold, processor, gen)
+          : verify_drafts_pending(p, k > 0 && drafts.probs.defined() ? drafts.probs.to(p.device()) : at::Tensor(),
+                                  draft_ids, processor, gen, options.skip_sample_adjustment);
+  const int64_t top_k = std::min(source_top_k(source), vocab);
+  const at::Tensor packed =
+      top_k > 0 ? at::cat({pending.packed, std::get<1>(rows.topk(top_k, -1)).flatten()}) : pending.packed;
+  const at::Tensor host = to_host(packed);
+  const int64_t* values = host.data_ptr<int64_t>();
+  const VerifiedStep step = read_step(pending, values);
+
+  target.truncate(position + step.accepted);
+  EmittedStep emitted{.drafts = step.drafts, .accepted = step.accepted, .token = step.token, .entropy = drafts.entropy};
+  if (!target_only) emitted.gamma = drafts.gamma;
+  state.emit(emitted, [&] {
+    ScopedTimer timer(stats.drafter_seconds);
+    source.verified(VerifiedDrafts{
+        .sequence = state.sequence(),
+        .position = position,
+        .drafted = k,
+        .accepted = step.accepted,
+        .target_top_k = top_k > 0 ? std::span<const int64_t>(values + 3 + k, static_cast<size_t>((k + 1) * top_k))
+                                  : std::span<const int64_t>(),
+        .top_k = top_k});
+  });
+}
+
+// One step of tree drafting.
+template <TreeTarget T, class S, LogitsProcessor P>
+void tree_step(ModelRunner<T>& target, GenerationState& state, S& source, const P& processor, at::Generator& gen,
+               const SpeculativeOptions& options) {
+  GenerationStats& stats = state.stats();
+  const int64_t position = state.length();
+  const int64_t room = state.room() - 1;
+  TreeDrafts tree;
+  {
+    ScopedTimer timer(stats.drafter_seconds);
+    tree = source.draft_tree(DraftRequest{.sequence = state.sequence(),
+                                          .gamma = std::min(options.gamma, room),
+                                          .room = room,
+                                          .device = target.device()});
+  }
+  stats.drafter_calls += tree.calls;
+  const auto n = static_cast<int64_t>(tree.tokens.size());
+  int64_t uncached = 0;
+  const at::Tensor logits = target.forward_tree(state.sequence(), tree.tokens, tree.parents, &uncached);
+  const at::Tensor host = to_host(source.score_tree(logits, uncached, processor, gen));
+  const TreeVerdict verdict = source.walk_tree(host.data_ptr<double>());
+  const auto accepted = static_cast<int64_t>(verdict.path.size());
+  target.keep_tree(position, verdict.path);
+  state.emit({.drafts = verdict.drafts, .accepted = accepted, .token = verdict.token, .gamma = n, .verified = n}, [&] {
+    ScopedTimer timer(stats.drafter_seconds);
+    source.verified_tree(state.sequence(), position);
+  });
+}
+
+// The whole generation loop over `sequence` (the prompt, extended in place), on a target runner
+// that may hold a cache from earlier calls. draft: false runs target-only steps (autoregressive).
+template <LanguageModel T, class S, LogitsProcessor P>
+GenerationResult run_generation(ModelRunner<T>& target, std::vector<int64_t>& sequence, S& source,
+                                const SpeculativeOptions& options, const P& processor, int64_t limit, bool draft) {
+  GenerationState state(sequence, options, limit);
+  GenerationStats& stats = state.stats();
+  target.set_counters({.calls = &stats.target_calls, .seconds = &stats.target_seconds,
+                       .positions = &stats.target_positions});
+  target.set_use_cache(options.use_cache);
+  target.resume(sequence);
+  if constexpr (requires { source.start(std::span<const int64_t>(sequence), options); }) {
+    ScopedTimer timer(stats.drafter_seconds);
+    source.start(std::span<const int64_t>(sequence), options);
+  }
+  at::Generator gen = make_generator(options.seed, target.device());
+  const auto vocab = static_cast<int64_t>(target.model().vocab_size());
+  bool first = true;
+  while (!state.finished()) {
+    if constexpr (TreeDraftSource<S, P>) {
+      if constexpr (TreeTarget<T>) tree_step(target, state, source, processor, gen, options);
+    } else {
+      const bool target_only = !draft || (first && options.first_target);
+      chain_step(target, state, source, processor, gen, options, target_only, vocab);
+    }
+    first = false;
+  }
+  target.record(sequence);
+  target.set_counters({});
+  if constexpr (requires { source.finish(std::span<const int64_t>(sequence)); }) {
+    source.finish(std::span<const int64_t>(sequence));
+  }
+  return std::move(state).finish();
+}
+
+// The step options of a generation with no drafts, or of n-gram drafting: the common fields of
+// `options` and the step's defaults otherwise.
+template <class Options>
+SpeculativeOptions step_options(const Options& options) {
+  SpeculativeOptions step{.max_new_tokens = options.max_new_tokens,
+                          .eos_token_ids = options.eos_token_ids,
+                          .stop_sequences = options.stop_sequences,
+                          .seed = options.seed,
+                          .use_cache = options.use_cache,
+                          .on_step = options.on_step};
+  if constexpr (requires { options.gamma; }) step.gamma = options.gamma;
+  if constexpr (requires { options.first_target; }) step.first_target = options.first_target;
+  return step;
+}
+
+// The sequence limit of a generation: the target's, or the source's when shorter.
+template <LanguageModel T, class S>
+int64_t generation_limit(const T& target, const S& source) {
+  int64_t limit = sequence_limit(target);
+  if constexpr (requires { source.max_sequence_length(); }) {
+    limit = std::min<int64_t>(limit, static_cast<int64_t>(source.max_sequence_length()));
+  }
+  return limit;
+}
+
+// Validates a draft source against the target (vocabulary) and the options.
+template <class S>
+void check_source(const S& source, int64_t vocab, const SpeculativeOptions& options) {
+  if constexpr (requires { source.vocab_size(); }) {
+    if (static_cast<int64_t>(source.vocab_size()) != vocab) {
+      throw_invalid_message("drafter.vocab_size() must equal target.vocab_size() = ", vocab, ", got ",
+                            source.vocab_size());
+    }
+  }
+  check_draft_length_options(options);
+}
+
+}  // namespace detail
+
+// Speculative decoding from any draft source: the drafts come from `source`, the target verifies
+// them (exact rejection sampling, or threshold verification when options.verification says so),
+// and the output is distributed exactly as the target's (token for token equal to
+// autoregressive_generate under greedy decoding). speculative_generate and
+// ngram_assisted_generate are this function with their sources.
+//
+// Requires: everything speculative_generate requires of prompt and options; source models
+//   DraftSource<S, P> (or TreeDraftSource<S, P> with a TreeTarget).
+// Returns: the generated tokens, stats and stop reason.
+// Throws: std::invalid_argument naming the parameter and value on bad input or non-finite logits;
+//   whatever the model or the source throws.
+template <Target T, class S, LogitsProcessor P = GreedyProcessor>
+  requires DraftSource<S, P> || (TreeDraftSource<S, P> && TreeTarget<T>)
+[[nodiscard]] GenerationResult generate_with(S& source, T& target, std::span<const int64_t> prompt,
+                                             const SpeculativeOptions& options = {}, const P& processor = {}) {
+  const auto vocab = static_cast<int64_t>(target.vocab_size());
+  detail::check_source(source, vocab, options);
+  const int64_t limit = detail::generation_limit(target, source);
+  detail::check_common(options, prompt, vocab, limit);
+  std::vector<int64_t> sequence(prompt.begin(), prompt.end());
+  detail::ModelRunner<T> runner(target, "target", options.use_cache);
+  return detail::run_generation(runner, sequence, source, options, processor, limit, /*draft=*/true);
+}
+
+}  // namespace specdec

@@ -1,0 +1,395 @@
+// The shared generation step: one device-to-host copy per step in every mode (counted), stop
+// reasons, stop sequences across step boundaries, a callback that stops generation, a draft
+// source of the caller's own, fp16/bf16 activations, and the same on CUDA where one exists.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "specdec/io/checkpoint.hpp"
+#include "specdec/models/llama.hpp"
+#include "specdec/specdec.hpp"
+#include "support/expect_invalid.hpp"
+#include "support/llama_fixtures.hpp"
+#include "support/markov_fixtures.hpp"
+#include "support/statistics.hpp"
+#include "support/toy_models.hpp"
+
+namespace {
+
+using namespace specdec;
+using test::PrefixHashModel;
+
+const std::vector<int64_t> kPrompt{1, 7, 3, 22, 5};
+
+// The device-to-host copies `run` makes.
+template <class Run>
+int64_t copies_during(Run&& run) {
+  const int64_t before = device_to_host_copies();
+  run();
+  return device_to_host_copies() - before;
+}
+
+// Drafts the continuation in which the last `period` tokens repeat (examples/custom_drafter.cpp).
+class RepeatDrafter {
+ public:
+  explicit RepeatDrafter(int64_t period) : period_(period) {}
+  Drafts draft(const DraftRequest& request, const auto& /*processor*/, at::Generator& /*gen*/) {
+    const auto length = static_cast<int64_t>(request.sequence.size());
+    drafts_.clear();
+    for (int64_t i = 0; i < request.gamma && length >= period_; ++i) {
+      const int64_t source = length + i - period_;
+      drafts_.push_back(source < length ? request.sequence[static_cast<size_t>(source)]
+                                        : drafts_[static_cast<size_t>(source - length)]);
+    }
+    return Drafts::from_host(drafts_, request.device, 1);
+  }
+  void verified(const VerifiedDrafts& outcome) {
+    ++steps_;
+    EXPECT_LE(outcome.accepted, outcome.drafted);
+  }
+  [[nodiscard]] int64_t steps() const { return steps_; }
+
+ private:
+  int64_t period_;
+  int64_t steps_ = 0;
+  std::vector<int64_t> drafts_;
+};
+static_assert(DraftSource<RepeatDrafter, GreedyProcessor> && DraftSource<RepeatDrafter, MultinomialProcessor>);
+
+struct LlamaPair {
+  models::LlamaConfig config = test::small_llama_config();
+  models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<StaticKVCache> target{config, weights};
+  models::LlamaModel<DynamicKVCache> drafter{config, test::perturbed(weights, 0.15, 4)};
+};
+
+TEST(HostCopies, ExactlyOnePerStepInEveryMode) {
+  LlamaPair m;
+  const MultinomialProcessor sampled{1.0};
+  const TopKProcessor top_k{5, 0.8};
+  NGramStorage storage(3, m.config.vocab_size);
+  PromptLookupDrafter lookup;
+  ProbabilisticNGramStorage memory(m.config.vocab_size);
+  RepeatDrafter repeat(2);
+  const std::vector<std::pair<std::string, std::function<GenerationResult()>>> modes{
+      {"autoregressive greedy", [&] { return autoregressive_generate(m.target, kPrompt, {.max_new_tokens = 20}); }},
+      {"autoregressive sampled",
+       [&] { return autoregressive_generate(m.target, kPrompt, {.max_new_tokens = 20, .seed = 1}, sampled); }},
+      {"speculative greedy",
+       [&] { return speculative_generate(m.drafter, m.target, kPrompt, {.max_new_tokens = 30, .gamma = 4}); }},
+      {"speculative sampled",
+       [&] {
+         return speculative_generate(m.drafter, m.target, kPrompt,
+                                     {.max_new_tokens = 30, .seed = 2, .gamma = 4, .first_target = false}, top_k);
+       }},
+      {"threshold",
+       [&] {
+         return speculative_generate(m.drafter, m.target, kPrompt,
+                                     {.max_new_tokens = 30, .seed = 3, .gamma = 3,
+                                      .verification = Verification::threshold, .threshold = 0.1},
+                                     sampled);
+       }},
+      {"schedule",
+       [&] {
+         return speculative_generate(m.drafter, m.target, kPrompt,
+                                     {.max_new_tokens = 30, .gamma = 2, .gamma_policy = GammaPolicy::schedule,
+                                      .gamma_max = 6});
+       }},
+      {"ngram sampled",
+       [&] { return ngram_assisted_generate(storage, m.target, kPrompt, {.max_new_tokens = 30, .seed = 4}, sampled); }},
+      {"prompt lookup", [&] { return ngram_assisted_generate(lookup, m.target, kPrompt, {.max_new_tokens = 30}); }},
+      {"stand greedy", [&] { return stand_generate(memory, m.target, kPrompt, {.max_new_tokens = 30}); }},
+      {"stand sampled",
+       [&] { return stand_generate(memory, m.target, kPrompt, {.max_new_tokens = 30, .seed = 5}, sampled); }},
+      {"custom source", [&] { return generate_with(repeat, m.target, kPrompt, {.max_new_tokens = 30}); }},
+  };
+  int64_t custom_steps = 0;
+  for (const auto& [name, run] : modes) {
+    GenerationResult result;
+    const int64_t copies = copies_during([&] { result = run(); });
+    EXPECT_GT(result.stats.steps, 1) << name;
+    EXPECT_EQ(copies, result.stats.steps) << name;
+    custom_steps = result.stats.steps;  // the last mode's
+  }
+  EXPECT_EQ(repeat.steps(), custom_steps);  // every step reached verified(), the first one too
+}
+
+TEST(HostCopies, DraftLengthSignalsAreTheDocumentedExtras) {
+  LlamaPair m;
+  // EGAG reads the drafter's entropy once per drafting step.
+  int64_t drafting_steps = 0;
+  GenerationResult egag;
+  const int64_t egag_copies = copies_during([&] {
+    egag = speculative_generate(m.drafter, m.target, kPrompt,
+                                {.max_new_tokens = 40, .on_step = [&](const StepInfo& s) { drafting_steps += s.gamma > 0; },
+                                 .gamma = 4, .gamma_policy = GammaPolicy::egag, .gamma_max = 6});
+  });
+  EXPECT_GT(drafting_steps, 2);
+  EXPECT_EQ(egag_copies, egag.stats.steps + drafting_steps);
+  // The confidence stop reads a signal before every draft, and once more where it stops.
+  int64_t signals = 0;
+  GenerationResult gated;
+  const int64_t gated_copies = copies_during([&] {
+    gated = speculative_generate(
+        m.drafter, m.target, kPrompt,
+        {.max_new_tokens = 40,
+         .on_step = [&](const StepInfo& s) {
+           if (s.gamma == 0) return;
+           const auto drafted = static_cast<int64_t>(s.drafts.size());
+           signals += drafted + (drafted < s.gamma ? 1 : 0);
+         },
+         .gamma = 4, .p_min = 0.5});
+  });
+  EXPECT_EQ(gated_copies, gated.stats.steps + signals);
+}
+
+TEST(HostCopies, OnePerBeamSearchStep) {
+  LlamaPair m;
+  BeamSearchResult result;
+  const int64_t copies =
+      copies_during([&] { result = beam_search_generate(m.target, kPrompt, {.max_new_tokens = 12, .num_beams = 3}); });
+  EXPECT_EQ(copies, result.stats.steps);
+}
+
+// The generated tokens up to and including the first completion of `stop` within them.
+std::vector<int64_t> cut_at(const std::vector<int64_t>& tokens, const std::vector<int64_t>& stop) {
+  for (size_t end = stop.size(); end <= tokens.size(); ++end) {
+    if (std::equal(stop.begin(), stop.end(), tokens.begin() + static_cast<std::ptrdiff_t>(end - stop.size()))) {
+      return {tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(end)};
+    }
+  }
+  return tokens;
+}
+
+TEST(StopSequences, StopAcrossStepBoundariesAndEndAtTheirLastToken) {
+  PrefixHashModel target(40, 1);
+  PrefixHashModel drafter(40, 1, /*disagree_every=*/3);
+  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = 60}).tokens;
+  for (int64_t gamma : {2, 4, 8}) {
+    // Where this gamma's steps begin (in generated tokens).
+    std::vector<int64_t> starts;
+    const auto record = [&](const StepInfo& s) {
+      starts.push_back(s.position - static_cast<int64_t>(kPrompt.size()));
+    };
+    (void)speculative_generate(drafter, target, kPrompt, {.max_new_tokens = 60, .on_step = record, .gamma = gamma});
+    int64_t tested = 0;
+    for (const int64_t start : starts) {
+      if (start < 2 || start + 1 >= static_cast<int64_t>(reference.size())) continue;
+      // Two and three tokens that straddle the boundary between two steps.
+      const auto at = [&](int64_t i) { return reference[static_cast<size_t>(i)]; };
+      for (const std::vector<int64_t>& stop : {std::vector<int64_t>{at(start - 1), at(start)},
+                                               std::vector<int64_t>{at(start - 2), at(start - 1), at(start)},
+                                               std::vector<int64_t>{at(start - 1), at(start), at(start + 1)}}) {
+        const auto expected = cut_at(reference, stop);
+        const auto result = speculative_generate(drafter, target, kPrompt,
+                                                 {.max_new_tokens = 60, .stop_sequences = {stop}, .gamma = gamma});
+        EXPECT_EQ(result.tokens, expected) << "gamma " << gamma << " boundary " << start;
+        EXPECT_EQ(result.stop_reason, StopReason::stop_sequence);
+        ++tested;
+      }
+    }
+    EXPECT_GT(tested, 4) << "gamma " << gamma;
+  }
+}
+
+TEST(StopSequences, MatchOnlyGeneratedTokensInEveryMode) {
+  LlamaPair m;
+  const auto reference = autoregressive_generate(m.target, kPrompt, {.max_new_tokens = 40}).tokens;
+  // The prompt's last token followed by the first generated one: not a match, it starts in the
+  // prompt; the generation stops at the pair's first completion within the output, if any.
+  const std::vector<int64_t> straddling{kPrompt.back(), reference[0]};
+  const std::vector<int64_t> inside{reference[9], reference[10], reference[11]};
+  NGramStorage storage(3, m.config.vocab_size);
+  ProbabilisticNGramStorage memory(m.config.vocab_size);
+  for (const auto& stop : {straddling, inside}) {
+    const auto expected = cut_at(reference, stop);
+    if (stop == inside) {
+      ASSERT_LE(expected.size(), 12u);
+    }
+    const std::vector<std::vector<int64_t>> stops{stop};
+    EXPECT_EQ(autoregressive_generate(m.target, kPrompt, {.max_new_tokens = 40, .stop_sequences = stops}).tokens,
+              expected);
+    EXPECT_EQ(speculative_generate(m.drafter, m.target, kPrompt, {.max_new_tokens = 40, .stop_sequences = stops}).tokens,
+              expected);
+    EXPECT_EQ(ngram_assisted_generate(storage, m.target, kPrompt, {.max_new_tokens = 40, .stop_sequences = stops}).tokens,
+              expected);
+    EXPECT_EQ(stand_generate(memory, m.target, kPrompt, {.max_new_tokens = 40, .stop_sequences = stops}).tokens,
+              expected);
+  }
+}
+
+TEST(StopReasons, EachReasonIsReported) {
+  PrefixHashModel target(40, 1);
+  PrefixHashModel drafter(40, 1, 3);
+  const auto full = speculative_generate(drafter, target, kPrompt, {.max_new_tokens = 30, .gamma = 4});
+  EXPECT_EQ(full.stop_reason, StopReason::max_new_tokens);
+  EXPECT_EQ(full.tokens.size(), 30u);
+
+  const int64_t end_token = full.tokens[12];
+  const auto first_end = std::find(full.tokens.begin(), full.tokens.end(), end_token);
+  const auto ended = speculative_generate(drafter, target, kPrompt,
+                                          {.max_new_tokens = 30, .eos_token_ids = {end_token}, .gamma = 4});
+  EXPECT_EQ(ended.stop_reason, StopReason::end_token);
+  EXPECT_EQ(ended.tokens, std::vector<int64_t>(full.tokens.begin(), first_end + 1));
+
+  // The callback stops after the third step: what was emitted so far is returned.
+  int64_t emitted = 0;
+  const auto stopped = speculative_generate(
+      drafter, target, kPrompt,
+      {.max_new_tokens = 30, .on_step = [&](const StepInfo& s) {
+         emitted += static_cast<int64_t>(s.emitted.size());
+         return s.step == 2 ? StepAction::stop : StepAction::proceed;
+       }, .gamma = 4});
+  EXPECT_EQ(stopped.stop_reason, StopReason::callback);
+  EXPECT_EQ(stopped.stats.steps, 3);
+  EXPECT_EQ(static_cast<int64_t>(stopped.tokens.size()), emitted);
+  EXPECT_EQ(stopped.tokens, std::vector<int64_t>(full.tokens.begin(), full.tokens.begin() + emitted));
+  // A callback that stops on the last step does not change the reason.
+  EXPECT_EQ(autoregressive_generate(target, kPrompt,
+                                    {.max_new_tokens = 1, .on_step = [](const StepInfo&) { return StepAction::stop; }})
+                .stop_reason,
+            StopReason::max_new_tokens);
+
+  models::LlamaConfig config = test::small_llama_config();
+  config.max_seq_len = 16;
+  models::LlamaModel<StaticKVCache> short_target(config, models::LlamaWeights::random(config, 8));
+  const auto limited = autoregressive_generate(short_target, kPrompt, {.max_new_tokens = 40});
+  EXPECT_EQ(limited.stop_reason, StopReason::sequence_limit);
+  EXPECT_EQ(limited.tokens.size(), 16u - kPrompt.size());
+  EXPECT_EQ(autoregressive_generate(short_target, kPrompt, {.max_new_tokens = 11}).stop_reason,
+            StopReason::max_new_tokens);
+}
+
+TEST(StopSequences, RejectsBadOnesNamingThem) {
+  PrefixHashModel target(40, 1);
+  test::expect_invalid([&] { (void)autoregressive_generate(target, kPrompt, {.stop_sequences = {{1}, {}}}); },
+                       {"stop_sequences[1] must not be empty"});
+  test::expect_invalid([&] { (void)autoregressive_generate(target, kPrompt, {.stop_sequences = {{1, 40}}}); },
+                       {"stop_sequences[0][1]", "40"});
+}
+
+TEST(DraftSource, ACustomSourceIsExactAndRunsTheSharedStep) {
+  LlamaPair m;
+  const auto reference = autoregressive_generate(m.target, kPrompt, {.max_new_tokens = 40});
+  for (int64_t period : {1, 2, 3}) {
+    RepeatDrafter repeat(period);
+    const auto result = generate_with(repeat, m.target, kPrompt, {.max_new_tokens = 40, .gamma = 3});
+    EXPECT_EQ(result.tokens, reference.tokens) << "period " << period;
+    EXPECT_GT(result.stats.drafted, 0);
+    // Every step but the first target step drafts, and the last when only one token is left.
+    EXPECT_GE(result.stats.drafter_calls, result.stats.steps - 2);
+    EXPECT_LE(result.stats.drafter_calls, result.stats.steps - 1);
+  }
+  // A cyclic chain: the repeat drafter's drafts are the target's, so every draft is accepted.
+  at::Tensor cycle = at::full({4, 4}, 0.02, at::kDouble);
+  for (int64_t t = 0; t < 4; ++t) cycle[t][(t + 1) % 4] = 0.94;
+  test::MarkovModel chain(cycle);
+  RepeatDrafter repeat(4);
+  const auto cyclic = generate_with(repeat, chain, std::vector<int64_t>{0, 1, 2, 3}, {.max_new_tokens = 41, .gamma = 4});
+  EXPECT_EQ(cyclic.stats.accepted, cyclic.stats.drafted);
+  EXPECT_EQ(cyclic.stats.target_calls, 9);  // 1 + 8 steps of 4 drafts and 1 token
+}
+
+// Greedy output with fp16/bf16 activations against fp32, on the bundled pair.
+TEST(Dtypes, ReducedPrecisionGreedyOutputAgainstFloat32) {
+  const std::string folder = SPECDEC_BUNDLED_MODELS_DIR;
+  const auto prompt = std::vector<int64_t>{'d', 'e', 'f', ' ', 'm', 'a', 'i', 'n', '(', ')', ':', '\n'};
+  const auto run = [&](at::ScalarType dtype) {
+    const auto t = io::load_llama(folder + "/target", dtype);
+    const auto d = io::load_llama(folder + "/drafter", dtype);
+    models::LlamaModel<StaticKVCache> target(t.config, t.weights);
+    models::LlamaModel<StaticKVCache> drafter(d.config, d.weights);
+    return speculative_generate(drafter, target, prompt, {.max_new_tokens = 128, .gamma = 4}).tokens;
+  };
+  const auto reference = run(at::kFloat);
+  ASSERT_EQ(reference.size(), 128u);
+  const auto bf16 = run(at::kBFloat16);
+  int64_t same_prefix = 0;
+  while (same_prefix < 128 && bf16[static_cast<size_t>(same_prefix)] == reference[static_cast<size_t>(same_prefix)]) {
+    ++same_prefix;
+  }
+  // bf16 keeps 8 bits of mantissa: the measured agreement on this pair is the whole 128 tokens;
+  // the bar is the first 64.
+  EXPECT_GE(same_prefix, 64) << "bf16 agrees with fp32 for " << same_prefix << " tokens";
+}
+
+// The same checks on every device this machine has: CPU always, CUDA where present.
+class OnDevice : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "cuda" && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  }
+  [[nodiscard]] at::Device device() const { return GetParam() == "cuda" ? at::Device(at::kCUDA) : at::Device(at::kCPU); }
+};
+
+TEST_P(OnDevice, GreedyEqualsTheCpuReferenceWithOneCopyPerStep) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto options = at::TensorOptions(at::kDouble).device(device());
+  models::LlamaModel<StaticKVCache> target(config, models::LlamaWeights::random(config, 21, options));
+  models::LlamaModel<StaticKVCache> drafter(config, test::perturbed(models::LlamaWeights::random(config, 21, options), 0.15, 4));
+  models::LlamaModel<StaticKVCache> cpu_target(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  const auto reference = autoregressive_generate(cpu_target, kPrompt, {.max_new_tokens = 40});
+  GenerationResult result;
+  const int64_t copies = copies_during(
+      [&] { result = speculative_generate(drafter, target, kPrompt, {.max_new_tokens = 40, .gamma = 4}); });
+  EXPECT_EQ(result.tokens, reference.tokens);
+  EXPECT_EQ(copies, result.stats.steps);
+  ProbabilisticNGramStorage memory(config.vocab_size);
+  GenerationResult stand;
+  const int64_t stand_copies =
+      copies_during([&] { stand = stand_generate(memory, target, kPrompt, {.max_new_tokens = 40}); });
+  EXPECT_EQ(stand.tokens, reference.tokens);
+  EXPECT_EQ(stand_copies, stand.stats.steps);
+}
+
+TEST_P(OnDevice, SampledSpeculativeDecodingIsExact) {
+  // Two tokens after the prompt, sampled by speculative decoding between the Markov fixtures:
+  // their distribution must be the target chain's, checked by chi-square at a tail of 1e-6.
+  test::MarkovModel target(test::markov_target_rows().to(device()));
+  test::MarkovModel drafter(test::markov_drafter_rows().to(device()));
+  const MultinomialProcessor processor{1.0};
+  const at::Tensor p = test::markov_target_rows();
+  const std::vector<int64_t> prompt{2};
+  std::map<std::pair<int64_t, int64_t>, double> expected;
+  for (int64_t a = 0; a < 4; ++a) {
+    for (int64_t b = 0; b < 4; ++b) expected[{a, b}] = p[2][a].item<double>() * p[a][b].item<double>();
+  }
+  constexpr int64_t kSamples = 3000;
+  std::map<std::pair<int64_t, int64_t>, int64_t> observed;
+  for (int64_t i = 0; i < kSamples; ++i) {
+    const auto tokens = speculative_generate(
+        drafter, target, prompt,
+        {.max_new_tokens = 2, .seed = static_cast<uint64_t>(i), .gamma = 2, .first_target = false}, processor).tokens;
+    ++observed[{tokens[0], tokens[1]}];
+  }
+  const test::ChiSquare fit = test::chi_square(observed, expected, kSamples);
+  EXPECT_EQ(fit.outside_support, 0);
+  EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, 4.75));
+}
+
+TEST_P(OnDevice, SessionsKeepTheCacheAcrossTurns) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto options = at::TensorOptions(at::kDouble).device(device());
+  models::LlamaModel<StaticKVCache> target(config, models::LlamaWeights::random(config, 21, options));
+  models::LlamaModel<DynamicKVCache> drafter(config, test::perturbed(models::LlamaWeights::random(config, 21, options), 0.15, 4));
+  Session session(target);
+  ModelDraftSource drafts(drafter);
+  session.append(kPrompt);
+  const auto first = session.generate(drafts, {.max_new_tokens = 20, .gamma = 3});
+  session.append(std::vector<int64_t>{4, 4, 9});
+  GenerationResult second;
+  const int64_t copies = copies_during([&] { second = session.generate(drafts, {.max_new_tokens = 20, .gamma = 3}); });
+  EXPECT_EQ(copies, second.stats.steps);
+  EXPECT_EQ(session.cache().length(), session.length() - 1);
+  const std::vector<int64_t> conversation(session.tokens().begin(), session.tokens().begin() + session.length() - 20);
+  EXPECT_EQ(second.tokens, autoregressive_generate(target, conversation, {.max_new_tokens = 20}).tokens);
+  EXPECT_EQ(first.tokens.size(), 20u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, OnDevice, ::testing::Values("cpu", "cuda"));
+
+}  // namespace
