@@ -31,7 +31,7 @@ const models::LlamaConfig& target_config() {
 }
 
 Model& target() {
-  static Model model(target_config(), models::LlamaWeights::random(target_config(), 2024));
+  static Model model(target_config(), models::LlamaWeights::random(target_config(), 2024, bench::on_device()));
   return model;
 }
 
@@ -40,7 +40,7 @@ Model& drafter(const std::string& name) {
     std::map<std::string, Model> result;
     const models::LlamaConfig tiny{.dim = 128, .hidden_dim = 344, .n_layers = 1, .n_heads = 4,
                                    .n_kv_heads = 2, .vocab_size = 4096, .max_seq_len = 512};
-    result.emplace("tiny", Model(tiny, models::LlamaWeights::random(tiny, 7)));
+    result.emplace("tiny", Model(tiny, models::LlamaWeights::random(tiny, 7, bench::on_device())));
     result.emplace("self1", Model(models::truncated(target_config(), target().weights(), 1)));
     result.emplace("same", Model(target_config(), target().weights()));
     return result;

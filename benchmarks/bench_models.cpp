@@ -32,7 +32,7 @@ struct Pair {
 };
 
 Model load(const std::filesystem::path& path) {
-  const auto checkpoint = io::load_llama(path);
+  const auto checkpoint = io::load_llama(path, bench::on_device());
   return Model(checkpoint.config, checkpoint.weights);
 }
 

@@ -42,7 +42,7 @@ Stories& stories() {
       p.missing = "set SPECDEC_MODELS_DIR to ../shared/models";
       return p;
     }
-    const auto checkpoint = io::load_llama(models / "stories260K/stories260K.bin");
+    const auto checkpoint = io::load_llama(models / "stories260K/stories260K.bin", bench::on_device());
     p.target.emplace(checkpoint.config, checkpoint.weights);
     const auto tokenizer = io::Llama2cTokenizer::load(models / "stories260K/tok512.bin", 512);
     p.prompt = tokenizer.encode("Once upon a time");

@@ -8,9 +8,11 @@
 #include <torch/version.h>
 
 #include <cmath>
+#include <iostream>
 #include <map>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "specdec/specdec.hpp"
 
@@ -124,12 +126,48 @@ void measure_ngram(benchmark::State& state, MakeDrafter make_drafter, T& target,
   state.counters["speedup"] = baseline / seconds_per_token;
 }
 
-// main() of a benchmark program: runs the benchmarks with the torch version, device and thread
-// count recorded as context.
+// The device the benchmarks' models run on: --device cpu (default) or cuda[:N].
+inline at::Device& device() {
+  static at::Device chosen(at::kCPU);
+  return chosen;
+}
+
+// Weights' tensor options on the benchmarks' device.
+inline at::TensorOptions on_device(at::ScalarType dtype = at::kFloat) {
+  return at::TensorOptions().dtype(dtype).device(device());
+}
+
+// main() of a benchmark program: takes --device D (cpu or cuda[:N]) besides Google Benchmark's
+// flags, and runs the benchmarks with the torch version, device and thread count recorded as
+// context.
 inline int run_benchmarks(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    std::string value;
+    if (arg == "--device" && i + 1 < argc) {
+      value = argv[++i];
+    } else if (arg.rfind("--device=", 0) == 0) {
+      value = arg.substr(9);
+    } else {
+      args.push_back(argv[i]);
+      continue;
+    }
+    try {
+      device() = at::Device(value);
+    } catch (const std::exception&) {
+      std::cerr << argv[0] << ": --device must be cpu or cuda[:N], got " << value << "\n";
+      return 2;
+    }
+    if (device().is_cuda() && !at::hasCUDA()) {
+      std::cerr << argv[0] << ": --device " << value << ": this libtorch build sees no CUDA device\n";
+      return 2;
+    }
+  }
+  int count = static_cast<int>(args.size());
+  benchmark::Initialize(&count, args.data());
   benchmark::AddCustomContext("torch", TORCH_VERSION);
-  benchmark::AddCustomContext("device", "cpu");
+  benchmark::AddCustomContext("device", device().str());
   benchmark::AddCustomContext("torch_threads", std::to_string(at::get_num_threads()));
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -9,6 +9,7 @@
 #include <specdec/specdec.hpp>
 #include <specdec/text/prompts.hpp>
 
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -40,6 +41,9 @@ models
                          (default: the bundled target, )" SPECDEC_BUNDLED_MODELS_DIR R"(/target)
   --drafter PATH         drafter, same formats (default: the bundled drafter)
   --tokenizer PATH       llama2.c tokenizer file; without it the models are byte-level
+  --device D             cpu (default) or cuda[:N]: where the models run
+  --dtype T              float32 (default), float16 or bfloat16: the weights and activations
+                         (RMSNorm, softmax and verification compute in float32 or wider)
 decoding
   --mode MODE            speculative (default), autoregressive, ngram, prompt-lookup, stand or beam
   --trajectories N       --mode stand: sample N generations of the prompt sharing one memory
@@ -71,6 +75,8 @@ decoding
   --top-p P              keep the nucleus of mass P (with --temperature > 0)
   --seed N               sampling seed (default 0)
   --eos ID               an end token id (repeatable; llama2.c models default to 2)
+  --stop TEXT            stop when the output contains TEXT's tokens (repeatable; kept in the
+                         output)
 output
   --compare              also run autoregressive decoding and print the speedup
   --trace                show every step: accepted drafts, rejected drafts, the target's token
@@ -111,8 +117,48 @@ struct Arguments {
   double top_p = 1.0;
   uint64_t seed = 0;
   std::vector<int64_t> eos;
+  std::vector<std::string> stops;
+  std::string device = "cpu";
+  std::string dtype = "float32";
   bool compare = false, trace = false, json = false;
 };
+
+// --device: "cpu", "cuda" or "cuda:N", with a CUDA device present.
+at::Device parse_device(const std::string& text) {
+  if (text != "cpu" && text.rfind("cuda", 0) != 0) {
+    throw std::invalid_argument("--device must be cpu or cuda[:N], got " + text);
+  }
+  std::optional<at::Device> device;
+  try {
+    device.emplace(text);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("--device must be cpu or cuda[:N], got " + text);
+  }
+  if (device->is_cuda() && !at::hasCUDA()) {
+    throw std::invalid_argument("--device " + text + ": this libtorch build sees no CUDA device");
+  }
+  return *device;
+}
+
+// --dtype: float32, float16 or bfloat16.
+at::ScalarType parse_dtype(const std::string& text) {
+  if (text == "float32") return at::kFloat;
+  if (text == "float16") return at::kHalf;
+  if (text == "bfloat16") return at::kBFloat16;
+  throw std::invalid_argument("--dtype must be float32, float16 or bfloat16, got " + text);
+}
+
+// Whether this libtorch multiplies matrices of `dtype` on `device` (libtorch 1.13 has no float16
+// matrix products on the CPU; 2.x has).
+bool has_matrix_products(at::ScalarType dtype, const at::Device& device) {
+  try {
+    const at::Tensor x = at::ones({2, 2}, at::TensorOptions().dtype(dtype).device(device));
+    (void)at::linear(x, x);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
 
 // "0.1,0.2,0.3" -> {0.1, 0.2, 0.3}
 std::vector<double> parse_list(const std::string& text) {
@@ -165,6 +211,9 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--top-p") a.top_p = std::stod(v);
     else if (flag == "--seed") a.seed = std::stoull(v);
     else if (flag == "--eos") a.eos.push_back(std::stoll(v));
+    else if (flag == "--stop") a.stops.push_back(v);
+    else if (flag == "--device") a.device = v;
+    else if (flag == "--dtype") a.dtype = v;
     else throw std::invalid_argument("unknown option " + std::string(flag) + " (see --help)");
   }
   if (a.mode != "speculative" && a.mode != "autoregressive" && a.mode != "beam" && a.mode != "ngram" &&
@@ -181,6 +230,10 @@ Arguments parse(int argc, char** argv) {
     throw std::invalid_argument("--verify must be rejection or threshold, got " + a.verify);
   }
   if (a.calibrate && a.mode != "speculative") throw std::invalid_argument("--calibrate needs --mode speculative");
+  if (!has_matrix_products(parse_dtype(a.dtype), parse_device(a.device))) {
+    throw std::invalid_argument("--dtype " + a.dtype + " on " + a.device + ": this libtorch " + TORCH_VERSION +
+                                " has no " + a.dtype + " matrix products there; use bfloat16 or float32, or a GPU");
+  }
   return a;
 }
 
@@ -235,7 +288,7 @@ nlohmann::json stats_json(const GenerationStats& s) {
           {"acceptance_rate", s.acceptance_rate()}, {"target_calls", s.target_calls},
           {"drafter_calls", s.drafter_calls}, {"tokens_per_target_call", s.tokens_per_target_call()},
           {"total_seconds", s.total_seconds}, {"target_seconds", s.target_seconds},
-          {"drafter_seconds", s.drafter_seconds},
+          {"drafter_seconds", s.drafter_seconds}, {"target_positions", s.target_positions},
           {"tokens_per_second", s.total_seconds > 0 ? s.generated / s.total_seconds : 0.0}};
 }
 
@@ -374,22 +427,29 @@ CalibrationResult calibrate(const Arguments& a, Model& drafter, Model& target, c
 }
 
 int run(const Arguments& a) {
-  const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target);
+  const auto weights = at::TensorOptions().dtype(parse_dtype(a.dtype)).device(parse_device(a.device));
+  const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights);
   Model target(target_checkpoint.config, target_checkpoint.weights);
   const Text text(a.tokenizer, target.vocab_size());
   std::optional<Model> drafter;
   const std::vector<int64_t> prompt = text.encode(a.prompt);
+  std::vector<std::vector<int64_t>> stops;
+  for (const std::string& stop : a.stops) {
+    if (stop.empty()) throw std::invalid_argument("--stop must not be empty");
+    stops.push_back(text.encode(stop));
+  }
   std::vector<int64_t> eos = a.eos;
   if (eos.empty() && text.llama2c()) eos.push_back(io::Llama2cTokenizer::kEos);
   if (a.mode == "beam") return run_beam(a, target, text, prompt, eos);
   if (a.mode == "stand") return run_stand(a, target, text, prompt, eos, make_processor(a));
   if (a.mode == "speculative") {
-    const io::LlamaCheckpoint drafter_checkpoint = io::load_llama(a.drafter);
+    const io::LlamaCheckpoint drafter_checkpoint = io::load_llama(a.drafter, weights);
     drafter.emplace(drafter_checkpoint.config, drafter_checkpoint.weights);
   }
   const Processor processor = make_processor(a);
   SpeculativeOptions speculative_options{
-      .max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed, .gamma = a.gamma,
+      .max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .stop_sequences = stops, .seed = a.seed,
+      .gamma = a.gamma,
       .gamma_policy = a.gamma_policy == "egag" ? GammaPolicy::egag
                       : a.gamma_policy == "schedule" ? GammaPolicy::schedule : GammaPolicy::fixed,
       .gamma_min = a.gamma_min, .gamma_max = a.gamma_max, .egag_ema_beta = a.egag_beta, .p_min = a.p_min,
@@ -438,7 +498,8 @@ int run(const Arguments& a) {
   };
 
   if (show_text) {
-    std::cout << "target:  " << a.target << " (" << target_checkpoint.format << ", " << target.config() << ")\n";
+    std::cout << "target:  " << a.target << " (" << target_checkpoint.format << ", " << target.config() << ", "
+              << a.dtype << " on " << a.device << ")\n";
     if (drafter) std::cout << "drafter: " << a.drafter << " (" << drafter->config() << ")\n";
     std::visit([&](const auto& p) { std::cout << "mode: " << a.mode << ", " << p << ", gamma " << a.gamma; }, processor);
     if (drafter) {
@@ -466,8 +527,9 @@ int run(const Arguments& a) {
   }
   const GenerationResult result = std::visit(
       [&](const auto& p) {
-        const NGramAssistedOptions ngram_options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed,
-                                                 .on_step = on_step, .gamma = a.gamma, .filler_top_k = a.filler};
+        const NGramAssistedOptions ngram_options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                                 .stop_sequences = stops, .seed = a.seed, .on_step = on_step,
+                                                 .gamma = a.gamma, .filler_top_k = a.filler};
         if (storage) return ngram_assisted_generate(*storage, target, prompt, ngram_options, p);
         if (a.mode == "prompt-lookup") {
           PromptLookupDrafter lookup;
@@ -480,20 +542,24 @@ int run(const Arguments& a) {
         }
         return autoregressive_generate(target, prompt,
                                        {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
-                                        .seed = a.seed, .on_step = on_step}, p);
+                                        .stop_sequences = stops, .seed = a.seed, .on_step = on_step}, p);
       },
       processor);
   if (storage && !a.save_storage.empty()) storage->save(a.save_storage);
   std::optional<GenerationResult> baseline;
   if (a.compare && a.mode != "autoregressive") {
     baseline = std::visit([&](const auto& p) {
-      return autoregressive_generate(target, prompt, {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed}, p);
+      return autoregressive_generate(target, prompt, {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                                      .stop_sequences = stops, .seed = a.seed}, p);
     }, processor);
   }
 
   const GenerationStats& s = result.stats;
   if (a.json) {
-    nlohmann::json out{{"mode", a.mode}, {"gamma", a.gamma}, {"stats", stats_json(s)}};
+    std::ostringstream reason;
+    reason << result.stop_reason;
+    nlohmann::json out{{"mode", a.mode}, {"gamma", a.gamma}, {"device", a.device}, {"dtype", a.dtype},
+                       {"stop_reason", reason.str()}, {"stats", stats_json(s)}};
     if (drafter) {
       out["gamma_policy"] = a.gamma_policy;
       out["verification"] = speculative_options.verification == Verification::threshold ? "threshold" : "rejection";
@@ -518,7 +584,7 @@ int run(const Arguments& a) {
   std::cout << std::fixed << std::setprecision(2) << "\n\n"
             << s.generated << " tokens in " << s.total_seconds << " s: " << s.generated / s.total_seconds
             << " tokens/s; " << s.target_calls << " target calls (" << s.tokens_per_target_call()
-            << " tokens each)";
+            << " tokens each), stopped by " << result.stop_reason;
   if (a.mode != "autoregressive") {
     std::cout << ", " << s.drafter_calls << " drafter calls, acceptance rate " << s.acceptance_rate();
   }

@@ -344,10 +344,7 @@ class StandDraftSource {
   TreeVerdict walk_tree(const double* values) {
     values_ = values;
     const auto positions = static_cast<size_t>(tree_.nodes() + 1);
-    if (values[positions * (kStandTop + 2)] == 0.0) {
-      throw std::invalid_argument(
-          "stand_generate: the target distribution contains NaN or infinity (non-finite logits from the model)");
-    }
+    if (values[positions * (kStandTop + 2)] == 0.0) throw_non_finite("stand_generate", "target distribution");
     const TreeTargetView view{{values, positions * kStandTop},
                               {values + positions * kStandTop, positions},
                               {values + positions * (kStandTop + 1), positions}};

@@ -72,12 +72,7 @@ inline PendingStep pack_step(const char* caller, const at::Tensor& accepted, con
 // Reads a PendingStep from host values (its packed entries, copied). Throws
 // std::invalid_argument when the distributions were not finite.
 inline VerifiedStep read_step(const PendingStep& pending, const int64_t* values) {
-  if (values[2] == 0) {
-    throw std::invalid_argument(std::string(pending.caller) +
-                                ": the target or drafter distribution contains NaN or infinity "
-                                "(non-finite logits from the model, or a temperature too small "
-                                "for their range)");
-  }
+  if (values[2] == 0) throw_non_finite(pending.caller, "target or drafter distribution");
   return VerifiedStep{values[0], values[1], std::vector<int64_t>(values + 3, values + 3 + pending.gamma)};
 }
 

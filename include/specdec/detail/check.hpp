@@ -36,4 +36,12 @@ inline void check_tokens(std::string_view name, std::span<const int64_t> tokens,
   }
 }
 
+// Throws std::invalid_argument("<caller>: the <what> contains NaN or infinity (...)"): the one
+// message of every generation function for non-finite model output.
+[[noreturn]] inline void throw_non_finite(std::string_view caller, std::string_view what) {
+  throw_invalid_message(caller, ": the ", what,
+                        " contains NaN or infinity (non-finite logits from the model, or a temperature too small for "
+                        "their range)");
+}
+
 }  // namespace specdec::detail

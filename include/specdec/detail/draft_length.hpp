@@ -34,9 +34,7 @@ inline DrafterSignal drafter_signal(const at::Tensor& logits) {
   const at::Tensor host = to_host(at::stack({-plogp.sum(), p.max()}));
   const double* values = host.data_ptr<double>();
   if (!std::isfinite(values[0]) || !std::isfinite(values[1])) {
-    throw std::invalid_argument(
-        "speculative_generate: the drafter's distribution contains NaN or infinity (non-finite "
-        "logits from the drafter)");
+    throw_non_finite("speculative_generate", "drafter's distribution");
   }
   const double entropy = vocab > 1 ? values[0] / std::log(static_cast<double>(vocab)) : 0.0;
   return {std::clamp(entropy, 0.0, 1.0), values[1]};
