@@ -35,6 +35,32 @@ concept KVCache = requires(C& c, const C& cc, int64_t n) {
 template <class C>
 concept ReorderableKVCache = KVCache<C> && requires(C& c, const at::Tensor& rows) { c.reorder(rows); };
 
+// BatchedKVCache: a KVCache whose batch rows hold different numbers of positions, as batched
+// speculative decoding needs (each row keeps its own accepted prefix).
+//
+// A type C satisfies BatchedKVCache if it satisfies KVCache and, for `c` a C:
+//   1. `c.row_lengths()` returns each row's number of positions (one int64_t per batch row, a
+//      contiguous range); length() is the longest.
+//   2. `c.prune_rows(lengths)`, lengths a std::span<const int64_t> with one entry per row and
+//      lengths[r] <= row_lengths()[r], leaves row r holding exactly its first lengths[r] positions.
+//   3. `c.select_rows(rows)`, rows a std::span<const int64_t> of row indices, keeps those rows in
+//      that order (the batch becomes rows.size(): finished requests leave the batch).
+//   4. `c.ragged()` says whether the rows' lengths differ, and `c.device_row_lengths()` returns them
+//      as int64 [batch] on the cache's device.
+// A model over such a cache places row r's T new tokens at positions row_lengths()[r] + t, writes
+// them there, and lets each attend to its own row's positions only; forward() then appends T
+// positions to every row.
+// Not required: that rows share storage, any particular padding.
+template <class C>
+concept BatchedKVCache =
+    KVCache<C> && requires(C& c, const C& cc, std::span<const int64_t> lengths) {
+      { cc.row_lengths() } -> std::convertible_to<std::span<const int64_t>>;
+      c.prune_rows(lengths);
+      c.select_rows(lengths);
+      { cc.ragged() } -> std::convertible_to<bool>;
+      { c.device_row_lengths() } -> std::convertible_to<at::Tensor>;
+    };
+
 // CompactableKVCache: a KVCache that can keep a subset of its newest positions, as tree
 // verification needs (the accepted path of a draft tree, the other branches dropped).
 //

@@ -87,6 +87,83 @@ inline at::Tensor keep_index(int64_t prefix, std::span<const int64_t> positions,
   return to_device(positions, {static_cast<int64_t>(positions.size())}, device);
 }
 
+// Writes `added` [batch, kv_heads, T, head_dim] at each row's own positions [lengths[r],
+// lengths[r] + T) of `storage` [batch, kv_heads, S, head_dim]; lengths int64 [batch] on its device.
+inline void write_rows(const at::Tensor& storage, const at::Tensor& added, const at::Tensor& lengths) {
+  const int64_t count = added.size(2);
+  const at::Tensor index = (lengths.view({-1, 1}) + at::arange(count, lengths.options()))
+                               .view({added.size(0), 1, count, 1})
+                               .expand(added.sizes());
+  storage.scatter_(2, index, added);
+}
+
+// The per-row lengths of a batched cache: row r holds its own first rows()[r] positions, at most
+// the longest (the cache's length()). Rows are ragged after prune_rows() leaves them unequal.
+class RowLengths {
+ public:
+  [[nodiscard]] std::span<const int64_t> rows() const noexcept { return rows_; }
+  [[nodiscard]] bool ragged() const noexcept { return ragged_; }
+  [[nodiscard]] int64_t longest() const noexcept { return rows_.empty() ? 0 : *std::max_element(rows_.begin(), rows_.end()); }
+
+  // Sizes the rows on first use (a cache learns its batch from its first update).
+  void ensure(int64_t batch, int64_t length) {
+    if (static_cast<int64_t>(rows_.size()) != batch && !ragged_) rows_.assign(static_cast<size_t>(batch), length);
+  }
+  void add(int64_t n) {
+    for (auto& row : rows_) row += n;
+    device_ = at::Tensor();
+  }
+  // Every row drops n positions. Requires n <= the shortest row.
+  void sub(int64_t n) {
+    for (auto& row : rows_) {
+      if (row < n) throw_invalid_message("prune count ", n, " exceeds a row of ", row, " positions");
+    }
+    add(-n);
+  }
+  // Row r keeps its first lengths[r] positions. Requires lengths[r] in [0, rows()[r]].
+  void set(std::span<const int64_t> lengths) {
+    if (lengths.size() != rows_.size()) {
+      throw_invalid_message("lengths must have one entry per row (", rows_.size(), "), got ", lengths.size());
+    }
+    for (size_t r = 0; r < lengths.size(); ++r) {
+      if (lengths[r] < 0 || lengths[r] > rows_[r]) {
+        throw_invalid_message("lengths[", r, "] must be in [0, ", rows_[r], "], got ", lengths[r]);
+      }
+    }
+    rows_.assign(lengths.begin(), lengths.end());
+    ragged_ = !rows_.empty() && std::any_of(rows_.begin(), rows_.end(), [&](int64_t l) { return l != rows_.front(); });
+    device_ = at::Tensor();
+  }
+  // Row i becomes old row rows[i] (host indices, checked by the caller).
+  void select(std::span<const int64_t> rows) {
+    if (rows_.empty()) return;  // nothing cached yet
+    std::vector<int64_t> picked;
+    picked.reserve(rows.size());
+    for (const int64_t r : rows) picked.push_back(rows_[static_cast<size_t>(r)]);
+    rows_ = std::move(picked);
+    ragged_ = !rows_.empty() && std::any_of(rows_.begin(), rows_.end(), [&](int64_t l) { return l != rows_.front(); });
+    device_ = at::Tensor();
+  }
+  // The lengths as int64 [batch] on `device`, uploaded once per change.
+  const at::Tensor& on(const at::Device& device) {
+    if (!device_.defined() || device_.device() != device) {
+      device_ = to_device<int64_t>(rows_, {static_cast<int64_t>(rows_.size())}, device);
+    }
+    return device_;
+  }
+
+ private:
+  std::vector<int64_t> rows_;
+  bool ragged_ = false;
+  at::Tensor device_;
+};
+
+// Host row indices from a tensor of them (on any device: a device tensor costs a copy).
+inline std::vector<int64_t> host_rows(const at::Tensor& rows) {
+  const at::Tensor host = rows.is_cpu() ? rows.contiguous() : to_host(rows);
+  return {host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel()};
+}
+
 }  // namespace detail
 
 // A cache that grows by concatenation: memory follows the sequence length, no capacity to choose.
@@ -98,16 +175,34 @@ class DynamicKVCache {
   [[nodiscard]] int64_t length() const noexcept { return length_; }
   [[nodiscard]] int64_t num_layers() const noexcept { return static_cast<int64_t>(keys_.size()); }
 
-  // Drops the last n positions, 0 <= n <= length(). Views only: no copy.
+  // BatchedKVCache: each row's length (empty before the first update), whether they differ, and
+  // the lengths on the cache's device.
+  [[nodiscard]] std::span<const int64_t> row_lengths() const noexcept { return rows_.rows(); }
+  [[nodiscard]] bool ragged() const noexcept { return rows_.ragged(); }
+  [[nodiscard]] const at::Tensor& device_row_lengths() { return rows_.on(device()); }
+
+  // Drops the last n positions of every row, 0 <= n <= the shortest row. Views only: no copy.
   void prune(int64_t n) {
     detail::check_prune(n, length_);
-    length_ -= n;
+    rows_.sub(n);
+    narrow_to(length_ - n);
+  }
+
+  // Row r keeps its first lengths[r] positions (lengths[r] in [0, row_lengths()[r]]). Views only.
+  void prune_rows(std::span<const int64_t> lengths) {
+    rows_.set(lengths);
+    narrow_to(rows_.longest());
+  }
+
+  // Keeps the rows `rows` (host indices in [0, batch), may repeat): row i becomes old row rows[i].
+  void select_rows(std::span<const int64_t> rows) {
+    const at::Tensor index = detail::to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, device());
     for (size_t layer = 0; layer < keys_.size(); ++layer) {
-      if (keys_[layer].defined()) {
-        keys_[layer] = keys_[layer].narrow(2, 0, length_);
-        values_[layer] = values_[layer].narrow(2, 0, length_);
-      }
+      if (!keys_[layer].defined()) continue;
+      keys_[layer] = keys_[layer].narrow(2, 0, length_).index_select(0, index);
+      values_[layer] = values_[layer].narrow(2, 0, length_).index_select(0, index);
     }
+    rows_.select(rows);
   }
 
   // Appends this layer's keys and values [batch, kv_heads, T, head_dim] after the committed
@@ -118,13 +213,21 @@ class DynamicKVCache {
     detail::check_new_entries(keys, values);
     auto& cached_keys = keys_[static_cast<size_t>(layer)];
     auto& cached_values = values_[static_cast<size_t>(layer)];
+    rows_.ensure(keys.size(0), length_);
     if (!cached_keys.defined() || length_ == 0) {
       cached_keys = keys;
       cached_values = values;
-    } else {
+    } else if (!rows_.ragged()) {
       check_compatible(cached_keys, keys);
       cached_keys = at::cat({cached_keys.narrow(2, 0, length_), keys}, 2);
       cached_values = at::cat({cached_values.narrow(2, 0, length_), values}, 2);
+    } else {  // rows of different lengths: each row's new positions follow its own
+      check_compatible(cached_keys, keys);
+      cached_keys = at::cat({cached_keys.narrow(2, 0, length_), at::zeros_like(keys)}, 2);
+      cached_values = at::cat({cached_values.narrow(2, 0, length_), at::zeros_like(values)}, 2);
+      const at::Tensor& lengths = rows_.on(keys.device());
+      detail::write_rows(cached_keys, keys, lengths);
+      detail::write_rows(cached_values, values, lengths);
     }
     return {cached_keys, cached_values};
   }
@@ -139,6 +242,7 @@ class DynamicKVCache {
       }
     }
     length_ += new_positions;
+    rows_.add(new_positions);
   }
 
   // Keys / values [batch, kv_heads, length(), head_dim] of one layer (undefined while empty).
@@ -160,13 +264,19 @@ class DynamicKVCache {
       }
     }
     length_ = prefix + kept;
+    rows_.set(std::vector<int64_t>(rows_.rows().size(), length_));
   }
 
   // Reorders (or repeats) the batch rows: row i becomes the old row rows[i]. For beam search.
   // rows may live on the host (checked, then copied up once without blocking) or on the cache's
-  // device (used as they are).
+  // device (used as they are; with rows of different lengths they are read on the host).
   void reorder(const at::Tensor& rows) {
     if (length_ == 0) return;
+    if (rows_.ragged()) {
+      detail::check_rows(rows, keys_.front().size(0));
+      select_rows(detail::host_rows(rows));
+      return;
+    }
     const at::Tensor index = detail::rows_on(rows, keys_.front().size(0), keys_.front().device());
     for (size_t layer = 0; layer < keys_.size(); ++layer) {
       keys_[layer] = keys_[layer].narrow(2, 0, length_).index_select(0, index);
@@ -194,9 +304,24 @@ class DynamicKVCache {
     return tensor.defined() ? tensor.narrow(2, 0, length_) : tensor;
   }
 
+  [[nodiscard]] at::Device device() const {
+    return keys_.front().defined() ? keys_.front().device() : at::Device(at::kCPU);
+  }
+
+  void narrow_to(int64_t length) {
+    length_ = length;
+    for (size_t layer = 0; layer < keys_.size(); ++layer) {
+      if (keys_[layer].defined()) {
+        keys_[layer] = keys_[layer].narrow(2, 0, length_);
+        values_[layer] = values_[layer].narrow(2, 0, length_);
+      }
+    }
+  }
+
   std::vector<at::Tensor> keys_;
   std::vector<at::Tensor> values_;
   int64_t length_ = 0;
+  detail::RowLengths rows_;
 };
 
 // The dimensions of a StaticKVCache.
@@ -219,17 +344,40 @@ class StaticKVCache {
       : shape_(check_shape(shape)),
         storage_(at::empty({shape.num_layers, 2, shape.batch, shape.kv_heads, shape.capacity,
                             shape.head_dim},
-                           options)) {}
+                           options)) {
+    rows_.ensure(shape.batch, 0);
+  }
 
   [[nodiscard]] int64_t length() const noexcept { return length_; }
   [[nodiscard]] int64_t capacity() const noexcept { return shape_.capacity; }
   [[nodiscard]] int64_t num_layers() const noexcept { return shape_.num_layers; }
   [[nodiscard]] const StaticKVCacheShape& shape() const noexcept { return shape_; }
 
-  // Drops the last n positions, 0 <= n <= length(): O(1), nothing is touched.
+  // BatchedKVCache: each row's length, whether they differ, and the lengths on the cache's device.
+  [[nodiscard]] std::span<const int64_t> row_lengths() const noexcept { return rows_.rows(); }
+  [[nodiscard]] bool ragged() const noexcept { return rows_.ragged(); }
+  [[nodiscard]] const at::Tensor& device_row_lengths() { return rows_.on(storage_.device()); }
+
+  // Drops the last n positions of every row, 0 <= n <= the shortest row: O(1), nothing is touched.
   void prune(int64_t n) {
     detail::check_prune(n, length_);
+    rows_.sub(n);
     length_ -= n;
+  }
+
+  // Row r keeps its first lengths[r] positions (lengths[r] in [0, row_lengths()[r]]): O(batch).
+  void prune_rows(std::span<const int64_t> lengths) {
+    rows_.set(lengths);
+    length_ = rows_.longest();
+  }
+
+  // Keeps the rows `rows` (host indices in [0, batch), may repeat): row i becomes old row rows[i].
+  // The batch becomes rows.size() (a new allocation of the kept rows: for finished requests).
+  void select_rows(std::span<const int64_t> rows) {
+    const at::Tensor index = detail::to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, storage_.device());
+    storage_ = storage_.index_select(2, index);
+    shape_.batch = static_cast<int64_t>(rows.size());
+    rows_.select(rows);
   }
 
   // Writes this layer's keys and values [batch, kv_heads, T, head_dim] in place after the
@@ -252,8 +400,19 @@ class StaticKVCache {
     }
     const at::Tensor layer_keys = storage_[layer][0];
     const at::Tensor layer_values = storage_[layer][1];
-    layer_keys.narrow(2, length_, keys.size(2)).copy_(keys);
-    layer_values.narrow(2, length_, values.size(2)).copy_(values);
+    if (rows_.ragged()) {  // rows of different lengths: each row's new positions follow its own
+      // Shorter rows see positions no write has reached yet (masked, but never NaN garbage).
+      if (end > initialized_) {
+        layer_keys.narrow(2, initialized_, end - initialized_).zero_();
+        layer_values.narrow(2, initialized_, end - initialized_).zero_();
+      }
+      const at::Tensor& lengths = rows_.on(storage_.device());
+      detail::write_rows(layer_keys, keys, lengths);
+      detail::write_rows(layer_values, values, lengths);
+    } else {
+      layer_keys.narrow(2, length_, keys.size(2)).copy_(keys);
+      layer_values.narrow(2, length_, values.size(2)).copy_(values);
+    }
     return {layer_keys.narrow(2, 0, end), layer_values.narrow(2, 0, end)};
   }
 
@@ -264,6 +423,8 @@ class StaticKVCache {
                                     shape_.capacity, "]");
     }
     length_ += new_positions;
+    initialized_ = std::max(initialized_, length_);
+    rows_.add(new_positions);
   }
 
   [[nodiscard]] at::Tensor keys(int64_t layer) const {
@@ -282,6 +443,7 @@ class StaticKVCache {
     const auto kept = static_cast<int64_t>(positions.size());
     if (kept > 0) storage_.narrow(4, prefix, kept).copy_(storage_.index_select(4, index));
     length_ = prefix + kept;
+    rows_.set(std::vector<int64_t>(rows_.rows().size(), length_));
   }
 
   // Reorders (or repeats) the batch rows in place: row i becomes the old row rows[i]. Copies only
@@ -292,6 +454,7 @@ class StaticKVCache {
       detail::throw_invalid_message("rows must have ", shape_.batch, " entries, got ", rows.size(0));
     }
     if (length_ == 0) return;
+    if (rows_.ragged()) rows_.select(detail::host_rows(rows));
     const at::Tensor valid = storage_.narrow(4, 0, length_);
     valid.copy_(valid.index_select(2, detail::rows_on(rows, shape_.batch, storage_.device())));
   }
@@ -310,6 +473,8 @@ class StaticKVCache {
   StaticKVCacheShape shape_;
   at::Tensor storage_;
   int64_t length_ = 0;
+  int64_t initialized_ = 0;  // positions [0, initialized_) of every row hold finite values
+  detail::RowLengths rows_;
 };
 
 static_assert(CompactableKVCache<DynamicKVCache> && ReorderableKVCache<DynamicKVCache>);

@@ -36,6 +36,7 @@ struct StepInfo {
                                          // after smoothing); NaN when the step did not compute it
   double target_seconds = 0;             // wall time of the step's target forwards
   double drafter_seconds = 0;            // wall time of the step's drafting
+  int64_t row = 0;                       // batch generation: the prompt's index; 0 otherwise
 };
 
 // What a step callback tells the generation loop.

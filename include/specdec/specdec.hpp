@@ -2,6 +2,7 @@
 // The umbrella header: everything except models/ and io/.
 #pragma once
 
+#include "specdec/batch.hpp"
 #include "specdec/beam_search.hpp"
 #include "specdec/calibration.hpp"
 #include "specdec/concepts.hpp"

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <stdexcept>
@@ -12,35 +13,93 @@
 
 namespace specdec::test {
 
-// A cache that remembers the tokens themselves: [batch, length] int64.
+// A cache that remembers the tokens themselves, row by row; rows may hold different numbers of
+// tokens (BatchedKVCache).
 class TokenCache {
  public:
-  [[nodiscard]] int64_t length() const noexcept { return tokens_.defined() ? tokens_.size(1) : 0; }
-  void prune(int64_t n) {
-    if (n < 0 || n > length()) throw std::invalid_argument("TokenCache::prune out of range");
-    tokens_ = tokens_.narrow(1, 0, length() - n);
+  [[nodiscard]] int64_t length() const noexcept {
+    int64_t longest = 0;
+    for (const auto& row : rows_) longest = std::max(longest, static_cast<int64_t>(row.size()));
+    return longest;
   }
-  // Keeps positions [0, prefix) and then `positions`.
+  void prune(int64_t n) {
+    for (const auto& row : rows_) {
+      if (n < 0 || n > static_cast<int64_t>(row.size())) throw std::invalid_argument("TokenCache::prune out of range");
+    }
+    for (auto& row : rows_) row.resize(row.size() - static_cast<size_t>(n));
+    update_lengths();
+  }
+  // Keeps positions [0, prefix) and then `positions`, in every row.
   void keep(int64_t prefix, std::span<const int64_t> positions) {
-    std::vector<int64_t> index(static_cast<size_t>(prefix));
-    for (int64_t i = 0; i < prefix; ++i) index[static_cast<size_t>(i)] = i;
-    index.insert(index.end(), positions.begin(), positions.end());
-    tokens_ = tokens_.index_select(1, at::tensor(index, at::kLong));
+    for (auto& row : rows_) {
+      std::vector<int64_t> kept(row.begin(), row.begin() + prefix);
+      for (const int64_t p : positions) kept.push_back(row[static_cast<size_t>(p)]);
+      row = std::move(kept);
+    }
+    update_lengths();
   }
   // Row i becomes the old row rows[i].
   void reorder(const at::Tensor& rows) {
-    if (tokens_.defined()) tokens_ = tokens_.index_select(0, rows);
+    const at::Tensor host = rows.to(at::kCPU).contiguous();
+    select_rows(std::span<const int64_t>(host.data_ptr<int64_t>(), static_cast<size_t>(host.numel())));
   }
-  // Appends ids [batch, T] and returns the whole sequence [batch, length + T].
+  // BatchedKVCache.
+  [[nodiscard]] std::span<const int64_t> row_lengths() const noexcept { return lengths_; }
+  [[nodiscard]] bool ragged() const noexcept {
+    return std::any_of(lengths_.begin(), lengths_.end(), [&](int64_t l) { return l != lengths_.front(); });
+  }
+  [[nodiscard]] at::Tensor device_row_lengths() const { return at::tensor(lengths_, at::kLong); }
+  void prune_rows(std::span<const int64_t> lengths) {
+    if (lengths.size() != rows_.size()) throw std::invalid_argument("TokenCache::prune_rows: one length per row");
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      if (lengths[r] < 0 || lengths[r] > static_cast<int64_t>(rows_[r].size())) {
+        throw std::invalid_argument("TokenCache::prune_rows out of range");
+      }
+      rows_[r].resize(static_cast<size_t>(lengths[r]));
+    }
+    update_lengths();
+  }
+  void select_rows(std::span<const int64_t> rows) {
+    if (rows_.empty()) return;  // nothing cached yet
+    std::vector<std::vector<int64_t>> kept;
+    for (const int64_t r : rows) kept.push_back(rows_.at(static_cast<size_t>(r)));
+    rows_ = std::move(kept);
+    update_lengths();
+  }
+  // Appends ids [batch, T] after each row's tokens. Returns the tokens of every row [batch,
+  // length()] (rows of equal lengths; shorter rows are padded with 0).
   at::Tensor append(const at::Tensor& ids) {
-    tokens_ = tokens_.defined() ? at::cat({tokens_, ids}, 1) : ids;
-    return tokens_;
+    const at::Tensor host = ids.to(at::kCPU).contiguous();
+    if (rows_.empty()) rows_.resize(static_cast<size_t>(ids.size(0)));
+    if (static_cast<int64_t>(rows_.size()) != ids.size(0)) throw std::invalid_argument("TokenCache: batch mismatch");
+    const int64_t count = ids.size(1);
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      const int64_t* data = host.data_ptr<int64_t>() + static_cast<int64_t>(r) * count;
+      rows_[r].insert(rows_[r].end(), data, data + count);
+    }
+    update_lengths();
+    at::Tensor all = at::zeros({ids.size(0), length()}, at::kLong);
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      if (!rows_[r].empty()) {
+        all[static_cast<int64_t>(r)].narrow(0, 0, static_cast<int64_t>(rows_[r].size())).copy_(at::tensor(rows_[r], at::kLong));
+      }
+    }
+    return all.to(ids.device());
+  }
+  // The tokens of row r [1, its length].
+  [[nodiscard]] at::Tensor row(int64_t r) const {
+    return at::tensor(rows_.at(static_cast<size_t>(r)), at::kLong).view({1, -1});
   }
 
  private:
-  at::Tensor tokens_;
+  void update_lengths() {
+    lengths_.clear();
+    for (const auto& row : rows_) lengths_.push_back(static_cast<int64_t>(row.size()));
+  }
+  std::vector<std::vector<int64_t>> rows_;
+  std::vector<int64_t> lengths_;
 };
-static_assert(ReorderableKVCache<TokenCache> && CompactableKVCache<TokenCache>);
+static_assert(ReorderableKVCache<TokenCache> && CompactableKVCache<TokenCache> && BatchedKVCache<TokenCache>);
 
 // A first-order Markov chain: the logits after token t are log_transitions[t]. Its sequence
 // probabilities are products of processor(log_transitions) entries.
@@ -92,7 +151,20 @@ class PrefixHashModel {
   [[nodiscard]] TokenCache make_cache(int64_t /*batch*/) const { return {}; }
   at::Tensor forward(const at::Tensor& ids, TokenCache& cache) {
     const int64_t count = ids.size(1);
-    const at::Tensor all = cache.append(ids);
+    if (cache.ragged()) {  // rows of different lengths: each row on its own
+      (void)cache.append(ids);
+      std::vector<at::Tensor> rows;
+      for (int64_t r = 0; r < ids.size(0); ++r) rows.push_back(logits_of(cache.row(r), count));
+      return at::cat(rows, 0);
+    }
+    return logits_of(cache.append(ids), count);
+  }
+  [[nodiscard]] int64_t vocab_size() const { return table_.size(1); }
+  [[nodiscard]] at::Device device() const { return table_.device(); }
+
+ private:
+  // Logits [batch, count, vocab] of the last `count` positions of `all` [batch, length].
+  at::Tensor logits_of(const at::Tensor& all, int64_t count) const {
     const at::Tensor positions = at::arange(1, all.size(1) + 1, at::kLong).view({1, -1});
     const at::Tensor hash = ((all + 7) * (positions * 131 + 17)).cumsum(1).remainder(kTableRows);
     const at::Tensor rows = hash.narrow(1, all.size(1) - count, count);
@@ -101,12 +173,9 @@ class PrefixHashModel {
       const at::Tensor noisy = (rows.flatten().remainder(disagree_every_) == 0).unsqueeze(1);
       logits = logits + noise_.index_select(0, rows.flatten()) * noisy;
     }
-    return logits.view({ids.size(0), count, -1});
+    return logits.view({all.size(0), count, -1});
   }
-  [[nodiscard]] int64_t vocab_size() const { return table_.size(1); }
-  [[nodiscard]] at::Device device() const { return table_.device(); }
 
- private:
   int64_t disagree_every_;
   at::Tensor table_;
   at::Tensor noise_;

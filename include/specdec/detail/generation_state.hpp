@@ -77,6 +77,8 @@ class GenerationState {
   [[nodiscard]] bool finished() const noexcept { return room() <= 0; }
 
   GenerationStats& stats() noexcept { return stats_; }
+  // The batch row StepInfo reports (batch generation).
+  void set_row(int64_t row) noexcept { row_ = row; }
 
   // Appends the accepted drafts and the sampled token, stopping after an end token, a stop
   // sequence or at the length limit, counts the step, runs `after` (what the draft source learns
@@ -117,7 +119,8 @@ class GenerationState {
           .gamma = step.gamma.value_or(reported),
           .entropy = step.entropy,
           .target_seconds = stats_.target_seconds - reported_target_seconds_,
-          .drafter_seconds = stats_.drafter_seconds - reported_drafter_seconds_});
+          .drafter_seconds = stats_.drafter_seconds - reported_drafter_seconds_,
+          .row = row_});
       if (action == StepAction::stop && !reason_) reason_ = StopReason::callback;
     }
     reported_target_seconds_ = stats_.target_seconds;
@@ -165,6 +168,7 @@ class GenerationState {
   double reported_target_seconds_ = 0;   // stats_ times at the last emit, for per-step times
   double reported_drafter_seconds_ = 0;
   std::optional<StopReason> reason_;
+  int64_t row_ = 0;
 };
 
 }  // namespace specdec::detail

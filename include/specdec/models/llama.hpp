@@ -138,8 +138,13 @@ class LlamaModel {
   // Requires: ids int64 [batch, T] on device(), T >= 1, tokens in [0, vocab);
   //   cache.length() + T <= max_sequence_length().
   // Returns: logits [batch, T, vocab] in the model's dtype; appends T positions to the cache.
+  // With a BatchedKVCache whose rows differ in length, row r's tokens sit at positions
+  //   cache.row_lengths()[r] + t and attend to that row's positions only.
   at::Tensor forward(const at::Tensor& ids, Cache& cache) {
     check_ids(ids, cache);
+    if constexpr (BatchedKVCache<Cache>) {
+      if (cache.ragged()) return forward_ragged(ids, cache);
+    }
     const int64_t past = cache.length();
     const int64_t count = ids.size(1);
     const at::Tensor positions =
@@ -194,6 +199,27 @@ class LlamaModel {
     }
   }
 
+  // Rows of different lengths: positions [B, T] from each row's length, and a bias [B, 1, group * T,
+  // length + T] over every key column, hiding from row r's token t the keys past its position
+  // (other rows' longer histories and the padding of shorter inputs).
+  at::Tensor forward_ragged(const at::Tensor& ids, Cache& cache)
+    requires BatchedKVCache<Cache>
+  {
+    const int64_t batch = ids.size(0);
+    const int64_t count = ids.size(1);
+    const at::Tensor& lengths = cache.device_row_lengths();
+    if (lengths.size(0) != batch) {
+      detail::throw_invalid_message("ids have ", batch, " rows, the cache ", lengths.size(0));
+    }
+    const auto long_options = at::TensorOptions().dtype(at::kLong).device(device());
+    const at::Tensor positions = lengths.view({batch, 1}) + at::arange(count, long_options).view({1, count});
+    const int64_t keys = cache.length() + count;
+    const at::Tensor visible = at::arange(keys, long_options).view({1, 1, keys}) <= positions.unsqueeze(2);
+    const int64_t group = config_.n_heads / config_.n_kv_heads;
+    const at::Tensor bias = new_token_bias(visible).repeat({1, group, 1}).unsqueeze(1);
+    return run(ids, cache, positions, bias);
+  }
+
   // An additive bias [T, T] over the new tokens: 0 where visible, -inf elsewhere. Cached positions
   // are always visible, so the bias applies to the last T key columns only and no step allocates
   // anything proportional to the sequence for it.
@@ -227,11 +253,14 @@ class LlamaModel {
     const int64_t group = heads / kv_heads;
     const int64_t head_dim = config_.head_dim();
     const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-    // [1, T, 1, hd/2] to broadcast over batch and heads.
-    const at::Tensor cos = rope_cos_.index_select(0, positions).view({1, count, 1, head_dim / 2});
-    const at::Tensor sin = rope_sin_.index_select(0, positions).view({1, count, 1, head_dim / 2});
-    // The bias repeated for the query heads that share a key/value head: [group * T, T].
-    const at::Tensor group_bias = bias.defined() ? bias.repeat({group, 1}) : bias;
+    // [1 or B, T, 1, hd/2] to broadcast over batch (positions [T]) or rows (positions [B, T]) and heads.
+    const int64_t rows = positions.dim() == 2 ? batch : 1;
+    const at::Tensor cos = rope_cos_.index_select(0, positions.flatten()).view({rows, count, 1, head_dim / 2});
+    const at::Tensor sin = rope_sin_.index_select(0, positions.flatten()).view({rows, count, 1, head_dim / 2});
+    // The bias repeated for the query heads that share a key/value head: [group * T, T], or given
+    // whole over every key column ([B, 1, group * T, keys]).
+    const bool full_bias = bias.defined() && bias.dim() == 4;
+    const at::Tensor group_bias = bias.defined() && !full_bias ? bias.repeat({group, 1}) : bias;
 
     at::Tensor x = at::embedding(weights_.token_embedding, ids);
     for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
@@ -244,7 +273,11 @@ class LlamaModel {
       // Queries grouped by their key/value head: [B, kv_heads, group * T, hd].
       const at::Tensor grouped = q.transpose(1, 2).reshape({batch, kv_heads, group * count, head_dim});
       at::Tensor scores = at::matmul(grouped, keys.transpose(2, 3)).mul_(scale);
-      if (group_bias.defined()) scores.narrow(-1, scores.size(-1) - count, count).add_(group_bias);
+      if (full_bias) {
+        scores.add_(group_bias);
+      } else if (group_bias.defined()) {
+        scores.narrow(-1, scores.size(-1) - count, count).add_(group_bias);
+      }
       // Softmax in at least float32, as the reference implementations do for fp16 and bf16.
       const at::Tensor weights = scores.softmax(-1, at::promote_types(scores.scalar_type(), at::kFloat));
       const at::Tensor attended = at::matmul(weights.to(values.scalar_type()), values)

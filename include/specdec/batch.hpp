@@ -1,0 +1,534 @@
+// Batched generation: many prompts at once, each row with its own acceptance. A step drafts for
+// every active row together, the target scores all rows' drafts in one forward, verification
+// decides per row in one tensor expression, and each row keeps only its own accepted prefix:
+// its cache rows are pruned to its own length (BatchedKVCache). Rows finish independently and
+// leave the batch, so finished requests cost nothing. A step costs one device-to-host copy for
+// the whole batch.
+//
+// Layout: rows are right-ragged. Row r's cached positions are its first row_lengths()[r], new
+// tokens of a forward are placed at each row's own positions, and a shorter input is padded at
+// its end (padding positions are never visible to real tokens and are pruned after the step).
+// Against left padding this keeps every row's positions (RoPE) and cache writes contiguous from
+// 0, needs no per-row shift when rows accept different numbers of drafts, and lets a row be
+// pruned by moving its length alone; the cost is a per-row key mask over the longest row.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/detail/generation_state.hpp"
+#include "specdec/detail/model_runner.hpp"
+#include "specdec/device.hpp"
+#include "specdec/logits_processor.hpp"
+#include "specdec/ngram_storage.hpp"
+#include "specdec/options.hpp"
+#include "specdec/result.hpp"
+#include "specdec/step.hpp"
+
+namespace specdec {
+
+// A model that generates batches of rows of different lengths.
+template <class M>
+concept BatchedLanguageModel = LanguageModel<M> && BatchedKVCache<typename M::cache_type>;
+
+namespace detail {
+
+// Gathers the rows of `logits` [b, width, V] at index[r] + j, j in [0, count): [b, count, V].
+inline at::Tensor rows_from(const at::Tensor& logits, const at::Tensor& first, int64_t count) {
+  const int64_t b = logits.size(0);
+  const at::Tensor index = (first.view({b, 1}) + at::arange(count, first.options()).view({1, count}))
+                               .unsqueeze(2)
+                               .expand({b, count, logits.size(2)});
+  return logits.gather(1, index);
+}
+
+// Per-row rejection sampling for a batch, one tensor expression: p [b, k + 1, V], q [b, k, V]
+// (undefined: deterministic drafts, q one-hot), drafts int64 [b, k], valid int64 [b] (row r's
+// drafts beyond valid[r] are padding and never accepted). Returns int64 [b, 3 + k]: accepted,
+// token, finite, drafts.
+template <LogitsProcessor P>
+at::Tensor verify_batch(const at::Tensor& p, const at::Tensor& q, const at::Tensor& drafts, const at::Tensor& valid,
+                        const P& processor, at::Generator& gen, bool skip_sample_adjustment) {
+  const int64_t b = p.size(0);
+  const int64_t k = drafts.size(1);
+  const int64_t vocab = p.size(2);
+  const auto as_double = at::TensorOptions().dtype(at::kDouble).device(p.device());
+  const auto long_options = at::TensorOptions().dtype(at::kLong).device(p.device());
+  at::Tensor accepted = at::zeros({b}, long_options);
+  if (k > 0) {
+    const at::Tensor index = drafts.unsqueeze(2);
+    const at::Tensor p_drafted = p.narrow(1, 0, k).gather(2, index).squeeze(2).to(at::kDouble);
+    const at::Tensor q_drafted = q.defined() ? q.gather(2, index).squeeze(2).to(at::kDouble) : at::ones({b, k}, as_double);
+    const at::Tensor uniforms = at::rand({b, k}, gen, at::TensorOptions().dtype(at::kDouble).device(gen.device())).to(p.device());
+    const at::Tensor in_range = at::arange(k, long_options).view({1, k}) < valid.view({b, 1});
+    accepted = ((uniforms * q_drafted < p_drafted).logical_and(in_range)).to(at::kLong).cumprod(1).sum(1);
+  }
+  const at::Tensor p_row = rows_from(p, accepted, 1).squeeze(1).to(at::kDouble);  // [b, V]
+  at::Tensor next = p_row;
+  if (k > 0 && !skip_sample_adjustment) {
+    const at::Tensor rejected = (accepted < valid).unsqueeze(1);  // [b, 1]
+    const at::Tensor at_row = accepted.clamp_max(k - 1);
+    const at::Tensor q_row = q.defined() ? rows_from(q, at_row, 1).squeeze(1).to(at::kDouble)
+                                         : at::zeros({b, vocab}, as_double)
+                                               .scatter_(1, drafts.gather(1, at_row.view({b, 1})), 1.0);
+    const at::Tensor residual = (p_row - q_row * rejected).clamp_min(0.0);
+    const at::Tensor mass = residual.sum(1, /*keepdim=*/true);
+    next = at::where(mass > 0, residual / mass.clamp_min(1e-300), p_row);
+  }
+  const at::Tensor token = processor.sample(next, gen).view({b, 1});
+  at::Tensor finite = at::isfinite(p.sum({1, 2}));
+  if (q.defined() && k > 0) finite = finite.logical_and(at::isfinite(q.sum({1, 2})));
+  return at::cat({accepted.view({b, 1}), token.to(at::kLong), finite.to(at::kLong).view({b, 1}), drafts}, 1);
+}
+
+// Host tokens of ragged rows as ids [rows, width] on `device`, row i's tokens first, zeros after.
+inline at::Tensor padded_ids(const std::vector<std::span<const int64_t>>& rows, int64_t width, const at::Device& device,
+                             std::vector<int64_t>& buffer) {
+  buffer.assign(rows.size() * static_cast<size_t>(width), 0);
+  for (size_t r = 0; r < rows.size(); ++r) std::copy(rows[r].begin(), rows[r].end(), buffer.begin() + static_cast<std::ptrdiff_t>(r * static_cast<size_t>(width)));
+  return to_device<int64_t>(buffer, {static_cast<int64_t>(rows.size()), width}, device);
+}
+
+// A model and its batched cache, fed only each row's uncached tokens.
+template <BatchedLanguageModel M>
+class BatchRunner {
+ public:
+  BatchRunner(M& model, std::string_view role, int64_t batch, ForwardCounters counters)
+      : model_(model), role_(role), cache_(model.make_cache(batch)), vocab_(static_cast<int64_t>(model.vocab_size())),
+        device_(model.device()), counters_(counters), lengths_(static_cast<size_t>(batch), 0) {}
+
+  [[nodiscard]] const at::Device& device() const noexcept { return device_; }
+  [[nodiscard]] std::span<const int64_t> lengths() const noexcept { return lengths_; }
+
+  // One forward over each row's uncached tokens of `sequences` followed by `tail` [b, k] (device
+  // tokens, every row the same count). Returns logits [b, width, V] and, per row, the index of its
+  // last uncached token's row (uncached[r] - 1), as int64 [b] on the device.
+  std::pair<at::Tensor, at::Tensor> forward(const std::vector<std::span<const int64_t>>& sequences,
+                                            const at::Tensor& tail) {
+    const auto b = static_cast<int64_t>(sequences.size());
+    uncached_rows_.clear();
+    uncached_.clear();
+    int64_t width = 0;
+    for (int64_t r = 0; r < b; ++r) {
+      const auto seq = sequences[static_cast<size_t>(r)];
+      const int64_t from = lengths_[static_cast<size_t>(r)];
+      uncached_rows_.push_back(seq.subspan(static_cast<size_t>(from)));
+      uncached_.push_back(static_cast<int64_t>(seq.size()) - from);
+      width = std::max(width, uncached_.back());
+    }
+    const int64_t k = tail.defined() ? tail.size(1) : 0;
+    at::Tensor ids = padded_ids(uncached_rows_, width + k, device_, buffer_);
+    const at::Tensor last = to_device<int64_t>(uncached_, {b}, device_) - 1;
+    if (k > 0) ids.scatter_(1, last.view({b, 1}) + 1 + at::arange(k, last.options()).view({1, k}), tail);
+    at::Tensor logits;
+    {
+      ScopedTimer timer(*counters_.seconds);
+      at::NoGradGuard no_grad;
+      logits = model_.forward(ids, cache_);
+    }
+    ++*counters_.calls;
+    *counters_.positions += b * (width + k);
+    check_model_logits(logits, b, width + k, vocab_, role_, ".forward");
+    for (int64_t r = 0; r < b; ++r) lengths_[static_cast<size_t>(r)] += uncached_[static_cast<size_t>(r)] + k;
+    // The rows hold their padding too until prune(): every row now has the same length.
+    return {logits, last};
+  }
+
+  // One forward of `tail` [b, k] (device tokens) after every row's cached positions: logits
+  // [b, k, V].
+  at::Tensor forward_tail(const at::Tensor& tail) {
+    const int64_t b = tail.size(0);
+    const int64_t k = tail.size(1);
+    at::Tensor logits;
+    {
+      ScopedTimer timer(*counters_.seconds);
+      at::NoGradGuard no_grad;
+      logits = model_.forward(tail, cache_);
+    }
+    ++*counters_.calls;
+    *counters_.positions += b * k;
+    check_model_logits(logits, b, k, vocab_, role_, ".forward");
+    for (auto& length : lengths_) length += k;
+    return logits;
+  }
+
+  // Row r keeps its first lengths[r] positions (at most what it holds).
+  void prune(std::span<const int64_t> lengths) {
+    for (size_t r = 0; r < lengths.size(); ++r) lengths_[r] = std::min(lengths_[r], lengths[r]);
+    std::vector<int64_t> held(cache_.row_lengths().begin(), cache_.row_lengths().end());
+    for (size_t r = 0; r < held.size(); ++r) held[r] = std::min(held[r], lengths_[r]);
+    cache_.prune_rows(held);
+  }
+
+  // Keeps the rows `rows` (the batch shrinks as requests finish).
+  void select(std::span<const int64_t> rows) {
+    cache_.select_rows(rows);
+    std::vector<int64_t> kept;
+    for (const int64_t r : rows) kept.push_back(lengths_[static_cast<size_t>(r)]);
+    lengths_ = std::move(kept);
+  }
+
+ private:
+  M& model_;
+  std::string_view role_;
+  typename M::cache_type cache_;
+  int64_t vocab_;
+  at::Device device_;
+  ForwardCounters counters_;
+  std::vector<int64_t> lengths_;  // positions each row holds that belong to its sequence
+  std::vector<std::span<const int64_t>> uncached_rows_;
+  std::vector<int64_t> uncached_, buffer_;
+};
+
+// Drafts of a batch step: tokens [b, k], their q [b, k, V] (or undefined), valid [b] drafts per
+// row (host), drafter calls.
+struct BatchDrafts {
+  at::Tensor tokens;
+  at::Tensor probs;
+  std::vector<int64_t> valid;
+};
+
+// The generation loop of a batch. Drafting: a callable (active rows, k, processor, gen) ->
+// BatchDrafts, and after(active rows, accepted, positions) after every step; k = 0 is a target-only
+// step (autoregressive decoding, a first target step).
+template <BatchedLanguageModel T, class Drafting, LogitsProcessor P>
+std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<int64_t>> prompts,
+                                        const SpeculativeOptions& options, const P& processor, Drafting& drafting,
+                                        int64_t limit, bool draft) {
+  const auto batch = static_cast<int64_t>(prompts.size());
+  std::vector<std::vector<int64_t>> sequences(prompts.begin(), prompts.end());
+  std::vector<std::unique_ptr<GenerationState>> states;
+  for (int64_t r = 0; r < batch; ++r) {
+    states.push_back(std::make_unique<GenerationState>(sequences[static_cast<size_t>(r)], options, limit));
+    states.back()->set_row(r);
+  }
+  // Target forwards serve every row at once: their calls and times are shared; each row's stats
+  // count them whole (a row's tokens_per_target_call is its own).
+  GenerationStats shared;
+  BatchRunner<T> runner(target, "target", batch,
+                        {.calls = &shared.target_calls, .seconds = &shared.target_seconds,
+                         .positions = &shared.target_positions});
+  at::Generator gen = make_generator(options.seed, target.device());
+  std::vector<int64_t> active;
+  for (int64_t r = 0; r < batch; ++r) {
+    if (!states[static_cast<size_t>(r)]->finished()) active.push_back(r);
+  }
+  if (active.size() != static_cast<size_t>(batch)) {
+    runner.select(active);
+    drafting.select(active);
+  }
+  bool first = true;
+  std::vector<std::span<const int64_t>> views;
+  std::vector<int64_t> positions, keep, prune_to, accepted_rows, local_keep;
+  while (!active.empty()) {
+    const auto b = static_cast<int64_t>(active.size());
+    views.clear();
+    positions.clear();
+    int64_t k = 0;
+    std::vector<int64_t> rooms;
+    for (const int64_t r : active) {
+      GenerationState& state = *states[static_cast<size_t>(r)];
+      views.push_back(state.sequence());
+      positions.push_back(state.length());
+      const int64_t room = state.room() - 1;
+      rooms.push_back(draft && !(first && options.first_target) ? std::max<int64_t>(0, std::min(options.gamma, room)) : 0);
+      k = std::max(k, rooms.back());
+    }
+    BatchDrafts drafts;
+    const double drafter_before = shared.drafter_seconds;
+    if (k > 0) {
+      ScopedTimer timer(shared.drafter_seconds);
+      drafts = drafting.draft(views, k, processor, gen, shared);
+    }
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t made = k > 0 ? drafts.valid[static_cast<size_t>(i)] : 0;
+      rooms[static_cast<size_t>(i)] = std::min(rooms[static_cast<size_t>(i)], made);
+    }
+    const double target_before = shared.target_seconds;
+    const int64_t calls_before = shared.target_calls;
+    const auto [logits, last] = runner.forward(views, k > 0 ? drafts.tokens : at::Tensor());
+    const at::Tensor p = processor(rows_from(logits, last, k + 1));
+    const at::Tensor valid = to_device<int64_t>(rooms, {b}, target.device());
+    const at::Tensor draft_tokens =
+        k > 0 ? drafts.tokens : at::empty({b, 0}, at::TensorOptions().dtype(at::kLong).device(target.device()));
+    const at::Tensor packed = verify_batch(p, k > 0 ? drafts.probs : at::Tensor(), draft_tokens, valid, processor, gen,
+                                           options.skip_sample_adjustment);
+    const at::Tensor host = to_host(packed);
+    const int64_t* values = host.data_ptr<int64_t>();
+    const int64_t stride = 3 + k;
+    for (int64_t i = 0; i < b; ++i) {
+      if (values[i * stride + 2] == 0) throw_non_finite("speculative_generate_batch", "target or drafter distribution");
+    }
+    prune_to.clear();
+    accepted_rows.clear();
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t* row = values + i * stride;
+      GenerationState& state = *states[static_cast<size_t>(active[static_cast<size_t>(i)])];
+      GenerationStats& stats = state.stats();
+      // The shared forwards, counted whole in every row that took part.
+      stats.target_calls += shared.target_calls - calls_before;
+      stats.target_seconds += shared.target_seconds - target_before;
+      stats.drafter_seconds += shared.drafter_seconds - drafter_before;
+      stats.drafter_calls += k > 0 ? drafts.valid[static_cast<size_t>(i)] : 0;
+      const int64_t made = rooms[static_cast<size_t>(i)];
+      const std::span<const int64_t> row_drafts(row + 3, static_cast<size_t>(made));
+      EmittedStep emitted{.drafts = row_drafts, .accepted = row[0], .token = row[1]};
+      if (k > 0) emitted.gamma = made;
+      state.emit(emitted);
+      prune_to.push_back(positions[static_cast<size_t>(i)] + row[0]);
+      accepted_rows.push_back(row[0]);
+    }
+    runner.prune(prune_to);
+    views.clear();
+    for (const int64_t r : active) views.push_back(states[static_cast<size_t>(r)]->sequence());
+    drafting.after(views, prune_to);
+    // Finished rows leave the batch.
+    keep.clear();
+    local_keep.clear();
+    for (int64_t i = 0; i < b; ++i) {
+      if (!states[static_cast<size_t>(active[static_cast<size_t>(i)])]->finished()) {
+        keep.push_back(active[static_cast<size_t>(i)]);
+        local_keep.push_back(i);
+      }
+    }
+    if (keep.size() != active.size() && !keep.empty()) {
+      runner.select(local_keep);
+      drafting.select(local_keep);
+    }
+    active = keep;
+    first = false;
+  }
+  std::vector<GenerationResult> results;
+  for (auto& state : states) {
+    GenerationResult result = std::move(*state).finish();
+    results.push_back(std::move(result));
+  }
+  return results;
+}
+
+// No drafts: autoregressive decoding of a batch.
+struct NoBatchDrafts {
+  template <LogitsProcessor P>
+  BatchDrafts draft(const std::vector<std::span<const int64_t>>&, int64_t, const P&, at::Generator&, GenerationStats&) {
+    return {};
+  }
+  void after(const std::vector<std::span<const int64_t>>&, std::span<const int64_t>) {}
+  void select(std::span<const int64_t>) {}
+};
+
+// A drafter model over the batch: k tokens per row, sampled row by row in batched forwards.
+template <BatchedLanguageModel D>
+class ModelBatchDrafts {
+ public:
+  ModelBatchDrafts(D& drafter, int64_t batch)
+      : runner_(drafter, "drafter", batch, {.calls = &calls_, .seconds = &seconds_, .positions = &positions_}) {}
+
+  template <LogitsProcessor P>
+  BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences, int64_t k, const P& processor,
+                    at::Generator& gen, GenerationStats& /*shared*/) {
+    const auto b = static_cast<int64_t>(sequences.size());
+    std::vector<at::Tensor> tokens, probs;
+    at::Tensor next;
+    for (int64_t j = 0; j < k; ++j) {
+      at::Tensor last_logits;
+      if (j == 0) {
+        const auto [logits, last] = runner_.forward(sequences, at::Tensor());
+        last_logits = rows_from(logits, last, 1).squeeze(1);
+        // The padding after shorter rows' inputs is no part of them.
+        lengths_.clear();
+        for (const auto& s : sequences) lengths_.push_back(static_cast<int64_t>(s.size()));
+        runner_.prune(lengths_);
+      } else {
+        last_logits = runner_.forward_tail(next).select(1, 0);
+      }
+      const at::Tensor q = processor(last_logits);  // [b, V]
+      next = processor.sample(q, gen).view({b, 1});
+      tokens.push_back(next);
+      probs.push_back(q.unsqueeze(1));
+    }
+    return BatchDrafts{at::cat(tokens, 1), at::cat(probs, 1), std::vector<int64_t>(static_cast<size_t>(b), k)};
+  }
+
+  void after(const std::vector<std::span<const int64_t>>& /*sequences*/, std::span<const int64_t> accepted_lengths) {
+    runner_.prune(accepted_lengths);
+  }
+  void select(std::span<const int64_t> rows) { runner_.select(rows); }
+
+ private:
+  int64_t calls_ = 0, positions_ = 0;
+  double seconds_ = 0;  // the loop times draft() as a whole
+  BatchRunner<D> runner_;
+  std::vector<int64_t> lengths_;
+};
+
+// N-gram drafts per row from one shared storage (host work on plain integers); the storage learns
+// every row's emitted tokens.
+template <NGramDrafter S>
+class NGramBatchDrafts {
+ public:
+  NGramBatchDrafts(S& storage, int64_t batch, const at::Device& device, bool stop_if_unknown)
+      : storage_(storage), device_(device), stop_if_unknown_(stop_if_unknown), learned_(static_cast<size_t>(batch), 0) {}
+
+  void start(std::span<const std::vector<int64_t>> prompts) {
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      storage_.initialize(prompts[r]);
+      learned_[r] = prompts[r].size();
+    }
+  }
+
+  template <LogitsProcessor P>
+  BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences, int64_t k, const P&, at::Generator&,
+                    GenerationStats&) {
+    const auto b = static_cast<int64_t>(sequences.size());
+    BatchDrafts result;
+    buffer_.assign(static_cast<size_t>(b * k), 0);
+    for (int64_t r = 0; r < b; ++r) {
+      context_.assign(sequences[static_cast<size_t>(r)].begin(), sequences[static_cast<size_t>(r)].end());
+      int64_t made = 0;
+      for (; made < k; ++made) {
+        std::optional<int64_t> next = storage_.next_token(context_);
+        if (!next) {
+          if (stop_if_unknown_) break;
+          next = context_.back();
+        }
+        buffer_[static_cast<size_t>(r * k + made)] = *next;
+        context_.push_back(*next);
+      }
+      result.valid.push_back(made);
+    }
+    result.tokens = to_device<int64_t>(buffer_, {b, k}, device_);
+    return result;
+  }
+
+  void after(const std::vector<std::span<const int64_t>>& sequences, std::span<const int64_t> /*accepted*/) {
+    for (size_t r = 0; r < sequences.size(); ++r) {
+      const auto sequence = sequences[r];
+      for (size_t position = learned_[r]; position < sequence.size(); ++position) {
+        storage_.update(sequence.first(position), sequence.subspan(position, 1));
+      }
+      learned_[r] = sequence.size();
+    }
+  }
+  void select(std::span<const int64_t> rows) {
+    std::vector<size_t> kept;
+    for (const int64_t r : rows) kept.push_back(learned_[static_cast<size_t>(r)]);
+    learned_ = std::move(kept);
+  }
+
+ private:
+  S& storage_;
+  at::Device device_;
+  bool stop_if_unknown_;
+  std::vector<size_t> learned_;
+  std::vector<int64_t> buffer_, context_;
+};
+
+// Validates a batch: non-empty, every row valid (the message names the row).
+template <class Options>
+void check_batch(const Options& options, std::span<const std::vector<int64_t>> prompts, int64_t vocab, int64_t limit) {
+  if (prompts.empty()) throw std::invalid_argument("prompts must not be empty");
+  if (options.max_new_tokens < 0) throw_invalid("max_new_tokens", "be >= 0", options.max_new_tokens);
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    try {
+      check_common(options, prompts[r], vocab, limit);
+    } catch (const std::invalid_argument& e) {
+      throw_invalid_message("prompts[", r, "]: ", e.what());
+    }
+  }
+}
+
+inline void check_batch_options(const SpeculativeOptions& options) {
+  check_draft_length_options(options);
+  if (options.gamma_policy != GammaPolicy::fixed || options.p_min > 0.0 || options.entropy_gate < 1.0) {
+    throw std::invalid_argument(
+        "batch generation drafts a fixed gamma: gamma_policy must be fixed, p_min 0 and entropy_gate 1");
+  }
+  if (options.verification != Verification::rejection) {
+    throw std::invalid_argument("batch generation verifies by rejection sampling: verification must be rejection");
+  }
+  if (!options.use_cache) throw std::invalid_argument("batch generation needs use_cache = true");
+}
+
+}  // namespace detail
+
+// Autoregressive decoding of a batch: every active row samples one token per batched forward.
+//
+// Requires: prompts non-empty, each row valid as for autoregressive_generate. Returns: one
+// GenerationResult per prompt, in order, each with its own tokens, stop reason and stats
+// (target_calls counts the batched forwards the row took part in).
+// Throws: std::invalid_argument naming the row ("prompts[2]: prompt must not be empty").
+template <Target T, LogitsProcessor P = GreedyProcessor>
+  requires BatchedLanguageModel<T>
+[[nodiscard]] std::vector<GenerationResult> autoregressive_generate_batch(T& target,
+                                                                          std::span<const std::vector<int64_t>> prompts,
+                                                                          const GenerationOptions& options = {},
+                                                                          const P& processor = {}) {
+  const int64_t limit = detail::sequence_limit(target);
+  detail::check_batch(options, prompts, static_cast<int64_t>(target.vocab_size()), limit);
+  const SpeculativeOptions step = detail::step_options(options);
+  detail::NoBatchDrafts none;
+  return detail::run_batch(target, prompts, step, processor, none, limit, /*draft=*/false);
+}
+
+// Speculative decoding of a batch with per-row acceptance: the drafter drafts gamma tokens for
+// every active row in batched forwards, the target verifies all rows in one forward, and each row
+// keeps its own accepted prefix. Greedy output equals each row's speculative_generate (and
+// autoregressive_generate) output token for token; sampled output is distributed exactly as the
+// target's, row by row.
+//
+// Requires: as speculative_generate, for every row; a fixed gamma (gamma_policy fixed, no
+//   confidence stop), rejection verification and use_cache. Both models' caches model
+//   BatchedKVCache (StaticKVCache and DynamicKVCache do).
+// Returns: one GenerationResult per prompt, in order.
+// Throws: std::invalid_argument naming the parameter, or the row and its problem.
+template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
+  requires BatchedLanguageModel<D> && BatchedLanguageModel<T>
+[[nodiscard]] std::vector<GenerationResult> speculative_generate_batch(D& drafter, T& target,
+                                                                       std::span<const std::vector<int64_t>> prompts,
+                                                                       const SpeculativeOptions& options = {},
+                                                                       const P& processor = {}) {
+  const auto vocab = static_cast<int64_t>(target.vocab_size());
+  if (static_cast<int64_t>(drafter.vocab_size()) != vocab) {
+    detail::throw_invalid_message("drafter.vocab_size() must equal target.vocab_size() = ", vocab, ", got ",
+                                  drafter.vocab_size());
+  }
+  detail::check_batch_options(options);
+  const int64_t limit = std::min(detail::sequence_limit(target), detail::sequence_limit(drafter));
+  detail::check_batch(options, prompts, vocab, limit);
+  detail::ModelBatchDrafts<D> drafts(drafter, static_cast<int64_t>(prompts.size()));
+  return detail::run_batch(target, prompts, options, processor, drafts, limit, /*draft=*/true);
+}
+
+// N-gram assisted decoding of a batch: one storage shared by the rows (it learns every row's
+// prompt and output, so rows that share text draft for each other), drafts per row, one target
+// forward per step for the whole batch. Exact as ngram_assisted_generate. The target's top-k
+// filler is not taught in batches (filler_top_k must be 1).
+template <NGramDrafter S, Target T, LogitsProcessor P = GreedyProcessor>
+  requires BatchedLanguageModel<T>
+[[nodiscard]] std::vector<GenerationResult> ngram_assisted_generate_batch(S& storage, T& target,
+                                                                          std::span<const std::vector<int64_t>> prompts,
+                                                                          const NGramAssistedOptions& options = {},
+                                                                          const P& processor = {}) {
+  if (options.gamma < 1) detail::throw_invalid("gamma", "be >= 1", options.gamma);
+  if (options.filler_top_k != 1) {
+    detail::throw_invalid("filler_top_k", "be 1 in batch generation (the filler is taught by ngram_assisted_generate)",
+                          options.filler_top_k);
+  }
+  const int64_t limit = detail::sequence_limit(target);
+  detail::check_batch(options, prompts, static_cast<int64_t>(target.vocab_size()), limit);
+  detail::NGramBatchDrafts<S> drafts(storage, static_cast<int64_t>(prompts.size()), target.device(),
+                                     options.stop_if_unknown);
+  drafts.start(prompts);
+  return detail::run_batch(target, prompts, detail::step_options(options), processor, drafts, limit, /*draft=*/true);
+}
+
+}  // namespace specdec
