@@ -12,6 +12,7 @@
 #include <torch/version.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
@@ -56,6 +57,9 @@ decoding
   --num-beams N          beams for --mode beam (default 4)
   --length-penalty A     beam score = log-probability / length^A (default 1)
   --prompt TEXT          the prompt (default: a line of Python)
+  --batch-file FILE      generate for every line of FILE as one batch (modes speculative,
+                         autoregressive, ngram) and print each row's text and stats; \n in a
+                         line stands for a newline
   --gamma N              drafts per step (default 4)
   --gamma-policy P       fixed (default), egag (entropy-adaptive) or schedule (+2 / -1)
   --gamma-min N          egag, schedule: fewest drafts per step (default 1)
@@ -118,6 +122,7 @@ struct Arguments {
   uint64_t seed = 0;
   std::vector<int64_t> eos;
   std::vector<std::string> stops;
+  std::string batch_file;
   std::string device = "cpu";
   std::string dtype = "float32";
   bool compare = false, trace = false, json = false;
@@ -212,6 +217,7 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--seed") a.seed = std::stoull(v);
     else if (flag == "--eos") a.eos.push_back(std::stoll(v));
     else if (flag == "--stop") a.stops.push_back(v);
+    else if (flag == "--batch-file") a.batch_file = v;
     else if (flag == "--device") a.device = v;
     else if (flag == "--dtype") a.dtype = v;
     else throw std::invalid_argument("unknown option " + std::string(flag) + " (see --help)");
@@ -230,6 +236,9 @@ Arguments parse(int argc, char** argv) {
     throw std::invalid_argument("--verify must be rejection or threshold, got " + a.verify);
   }
   if (a.calibrate && a.mode != "speculative") throw std::invalid_argument("--calibrate needs --mode speculative");
+  if (!a.batch_file.empty() && a.mode != "speculative" && a.mode != "autoregressive" && a.mode != "ngram") {
+    throw std::invalid_argument("--batch-file needs --mode speculative, autoregressive or ngram, got " + a.mode);
+  }
   if (!has_matrix_products(parse_dtype(a.dtype), parse_device(a.device))) {
     throw std::invalid_argument("--dtype " + a.dtype + " on " + a.device + ": this libtorch " + TORCH_VERSION +
                                 " has no " + a.dtype + " matrix products there; use bfloat16 or float32, or a GPU");
@@ -426,6 +435,91 @@ CalibrationResult calibrate(const Arguments& a, Model& drafter, Model& target, c
   return result;
 }
 
+// --batch-file: every line of the file is a prompt; all rows generate together as one batch.
+int run_batch_file(const Arguments& a, Model& target, Model* drafter, const Text& text,
+                   const std::vector<int64_t>& eos, const std::vector<std::vector<int64_t>>& stops,
+                   const Processor& processor) {
+  std::ifstream in(a.batch_file);
+  if (!in) throw std::invalid_argument("--batch-file: cannot open " + a.batch_file);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    // "\n" (backslash, n) in a line stands for a newline of the prompt.
+    for (size_t at = line.find("\\n"); at != std::string::npos; at = line.find("\\n", at + 1)) line.replace(at, 2, "\n");
+    lines.push_back(line);
+  }
+  if (lines.empty()) throw std::invalid_argument("--batch-file: " + a.batch_file + " holds no prompt");
+  std::vector<std::vector<int64_t>> prompts;
+  for (const auto& line : lines) prompts.push_back(text.encode(line));
+  std::optional<NGramStorage> storage;
+  if (a.mode == "ngram") storage.emplace(a.ngram_order, target.vocab_size());
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<GenerationResult> results = std::visit(
+      [&](const auto& p) {
+        if (storage) {
+          return ngram_assisted_generate_batch(*storage, target, prompts,
+                                               {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                                .stop_sequences = stops, .seed = a.seed, .gamma = a.gamma,
+                                                .filler_top_k = 1},
+                                               p);
+        }
+        if (drafter != nullptr) {
+          return speculative_generate_batch(*drafter, target, prompts,
+                                            {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                             .stop_sequences = stops, .seed = a.seed, .gamma = a.gamma},
+                                            p);
+        }
+        return autoregressive_generate_batch(target, prompts,
+                                             {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                              .stop_sequences = stops, .seed = a.seed},
+                                             p);
+      },
+      processor);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // --compare: every row against its own autoregressive decoding, one prompt at a time.
+  std::optional<bool> identical;
+  if (a.compare) {
+    identical = true;
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      const auto alone = std::visit([&](const auto& p) {
+        return autoregressive_generate(target, prompts[r], {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                                            .stop_sequences = stops, .seed = a.seed}, p);
+      }, processor);
+      identical = *identical && alone.tokens == results[r].tokens;
+    }
+  }
+  int64_t generated = 0;
+  nlohmann::json rows = nlohmann::json::array();
+  for (size_t r = 0; r < results.size(); ++r) {
+    const GenerationResult& result = results[r];
+    generated += result.stats.generated;
+    std::ostringstream reason;
+    reason << result.stop_reason;
+    const std::string continuation = text.decode(prompts[r].back(), result.tokens);
+    if (a.json) {
+      rows.push_back({{"prompt", lines[r]}, {"text", continuation}, {"stop_reason", reason.str()},
+                      {"stats", stats_json(result.stats)}});
+      continue;
+    }
+    std::cout << "--- row " << r << ": " << result.stats.generated << " tokens, stopped by " << reason.str();
+    if (a.mode != "autoregressive") {
+      std::cout << ", acceptance rate " << std::fixed << std::setprecision(2) << result.stats.acceptance_rate()
+                << std::defaultfloat;
+    }
+    std::cout << ", " << result.stats.target_calls << " target calls\n" << lines[r] << continuation << "\n";
+  }
+  if (a.json) {
+    nlohmann::json out{{"mode", a.mode}, {"batch", results.size()}, {"rows", rows},
+                       {"seconds", seconds}, {"tokens_per_second", generated / seconds}};
+    if (identical) out["rows_identical_to_autoregressive"] = *identical;
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << std::fixed << std::setprecision(2) << "\nbatch of " << results.size() << ": " << generated
+            << " tokens in " << seconds << " s: " << generated / seconds << " tokens/s\n";
+  if (identical) std::cout << "rows identical to autoregressive: " << (*identical ? "yes" : "no") << "\n";
+  return 0;
+}
+
 int run(const Arguments& a) {
   const auto weights = at::TensorOptions().dtype(parse_dtype(a.dtype)).device(parse_device(a.device));
   const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights);
@@ -447,6 +541,9 @@ int run(const Arguments& a) {
     drafter.emplace(drafter_checkpoint.config, drafter_checkpoint.weights);
   }
   const Processor processor = make_processor(a);
+  if (!a.batch_file.empty()) {
+    return run_batch_file(a, target, drafter ? &*drafter : nullptr, text, eos, stops, processor);
+  }
   SpeculativeOptions speculative_options{
       .max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .stop_sequences = stops, .seed = a.seed,
       .gamma = a.gamma,
