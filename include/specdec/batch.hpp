@@ -172,9 +172,7 @@ class BatchRunner {
   // Keeps the rows `rows` (the batch shrinks as requests finish).
   void select(std::span<const int64_t> rows) {
     cache_.select_rows(rows);
-    std::vector<int64_t> kept;
-    for (const int64_t r : rows) kept.push_back(lengths_[static_cast<size_t>(r)]);
-    lengths_ = std::move(kept);
+    lengths_ = pick_rows(lengths_, rows);
   }
 
  private:
@@ -418,11 +416,7 @@ class NGramBatchDrafts {
       learned_[r] = sequence.size();
     }
   }
-  void select(std::span<const int64_t> rows) {
-    std::vector<size_t> kept;
-    for (const int64_t r : rows) kept.push_back(learned_[static_cast<size_t>(r)]);
-    learned_ = std::move(kept);
-  }
+  void select(std::span<const int64_t> rows) { learned_ = pick_rows(learned_, rows); }
 
  private:
   S& storage_;

@@ -137,10 +137,7 @@ class RowLengths {
   // Row i becomes old row rows[i] (host indices, checked by the caller).
   void select(std::span<const int64_t> rows) {
     if (rows_.empty()) return;  // nothing cached yet
-    std::vector<int64_t> picked;
-    picked.reserve(rows.size());
-    for (const int64_t r : rows) picked.push_back(rows_[static_cast<size_t>(r)]);
-    rows_ = std::move(picked);
+    rows_ = pick_rows(rows_, rows);
     ragged_ = !rows_.empty() && std::any_of(rows_.begin(), rows_.end(), [&](int64_t l) { return l != rows_.front(); });
     device_ = at::Tensor();
   }

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace specdec::detail {
 
@@ -34,6 +35,15 @@ inline void check_tokens(std::string_view name, std::span<const int64_t> tokens,
       throw_invalid_message(name, "[", i, "] must be in [0, vocab_size = ", vocab, "), got ", tokens[i]);
     }
   }
+}
+
+// The entries of `values` at `rows`, in that order (batch rows kept as requests finish).
+template <class T>
+std::vector<T> pick_rows(const std::vector<T>& values, std::span<const int64_t> rows) {
+  std::vector<T> picked;
+  picked.reserve(rows.size());
+  for (const int64_t r : rows) picked.push_back(values[static_cast<size_t>(r)]);
+  return picked;
 }
 
 // Throws std::invalid_argument("<caller>: the <what> contains NaN or infinity (...)"): the one
