@@ -54,7 +54,7 @@ struct TreeVerdict {
 // TreeDraftSource: proposes a draft tree per step and verifies it exactly (STAND).
 //
 // A type S satisfies TreeDraftSource<S, P> if, for `s` an S:
-//   1. `s.draft_tree(request)` returns TreeDrafts no deeper than request.gamma, with no more
+//   1. `s.draft_tree(request)` returns TreeDrafts no deeper than request.room, with no more
 //      nodes than the target's cache can take after request.sequence.
 //   2. `s.score_tree(logits, uncached, processor, gen)` takes the target's logits [u + n, vocab]
 //      (u rows for the uncached context, then one per node) and returns a 1-D float64 tensor on
