@@ -295,6 +295,35 @@ TEST(DraftSource, ACustomSourceIsExactAndRunsTheSharedStep) {
   EXPECT_EQ(cyclic.stats.target_calls, 9);  // 1 + 8 steps of 4 drafts and 1 token
 }
 
+TEST(GreedyFastPath, EqualsRejectionSamplingWithGreedyDistributions) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  at::Generator uniforms = at::make_generator<at::CPUGeneratorImpl>(4);
+  const GreedyProcessor greedy;
+  for (int64_t trial = 0; trial < 300; ++trial) {
+    const int64_t gamma = trial % 6;
+    // Logits on a coarse grid, so that ties occur; drafts often equal the argmax.
+    at::Tensor logits = at::randint(0, 4, {gamma + 1, 9}, gen, at::TensorOptions(at::kFloat));
+    at::Tensor drafts = at::randint(0, 9, {gamma}, gen, at::TensorOptions(at::kLong));
+    const at::Tensor best = logits.argmax(1);
+    for (int64_t i = 0; i < gamma; ++i) {
+      if (at::rand({1}, gen).item<double>() < 0.7) drafts[i] = best[i];
+    }
+    if (trial % 50 == 7) logits[gamma][2] = NAN;
+    const at::Tensor q = greedy(at::randn({gamma, 9}, gen));
+    const auto fast = specdec::detail::verify_greedy_pending(logits, q, drafts);
+    const at::Tensor host = specdec::detail::to_host(fast.packed);
+    if (trial % 50 == 7) {
+      EXPECT_EQ(host.data_ptr<int64_t>()[2], 0) << "a NaN row is reported";
+      continue;
+    }
+    const VerifiedStep expected = verify_drafts(greedy(logits), q, drafts, greedy, uniforms);
+    const VerifiedStep got = specdec::detail::read_step(fast, host.data_ptr<int64_t>());
+    EXPECT_EQ(got.accepted, expected.accepted) << "trial " << trial;
+    EXPECT_EQ(got.token, expected.token) << "trial " << trial;
+    EXPECT_EQ(got.drafts, expected.drafts);
+  }
+}
+
 // Greedy output with fp16/bf16 activations against fp32, on the bundled pair.
 TEST(Dtypes, ReducedPrecisionGreedyOutputAgainstFloat32) {
   const std::string folder = SPECDEC_BUNDLED_MODELS_DIR;

@@ -216,9 +216,15 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
                         {.calls = &shared.target_calls, .seconds = &shared.target_seconds,
                          .positions = &shared.target_positions});
   at::Generator gen = make_generator(options.seed, target.device());
+  // A row's result is taken when it finishes, so that its total time is its own.
+  std::vector<GenerationResult> results(static_cast<size_t>(batch));
   std::vector<int64_t> active;
   for (int64_t r = 0; r < batch; ++r) {
-    if (!states[static_cast<size_t>(r)]->finished()) active.push_back(r);
+    if (!states[static_cast<size_t>(r)]->finished()) {
+      active.push_back(r);
+    } else {
+      results[static_cast<size_t>(r)] = std::move(*states[static_cast<size_t>(r)]).finish();
+    }
   }
   if (active.size() != static_cast<size_t>(batch)) {
     runner.select(active);
@@ -226,13 +232,13 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
   }
   bool first = true;
   std::vector<std::span<const int64_t>> views;
-  std::vector<int64_t> positions, keep, prune_to, accepted_rows, local_keep;
+  std::vector<int64_t> positions, rooms, keep, prune_to, local_keep;
   while (!active.empty()) {
     const auto b = static_cast<int64_t>(active.size());
     views.clear();
     positions.clear();
     int64_t k = 0;
-    std::vector<int64_t> rooms;
+    rooms.clear();
     for (const int64_t r : active) {
       GenerationState& state = *states[static_cast<size_t>(r)];
       views.push_back(state.sequence());
@@ -267,7 +273,6 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
       if (values[i * stride + 2] == 0) throw_non_finite("speculative_generate_batch", "target or drafter distribution");
     }
     prune_to.clear();
-    accepted_rows.clear();
     for (int64_t i = 0; i < b; ++i) {
       const int64_t* row = values + i * stride;
       GenerationState& state = *states[static_cast<size_t>(active[static_cast<size_t>(i)])];
@@ -283,7 +288,6 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
       if (k > 0) emitted.gamma = made;
       state.emit(emitted);
       prune_to.push_back(positions[static_cast<size_t>(i)] + row[0]);
-      accepted_rows.push_back(row[0]);
     }
     runner.prune(prune_to);
     views.clear();
@@ -293,9 +297,12 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
     keep.clear();
     local_keep.clear();
     for (int64_t i = 0; i < b; ++i) {
-      if (!states[static_cast<size_t>(active[static_cast<size_t>(i)])]->finished()) {
-        keep.push_back(active[static_cast<size_t>(i)]);
+      const int64_t r = active[static_cast<size_t>(i)];
+      if (!states[static_cast<size_t>(r)]->finished()) {
+        keep.push_back(r);
         local_keep.push_back(i);
+      } else {
+        results[static_cast<size_t>(r)] = std::move(*states[static_cast<size_t>(r)]).finish();
       }
     }
     if (keep.size() != active.size() && !keep.empty()) {
@@ -304,11 +311,6 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
     }
     active = keep;
     first = false;
-  }
-  std::vector<GenerationResult> results;
-  for (auto& state : states) {
-    GenerationResult result = std::move(*state).finish();
-    results.push_back(std::move(result));
   }
   return results;
 }

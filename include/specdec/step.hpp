@@ -19,6 +19,7 @@
 #include <optional>
 #include <span>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "specdec/concepts.hpp"
@@ -107,12 +108,17 @@ void chain_step(ModelRunner<T>& target, GenerationState& state, S& source, const
                                      : at::empty({0}, at::TensorOptions().dtype(at::kLong).device(target.device()));
   const at::Tensor logits = target.forward(state.sequence(), k > 0 ? draft_ids.view({1, k}) : at::Tensor());
   const at::Tensor rows = logits.narrow(0, logits.size(0) - k - 1, k + 1);
-  const at::Tensor p = processor(rows);
-  const PendingStep pending =
-      options.verification == Verification::threshold && !target_only
-          ? verify_threshold_pending(p, draft_ids, options.threshold, processor, gen)
-          : verify_drafts_pending(p, k > 0 && drafts.probs.defined() ? drafts.probs.to(p.device()) : at::Tensor(),
-                                  draft_ids, processor, gen, options.skip_sample_adjustment);
+  const at::Tensor q = k > 0 && drafts.probs.defined() ? drafts.probs.to(target.device()) : at::Tensor();
+  const bool threshold = options.verification == Verification::threshold && !target_only;
+  PendingStep pending;
+  if constexpr (std::is_same_v<P, GreedyProcessor>) {  // the greedy fast path: argmax only
+    if (!threshold) pending = verify_greedy_pending(rows, q, draft_ids);
+  }
+  if (!pending.packed.defined()) {
+    const at::Tensor p = processor(rows);
+    pending = threshold ? verify_threshold_pending(p, draft_ids, options.threshold, processor, gen)
+                        : verify_drafts_pending(p, q, draft_ids, processor, gen, options.skip_sample_adjustment);
+  }
   const int64_t top_k = std::min(source_top_k(source), vocab);
   const at::Tensor packed =
       top_k > 0 ? at::cat({pending.packed, std::get<1>(rows.topk(top_k, -1)).flatten()}) : pending.packed;

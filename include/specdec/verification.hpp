@@ -82,6 +82,23 @@ PendingStep verify_drafts_pending(const at::Tensor& target_probs, const at::Tens
                                   const at::Tensor& drafts, const P& processor, at::Generator& gen,
                                   bool skip_sample_adjustment);
 
+// verify_drafts for GreedyProcessor, from the target's logits [gamma + 1, vocab] rather than its
+// one-hot distributions: draft i is accepted while it equals the target's argmax (the first among
+// ties), and the token after the accepted drafts is the argmax there. This is what rejection
+// sampling computes for one-hot p, whatever q; no distribution, uniform or residual is built.
+// Non-finite rows (NaN, +inf, or all -inf) are reported as GreedyProcessor's NaN would be.
+inline PendingStep verify_greedy_pending(const at::Tensor& target_logits, const at::Tensor& draft_probs,
+                                         const at::Tensor& drafts) {
+  const int64_t gamma = check_verify_inputs(target_logits, drafts);
+  const at::Tensor draft_index = drafts.to(target_logits.device()).view({gamma, 1});
+  const at::Tensor best = target_logits.argmax(1);
+  const at::Tensor accepted = best.narrow(0, 0, gamma).eq(draft_index.view({gamma})).to(at::kLong).cumprod(0).sum().view({1});
+  const at::Tensor token = best.index_select(0, accepted);
+  at::Tensor finite = at::isfinite(target_logits.amax(1)).all();
+  if (draft_probs.defined()) finite = finite.logical_and(at::isfinite(draft_probs.sum()).to(finite.device()));
+  return pack_step("verify_drafts", accepted, token, finite, draft_index);
+}
+
 // verify_threshold without its host copy; see verify_threshold.
 template <LogitsProcessor P>
 PendingStep verify_threshold_pending(const at::Tensor& target_probs, const at::Tensor& drafts, double threshold,
