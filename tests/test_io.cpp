@@ -2,8 +2,13 @@
 // trips through every format, and corrupt files rejected with errors naming the file.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <fstream>
+#include <functional>
+#include <optional>
+#include <unordered_map>
 #include <random>
+#include <thread>
 
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
@@ -314,7 +319,9 @@ TEST(Safetensors, RoundTripsDtypesAndMetadata) {
     EXPECT_EQ(loaded.tensors.at(name).scalar_type(), tensor.scalar_type()) << name;
     EXPECT_TRUE(at::equal(loaded.tensors.at(name), tensor)) << name;
   }
-  EXPECT_FALSE(fs::exists(dir.path() / "x.safetensors.partial"));
+  for (const auto& entry : fs::directory_iterator(dir.path())) {
+    EXPECT_EQ(entry.path().filename(), "x.safetensors") << "a temporary file is left behind";
+  }
 }
 
 // A safetensors file with the given JSON header and data bytes.
@@ -371,7 +378,7 @@ TEST(HfLlama, RejectsBadConfigs) {
   with([](auto& j) { j.erase("hidden_size"); });
   expect_format_error(load, "config.json", "missing key 'hidden_size'");
   with([](auto& j) { j["num_hidden_layers"] = "five"; });
-  expect_format_error(load, "config.json", "'num_hidden_layers' has the wrong type");
+  expect_format_error(load, "config.json", "key 'num_hidden_layers' must be an integer, got \"five\"");
   with([](auto& j) { j["num_key_value_heads"] = 3; });
   expect_format_error(load, "config.json", "n_kv_heads");
   with([](auto& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; });
@@ -382,6 +389,240 @@ TEST(HfLlama, RejectsBadConfigs) {
   expect_format_error(load, "model.safetensors", "has shape");
   write_file(dir.path() / "config.json", "{not json");
   expect_format_error(load, "config.json", "malformed JSON");
+}
+
+// Hostile configs: sizes that are not integers or exceed the limits are refused before anything
+// is allocated, deep nesting is refused while parsing, and messages quote values only in part.
+TEST(HfLlama, RefusesHostileConfigsBeforeAllocating) {
+  const models::LlamaConfig config = test::small_llama_config();
+  TempDir dir;
+  io::save_hf_llama(dir.path(), config, models::LlamaWeights::random(config, 2));
+  const std::string original = read_file(dir.path() / "config.json");
+  const auto json = nlohmann::json::parse(original);
+  const auto with = [&](const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json copy = json;
+    change(copy);
+    write_file(dir.path() / "config.json", copy.dump());
+  };
+  const auto load = [&] { (void)io::load_hf_llama(dir.path()); };
+  with([](auto& j) { j["hidden_size"] = 96.5; });
+  expect_format_error(load, "config.json", "key 'hidden_size' must be an integer, got 96.5");
+  write_file(dir.path() / "config.json",
+             original.substr(0, original.rfind('}')) + R"(, "hidden_size": 99999999999999999999999})");
+  expect_format_error(load, "config.json", "key 'hidden_size' must be an integer, got 9.99");
+  with([](auto& j) { j["max_position_embeddings"] = 16777216; });
+  expect_format_error(load, "config.json",
+                      "max_position_embeddings = 16777216 exceeds the limit of 131072 "
+                      "(LoadLimits::max_sequence_length)");
+  with([](auto& j) { j["max_position_embeddings"] = 1e12; });
+  expect_format_error(load, "config.json", "key 'max_position_embeddings' must be an integer");
+  with([](auto& j) { j["vocab_size"] = int64_t{1} << 40; });
+  expect_format_error(load, "config.json", "vocab_size = 1099511627776 exceeds the limit");
+  with([](auto& j) { j["num_hidden_layers"] = -3; });
+  expect_format_error(load, "config.json", "num_hidden_layers = -3 is outside [1, 1048576]");
+  // The limit can be raised: then the same config loads as far as its weights.
+  with([](auto& j) { j["max_position_embeddings"] = 262144; });
+  expect_format_error(load, "config.json", "exceeds the limit of 131072");
+  EXPECT_NO_THROW((void)io::load_hf_llama(dir.path(), at::kFloat, {.max_sequence_length = 262144}));
+
+  // 100,000 levels of nesting (a stack overflow when serialized whole) and a long value.
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  write_file(dir.path() / "config.json", original.substr(0, original.rfind('}')) + ", \"x\": " + deep + "}");
+  expect_format_error(load, "config.json", "JSON nested deeper than 32 levels (LoadLimits::max_json_depth)");
+  with([](auto& j) { j["rope_scaling"] = {{"type", std::string(100000, 'y')}}; });
+  try {
+    load();
+    FAIL() << "loaded rope_scaling";
+  } catch (const io::FormatError& e) {
+    EXPECT_LT(std::string(e.what()).size(), 400u) << "the message quotes the value in part";
+  }
+  write_file(dir.path() / "config.json", original);
+  ASSERT_NO_THROW(load());
+}
+
+// The paths a user may get wrong: a file of the folder, a folder where a file belongs, shard
+// names and links that lead outside the checkpoint.
+TEST(HfLlama, NamesWrongPathsAndRefusesLinksOutOfTheFolder) {
+  const models::LlamaConfig config = test::small_llama_config();
+  TempDir dir;
+  const fs::path model = dir.path() / "model";
+  io::save_hf_llama(model, config, models::LlamaWeights::random(config, 2));
+  for (const char* file : {"config.json", "model.safetensors"}) {
+    expect_format_error([&] { (void)io::load_llama(model / file); }, file,
+                        "is a file of a Hugging Face checkpoint: pass the folder that holds it");
+  }
+  // A folder where config.json belongs.
+  const fs::path odd = dir.path() / "odd";
+  fs::create_directories(odd / "config.json");
+  expect_format_error([&] { (void)io::load_llama(odd); }, "config.json", "is not a regular file");
+  // No temporary file is left beside config.json and model.safetensors.
+  for (const auto& entry : fs::directory_iterator(model)) {
+    EXPECT_TRUE(entry.path().filename() == "config.json" || entry.path().filename() == "model.safetensors")
+        << entry.path();
+  }
+
+  // Shards: a NUL in a name is refused and shown escaped; a link out of the folder is refused.
+  const fs::path sharded = dir.path() / "sharded";
+  fs::create_directories(sharded);
+  fs::copy_file(model / "config.json", sharded / "config.json");
+  const fs::path outside = dir.path() / "elsewhere.safetensors";
+  fs::copy_file(model / "model.safetensors", outside);
+  const auto index = [&](const std::string& shard) {
+    nlohmann::json map = nlohmann::json::object();
+    for (const auto& [name, _] : io::load_safetensors(outside).tensors) map[name] = shard;
+    write_file(sharded / "model.safetensors.index.json", nlohmann::json{{"weight_map", map}}.dump());
+  };
+  index(std::string("a\0b.safetensors", 15));
+  expect_format_error([&] { (void)io::load_llama(sharded); }, "model.safetensors.index.json", "a\\u0000b.safetensors");
+  fs::create_symlink(outside, sharded / "link.safetensors");
+  index("link.safetensors");
+  expect_format_error([&] { (void)io::load_llama(sharded); }, "link.safetensors", "outside the checkpoint folder");
+  // A link inside the folder is followed.
+  fs::remove(sharded / "link.safetensors");
+  fs::copy_file(outside, sharded / "real.safetensors");
+  fs::create_symlink(sharded / "real.safetensors", sharded / "link.safetensors");
+  EXPECT_NO_THROW((void)io::load_llama(sharded));
+  // The Hugging Face hub cache: snapshots/REV links into the repository's blobs.
+  const fs::path repository = dir.path() / "models--x--y";
+  fs::create_directories(repository / "blobs");
+  fs::create_directories(repository / "snapshots" / "abc");
+  fs::copy_file(model / "model.safetensors", repository / "blobs" / "1234");
+  fs::copy_file(model / "config.json", repository / "blobs" / "5678");
+  fs::create_symlink("../../blobs/1234", repository / "snapshots" / "abc" / "model.safetensors");
+  fs::create_symlink("../../blobs/5678", repository / "snapshots" / "abc" / "config.json");
+  EXPECT_NO_THROW((void)io::load_llama(repository / "snapshots" / "abc"));
+}
+
+// Writers racing to one path leave one complete file, never a mix, and no temporary files; a
+// folder in the file's place is refused without leaving anything behind.
+TEST(AtomicFile, ConcurrentWritersLeaveOneCompleteFile) {
+  TempDir dir;
+  const fs::path target = dir.path() / "shared.bin";
+  constexpr size_t kBytes = 1 << 20;
+  std::vector<std::thread> writers;
+  for (char mark = 'a'; mark < 'a' + 8; ++mark) {
+    writers.emplace_back([&, mark] {
+      for (int round = 0; round < 3; ++round) {
+        io::detail::write_atomically(target, [&](std::ofstream& out) {
+          const std::string chunk(kBytes / 16, mark);
+          for (int i = 0; i < 16; ++i) out.write(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+        });
+      }
+    });
+  }
+  for (auto& writer : writers) writer.join();
+  const std::string bytes = read_file(target);
+  ASSERT_EQ(bytes.size(), kBytes);
+  EXPECT_EQ(bytes, std::string(kBytes, bytes.front())) << "a mix of writers";
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
+
+  fs::create_directories(dir.path() / "folder");
+  try {
+    io::detail::write_atomically(dir.path() / "folder", [](std::ofstream& out) { out << "x"; });
+    FAIL() << "wrote over a folder";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("it is a folder"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 2);
+  EXPECT_THROW(io::detail::require_writable_path(dir.path() / "folder", "--save-storage"), std::invalid_argument);
+  EXPECT_THROW(io::detail::require_writable_path(dir.path() / "no" / "x.bin", "--save-storage"), std::invalid_argument);
+  EXPECT_NO_THROW(io::detail::require_writable_path(dir.path() / "x.bin", "--save-storage"));
+}
+
+TEST(Llama2c, RefusesContextsAndVocabulariesBeyondTheLimits) {
+  // A header of seq_len 2^24 in a tiny file: refused by the limit before the size check.
+  TempDir dir;
+  const fs::path file = dir.path() / "huge_context.bin";
+  const int32_t header[7] = {64, 172, 1, 8, 4, 256, 1 << 24};
+  write_file(file, std::string(reinterpret_cast<const char*>(header), sizeof(header)) + std::string(18000, '\0'));
+  expect_format_error([&] { (void)io::parse_llama2c(file); }, file,
+                      "seq_len = 16777216 exceeds the limit of 131072 (LoadLimits::max_sequence_length)");
+  expect_format_error([&] { (void)io::parse_llama2c(file, {.max_sequence_length = 1 << 24}); }, file, "truncated");
+  const int32_t vocab_header[7] = {64, 172, 1, 8, 4, 1 << 24, 256};
+  write_file(file, std::string(reinterpret_cast<const char*>(vocab_header), sizeof(vocab_header)));
+  expect_format_error([&] { (void)io::parse_llama2c(file); }, file, "vocab_size = 16777216 exceeds the limit");
+}
+
+TEST(Safetensors, BoundsTheHeaderWhileParsing) {
+  TempDir dir;
+  const fs::path file = dir.path() / "many.safetensors";
+  std::string header = "{";
+  for (int i = 0; i < 300; ++i) header += "\"t" + std::to_string(i) + "\": {\"dtype\": \"F32\", \"shape\": [0], \"data_offsets\": [0, 0]},";
+  header.back() = '}';
+  write_safetensors(file, header, "");
+  EXPECT_EQ(io::parse_safetensors(file).entries.size(), 300u);
+  expect_format_error([&] { (void)io::parse_safetensors(file, {.max_json_entries = 100}); }, file,
+                      "more than 100 entries (LoadLimits::max_json_entries)");
+  expect_format_error([&] { (void)io::parse_safetensors(file, {.max_safetensors_header = 64}); }, file,
+                      "exceeds the limit of 64 bytes (LoadLimits::max_safetensors_header)");
+  // A deeply nested dtype: refused while parsing, never serialized.
+  write_safetensors(file, "{\"t\": {\"dtype\": " + std::string(5000, '[') + std::string(5000, ']') + "}}", "");
+  expect_format_error([&] { (void)io::parse_safetensors(file); }, file, "JSON nested deeper than 32 levels");
+}
+
+TEST(Llama2cTokenizer, NamesAVocabularyMismatch) {
+  SPECDEC_REQUIRE_MODEL(path, "stories260K/tok512.bin");
+  expect_format_error([&] { (void)io::Llama2cTokenizer::load(path, 256); }, path,
+                      "holds 512 tokens but the model's vocabulary has 256");
+  expect_format_error([&] { (void)io::Llama2cTokenizer::load(path, 1000); }, path,
+                      "holds 512 tokens but the model's vocabulary has 1000");
+}
+
+// The merge loop is a priority queue; this is the plain quadratic loop it replaced (the pair whose
+// concatenation scores highest, leftmost on ties, merged until none is in the vocabulary).
+std::vector<int64_t> merge_naively(const io::Llama2cTokenizer& tokenizer, const std::vector<int64_t>& symbols,
+                                   const std::vector<float>& scores,
+                                   const std::unordered_map<std::string, int64_t>& lookup) {
+  std::vector<int64_t> tokens = symbols;
+  while (true) {
+    float best = -std::numeric_limits<float>::infinity();
+    std::optional<size_t> at;
+    int64_t merged = 0;
+    for (size_t i = 1; i + 1 < tokens.size(); ++i) {
+      const auto it = lookup.find(tokenizer.piece(tokens[i]) + tokenizer.piece(tokens[i + 1]));
+      if (it != lookup.end() && scores[static_cast<size_t>(it->second)] > best) {
+        best = scores[static_cast<size_t>(it->second)];
+        at = i;
+        merged = it->second;
+      }
+    }
+    if (!at) return tokens;
+    tokens[*at] = merged;
+    tokens.erase(tokens.begin() + static_cast<std::ptrdiff_t>(*at) + 1);
+  }
+}
+
+TEST(Llama2cTokenizer, PriorityQueueMergesEqualThePlainLoop) {
+  SPECDEC_REQUIRE_MODEL(path, "stories260K/tok512.bin");
+  const auto tokenizer = io::Llama2cTokenizer::load(path, 512);
+  // The scores and first-wins lookup, read back from the file's layout through the public API.
+  std::vector<float> scores;
+  std::unordered_map<std::string, int64_t> lookup;
+  {
+    const std::string bytes = read_file(path);
+    size_t at = 4;
+    for (int64_t i = 0; i < 512; ++i) {
+      float score = 0;
+      int32_t length = 0;
+      std::memcpy(&score, bytes.data() + at, 4);
+      std::memcpy(&length, bytes.data() + at + 4, 4);
+      scores.push_back(score);
+      lookup.emplace(bytes.substr(at + 8, static_cast<size_t>(length)), i);
+      at += 8 + static_cast<size_t>(length);
+    }
+  }
+  std::mt19937 rng(5);
+  const std::string alphabet = "the cat sat on a mat. Once upon a time, Lily and Tom went to the park!";
+  for (int trial = 0; trial < 40; ++trial) {
+    std::string text;
+    const size_t length = 1 + rng() % 400;
+    for (size_t i = 0; i < length; ++i) text += alphabet[rng() % alphabet.size()];
+    const std::vector<int64_t> fast = tokenizer.encode(text);
+    // The symbols before merging: BOS, the dummy space, one token per character (all in tok512).
+    std::vector<int64_t> symbols{io::Llama2cTokenizer::kBos, lookup.at(" ")};
+    for (const char c : text) symbols.push_back(lookup.at(std::string(1, c)));
+    EXPECT_EQ(fast, merge_naively(tokenizer, symbols, scores, lookup)) << text;
+  }
 }
 
 }  // namespace

@@ -9,6 +9,8 @@
 
 #include "specdec/io/errors.hpp"
 #include "specdec/io/hf_llama.hpp"
+#include "specdec/io/json.hpp"
+#include "specdec/io/limits.hpp"
 #include "specdec/io/llama2c.hpp"
 #include "specdec/models/llama.hpp"
 
@@ -20,15 +22,28 @@ struct LlamaCheckpoint {
   std::string format;  // "huggingface" or "llama2.c v<N>"
 };
 
-// Loads the checkpoint at `path` with weights of `options`. Throws FormatError.
+// Loads the checkpoint at `path` with weights of `options`, within `limits`. A folder is read as a
+// Hugging Face checkpoint, a file as llama2.c; a file of a Hugging Face folder (config.json, a
+// .safetensors or .json file) is refused with a message that asks for its folder.
+// Throws FormatError.
 inline LlamaCheckpoint load_llama(const std::filesystem::path& path,
-                                  const at::TensorOptions& options = at::kFloat) {
-  if (std::filesystem::is_directory(path)) {
-    auto checkpoint = load_hf_llama(path, options);
+                                  const at::TensorOptions& options = at::kFloat, const LoadLimits& limits = {}) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    auto checkpoint = load_hf_llama(path, options, limits);
     return {checkpoint.config, std::move(checkpoint.weights), "huggingface"};
   }
-  if (!std::filesystem::exists(path)) detail::throw_format(path, "no such file or folder");
-  auto checkpoint = load_llama2c(path, options);
+  if (!std::filesystem::exists(path, error)) detail::throw_format(path, "no such file or folder");
+  if (!std::filesystem::is_regular_file(path, error)) {
+    detail::throw_format(path, "is neither a llama2.c checkpoint file nor a Hugging Face checkpoint folder");
+  }
+  const auto extension = path.extension();
+  if (extension == ".safetensors" || extension == ".json") {
+    detail::throw_format(path, "is a file of a Hugging Face checkpoint: pass the folder that holds it (",
+                         detail::printable(path.parent_path().empty() ? "." : path.parent_path().string(), 200),
+                         ")");
+  }
+  auto checkpoint = load_llama2c(path, options, limits);
   return {checkpoint.config, std::move(checkpoint.weights),
           "llama2.c v" + std::to_string(checkpoint.version)};
 }

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -17,7 +18,10 @@
 #include <string>
 #include <utility>
 
+#include "specdec/io/atomic_file.hpp"
 #include "specdec/io/errors.hpp"
+#include "specdec/io/json.hpp"
+#include "specdec/io/limits.hpp"
 #include "specdec/io/hf_config.hpp"
 #include "specdec/io/safetensors.hpp"
 #include "specdec/models/llama.hpp"
@@ -37,6 +41,25 @@ inline at::Tensor permute_rotary(const at::Tensor& w, int64_t heads) {
   return w.reshape({heads, rows / heads / 2, 2, columns}).transpose(1, 2).reshape({rows, columns});
 }
 
+// Whether `path` lies under `root` (both canonical).
+inline bool is_under(const std::filesystem::path& root, const std::filesystem::path& path) {
+  return std::mismatch(root.begin(), root.end(), path.begin(), path.end()).first == root.end();
+}
+
+// Throws FormatError unless `file`, links resolved, lies inside `folder`, links resolved. The one
+// exception is the Hugging Face hub cache, whose snapshot folders REPO/snapshots/REV hold links
+// into REPO/blobs: those are followed.
+inline void require_inside(const std::filesystem::path& folder, const std::filesystem::path& file) {
+  std::error_code error;
+  const auto root = std::filesystem::weakly_canonical(folder, error);
+  const auto target = error ? std::filesystem::path() : std::filesystem::weakly_canonical(file, error);
+  if (error) throw_format(file, "cannot resolve the path: ", error.message());
+  if (is_under(root, target)) return;
+  const auto repository = root.parent_path().parent_path();
+  if (root.parent_path().filename() == "snapshots" && is_under(repository / "blobs", target)) return;
+  throw_format(file, "resolves to ", printable(target.string(), 200), ", outside the checkpoint folder");
+}
+
 }  // namespace detail
 
 struct HfLlamaCheckpoint {
@@ -46,11 +69,13 @@ struct HfLlamaCheckpoint {
 };
 
 // Loads a Hugging Face Llama checkpoint folder into weights of `options` (dtype, device).
+// Every file must lie inside the folder (a shard that is a link to elsewhere is refused), and the
+// JSON and headers are bounded by `limits`.
 // Throws FormatError naming the file for anything missing, malformed or of the wrong shape.
 inline HfLlamaCheckpoint load_hf_llama(const std::filesystem::path& folder,
-                                       const at::TensorOptions& options = at::kFloat) {
+                                       const at::TensorOptions& options = at::kFloat, const LoadLimits& limits = {}) {
   HfLlamaCheckpoint checkpoint;
-  std::tie(checkpoint.config, checkpoint.tied_classifier) = load_hf_llama_config(folder / "config.json");
+  std::tie(checkpoint.config, checkpoint.tied_classifier) = load_hf_llama_config(folder / "config.json", limits);
   const models::LlamaConfig& c = checkpoint.config;
 
   // The shard files: one model.safetensors or those of the index.
@@ -59,15 +84,16 @@ inline HfLlamaCheckpoint load_hf_llama(const std::filesystem::path& folder,
   if (std::filesystem::exists(folder / "model.safetensors")) {
     files.insert("model.safetensors");
   } else if (std::filesystem::exists(index_path)) {
-    const nlohmann::json index = detail::read_json(index_path);
+    const nlohmann::json index = detail::read_json(index_path, limits);
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
       detail::throw_format(index_path, "needs an object 'weight_map'");
     }
     for (const auto& [name, file] : index["weight_map"].items()) {
       const std::string shard = file.is_string() ? file.get<std::string>() : std::string();
       if (shard.empty() || shard.find('/') != std::string::npos || shard.find('\\') != std::string::npos ||
-          shard == "." || shard == "..") {
-        detail::throw_format(index_path, "tensor '", name, "' maps to an invalid file name ", file.dump());
+          shard.find('\0') != std::string::npos || shard == "." || shard == "..") {
+        detail::throw_format(index_path, "tensor '", detail::printable(name), "' maps to an invalid file name ",
+                             detail::excerpt(file));
       }
       files.insert(shard);
     }
@@ -76,7 +102,8 @@ inline HfLlamaCheckpoint load_hf_llama(const std::filesystem::path& folder,
   }
   std::map<std::string, std::pair<at::Tensor, std::filesystem::path>> tensors;
   for (const auto& file : files) {
-    for (auto& [name, tensor] : load_safetensors(folder / file).tensors) {
+    detail::require_inside(folder, folder / file);
+    for (auto& [name, tensor] : load_safetensors(folder / file, limits).tensors) {
       tensors[name] = {std::move(tensor), folder / file};
     }
   }
@@ -163,9 +190,7 @@ inline void save_hf_llama(const std::filesystem::path& folder, const models::Lla
       {"tie_word_embeddings", tied},
       {"torch_dtype", storage == at::kHalf ? "float16" : storage == at::kBFloat16 ? "bfloat16" : "float32"}};
   config.update(extra_config);
-  std::ofstream out(folder / "config.json");
-  out << config.dump(2) << "\n";
-  if (!out) throw std::runtime_error("failed writing " + (folder / "config.json").string());
+  detail::write_atomically(folder / "config.json", [&](std::ofstream& out) { out << config.dump(2) << "\n"; });
 }
 
 }  // namespace specdec::io

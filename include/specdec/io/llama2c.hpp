@@ -48,11 +48,11 @@ inline void assign_matrices(models::LlamaWeights& w, const models::LlamaConfig& 
 }  // namespace detail
 
 // Loads a llama2.c checkpoint of version 0, 1 or 2 into weights of `options` (Q8_0 weights are
-// dequantized). The header and file size are validated by parse_llama2c first.
+// dequantized). The header and file size are validated by parse_llama2c first, against `limits`.
 // Throws FormatError naming the file and the problem.
 inline Llama2cCheckpoint load_llama2c(const std::filesystem::path& path,
-                                      const at::TensorOptions& options = at::kFloat) {
-  const Llama2cLayout layout = parse_llama2c(path);
+                                      const at::TensorOptions& options = at::kFloat, const LoadLimits& limits = {}) {
+  const Llama2cLayout layout = parse_llama2c(path, limits);
   const models::LlamaConfig& c = layout.config;
   const bool classifier = !layout.shared_classifier;
   const auto matrices = detail::llama2c_matrices(c, classifier);

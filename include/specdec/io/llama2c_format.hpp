@@ -12,6 +12,7 @@
 
 #include "specdec/io/binary_reader.hpp"
 #include "specdec/io/errors.hpp"
+#include "specdec/io/limits.hpp"
 #include "specdec/models/llama_config.hpp"
 
 namespace specdec::io {
@@ -62,9 +63,10 @@ inline void require_exact_size(const std::filesystem::path& path, uint64_t expec
 
 }  // namespace detail
 
-// Reads and checks a llama2.c header and the file size it implies.
+// Reads and checks a llama2.c header and the file size it implies; seq_len and vocab_size, which
+// no file size bounds, are checked against `limits`.
 // Throws FormatError naming the file and the problem.
-inline Llama2cLayout parse_llama2c(const std::filesystem::path& path) {
+inline Llama2cLayout parse_llama2c(const std::filesystem::path& path, const LoadLimits& limits = {}) {
   detail::BinaryReader reader(path);
   Llama2cLayout layout;
   const auto magic = reader.read<uint32_t>("header");
@@ -91,6 +93,14 @@ inline Llama2cLayout parse_llama2c(const std::filesystem::path& path) {
       {"n_kv_heads", h.n_kv_heads}, {"vocab_size", h.vocab_size}, {"seq_len", h.seq_len}};
   for (const auto& [name, value] : fields) {
     if (value < 1 || value > (1 << 24)) detail::throw_format(path, "header field ", name, " = ", value, " is out of range");
+  }
+  if (h.seq_len > limits.max_sequence_length) {
+    detail::throw_format(path, "header field seq_len = ", h.seq_len, " exceeds the limit of ", limits.max_sequence_length,
+                         " (LoadLimits::max_sequence_length)");
+  }
+  if (h.vocab_size > limits.max_vocab_size) {
+    detail::throw_format(path, "header field vocab_size = ", h.vocab_size, " exceeds the limit of ",
+                         limits.max_vocab_size, " (LoadLimits::max_vocab_size)");
   }
   layout.config = models::LlamaConfig{.dim = h.dim, .hidden_dim = h.hidden_dim, .n_layers = h.n_layers,
                                       .n_heads = h.n_heads, .n_kv_heads = h.n_kv_heads,

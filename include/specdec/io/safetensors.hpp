@@ -59,14 +59,14 @@ struct SafetensorsContents {
 
 // Reads every tensor of a safetensors file (the header is validated by parse_safetensors first).
 // Throws FormatError naming the file and the problem.
-inline SafetensorsContents load_safetensors(const std::filesystem::path& path) {
-  const SafetensorsHeader header = parse_safetensors(path);
+inline SafetensorsContents load_safetensors(const std::filesystem::path& path, const LoadLimits& limits = {}) {
+  const SafetensorsHeader header = parse_safetensors(path, limits);
   detail::BinaryReader reader(path);
   SafetensorsContents contents{{}, header.metadata};
   for (const auto& entry : header.entries) {
     reader.seek(header.data_start + entry.begin);
     contents.tensors[entry.name] = detail::read_tensor(reader, entry.shape, detail::safetensors_type(entry.dtype),
-                                                       "tensor '" + entry.name + "'");
+                                                       "tensor '" + detail::printable(entry.name) + "'");
   }
   return contents;
 }

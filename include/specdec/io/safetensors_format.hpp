@@ -14,6 +14,8 @@
 
 #include "specdec/io/binary_reader.hpp"
 #include "specdec/io/errors.hpp"
+#include "specdec/io/json.hpp"
+#include "specdec/io/limits.hpp"
 
 namespace specdec::io {
 
@@ -33,8 +35,6 @@ struct SafetensorsHeader {
 
 namespace detail {
 
-inline constexpr uint64_t kMaxSafetensorsHeader = 100u << 20;  // 100 MiB, as the reference reader
-
 // Bytes per element of a safetensors dtype; 0 for a dtype specdec does not read.
 inline uint64_t safetensors_element_size(const std::string& dtype) {
   static const std::map<std::string, uint64_t> sizes{{"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2},
@@ -48,33 +48,29 @@ inline uint64_t safetensors_element_size(const std::string& dtype) {
 
 // Reads and checks the header of a safetensors file: valid JSON, known dtypes, shapes whose size
 // matches their byte ranges, ranges inside the data buffer and not overlapping.
+// The header's size, nesting and tensor count are bounded by `limits`.
 // Throws FormatError naming the file and the problem.
-inline SafetensorsHeader parse_safetensors(const std::filesystem::path& path) {
+inline SafetensorsHeader parse_safetensors(const std::filesystem::path& path, const LoadLimits& limits = {}) {
   detail::BinaryReader reader(path);
   const auto header_size = reader.read<uint64_t>("header length");
-  if (header_size > detail::kMaxSafetensorsHeader) {
+  if (header_size > limits.max_safetensors_header) {
     detail::throw_format(path, "header length ", header_size, " exceeds the limit of ",
-                         detail::kMaxSafetensorsHeader, " bytes");
+                         limits.max_safetensors_header, " bytes (LoadLimits::max_safetensors_header)");
   }
   const std::string header_text = reader.read_string(header_size, "JSON header");
   SafetensorsHeader header;
   header.data_start = reader.position();
   const uint64_t data_size = reader.remaining();
 
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(header_text);
-  } catch (const nlohmann::json::exception& e) {
-    detail::throw_format(path, "malformed JSON header: ", e.what());
-  }
+  const nlohmann::json json = detail::parse_json_bounded(header_text, path, limits);
   if (!json.is_object()) detail::throw_format(path, "the JSON header is not an object");
 
   for (const auto& [key, entry] : json.items()) {
-    const std::string name = key;
-    if (name == "__metadata__") {
+    const std::string name = detail::printable(key);
+    if (key == "__metadata__") {
       if (!entry.is_object()) detail::throw_format(path, "__metadata__ is not an object");
       for (const auto& [meta_key, value] : entry.items()) {
-        if (!value.is_string()) detail::throw_format(path, "__metadata__ value of '", meta_key, "' is not a string");
+        if (!value.is_string()) detail::throw_format(path, "__metadata__ value of '", detail::printable(meta_key), "' is not a string");
         header.metadata[meta_key] = value.get<std::string>();
       }
       continue;
@@ -85,11 +81,11 @@ inline SafetensorsHeader parse_safetensors(const std::filesystem::path& path) {
       fail("needs dtype, shape and data_offsets");
     }
     SafetensorsEntry parsed;
-    parsed.name = name;
+    parsed.name = key;
     const auto& dtype = entry["dtype"];
     parsed.dtype = dtype.is_string() ? dtype.get<std::string>() : std::string();
     const uint64_t element = detail::safetensors_element_size(parsed.dtype);
-    if (element == 0) fail("unsupported dtype ", dtype.dump());
+    if (element == 0) fail("unsupported dtype ", detail::excerpt(dtype));
     const auto& shape = entry["shape"];
     const auto& offsets = entry["data_offsets"];
     if (!shape.is_array() || shape.size() > 16) fail("shape must be an array of at most 16 dimensions");
@@ -99,9 +95,9 @@ inline SafetensorsHeader parse_safetensors(const std::filesystem::path& path) {
     }
     uint64_t count = 1;
     for (const auto& dim : shape) {
-      if (!dim.is_number_unsigned() || dim.get<uint64_t>() > (uint64_t{1} << 48)) fail("invalid dimension ", dim.dump());
+      if (!dim.is_number_unsigned() || dim.get<uint64_t>() > (uint64_t{1} << 48)) fail("invalid dimension ", detail::excerpt(dim));
       const auto value = dim.get<uint64_t>();
-      if (value != 0 && count > data_size / value) fail("shape ", shape.dump(), " is larger than the file");
+      if (value != 0 && count > data_size / value) fail("shape ", detail::excerpt(shape), " is larger than the file");
       count *= value;
       parsed.shape.push_back(static_cast<int64_t>(value));
     }
@@ -111,7 +107,7 @@ inline SafetensorsHeader parse_safetensors(const std::filesystem::path& path) {
       fail("data_offsets [", parsed.begin, ", ", parsed.end, "] outside the data buffer of ", data_size, " bytes");
     }
     if (count > data_size / element || parsed.end - parsed.begin != count * element) {
-      fail("data_offsets span ", parsed.end - parsed.begin, " bytes but shape ", shape.dump(), " of ",
+      fail("data_offsets span ", parsed.end - parsed.begin, " bytes but shape ", detail::excerpt(shape), " of ",
            parsed.dtype, " needs ", count, " elements of ", element, " bytes");
     }
     header.entries.push_back(std::move(parsed));

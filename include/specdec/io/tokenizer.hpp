@@ -4,7 +4,7 @@
 // float32 score, int32 length, bytes) and encodes as llama2.c does: an optional BOS, a dummy
 // prefix space, one token per UTF-8 character where the vocabulary has it and byte-fallback
 // tokens <0xXX> where it does not, then repeated merging of the adjacent pair whose concatenation
-// is the highest-scoring vocabulary entry. Decoding drops the leading space of the first piece
+// is the highest-scoring vocabulary entry (a priority queue of pairs: O(n log n) in the text). Decoding drops the leading space of the first piece
 // after BOS and turns <0xXX> pieces into their bytes.
 //
 // ByteTokenizer maps each byte to the token of the same value (the bundled models).
@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <queue>
 #include <span>
 #include <string>
 #include <string_view>
@@ -74,7 +75,9 @@ class Llama2cTokenizer {
     if (max_length < 1 || max_length > (1 << 16)) {
       detail::throw_format(path, "max_token_length ", max_length, " is out of range");
     }
-    for (int64_t i = 0; i < vocab_size; ++i) {
+    tokenizer.max_token_length_ = max_length;
+    // One token record (score, length, bytes) at the reader's position; false at the end of the file.
+    const auto read_token = [&](int64_t i, std::string* bytes, float* score_out) {
       const std::string where = "token " + std::to_string(i);
       const auto score = reader.read<float>(where + " score");
       const auto length = reader.read<int32_t>(where + " length");
@@ -82,11 +85,34 @@ class Llama2cTokenizer {
       if (length < 0 || length > max_length) {
         detail::throw_format(path, where, " has length ", length, " outside [0, max_token_length = ", max_length, "]");
       }
-      tokenizer.pieces_.push_back(reader.read_string(static_cast<uint64_t>(length), where + " bytes"));
+      *bytes = reader.read_string(static_cast<uint64_t>(length), where + " bytes");
+      *score_out = score;
+    };
+    const auto mismatch = [&](int64_t held) {
+      detail::throw_format(path, "holds ", held, " tokens but the model's vocabulary has ", vocab_size,
+                           ": a tokenizer for another model?");
+    };
+    for (int64_t i = 0; i < vocab_size; ++i) {
+      if (reader.remaining() == 0) mismatch(i);
+      std::string bytes;
+      float score = 0;
+      read_token(i, &bytes, &score);
+      tokenizer.pieces_.push_back(std::move(bytes));
       tokenizer.scores_.push_back(score);
     }
     if (reader.remaining() != 0) {
-      detail::throw_format(path, reader.remaining(), " bytes follow the ", vocab_size, " tokens");
+      // More records than the vocabulary: count them if they are well formed, for the message.
+      const uint64_t extra_bytes = reader.remaining();
+      int64_t held = vocab_size;
+      try {
+        for (std::string bytes; reader.remaining() != 0 && held < (int64_t{1} << 24); ++held) {
+          float score = 0;
+          read_token(held, &bytes, &score);
+        }
+      } catch (const FormatError&) {
+        detail::throw_format(path, extra_bytes, " bytes follow the ", vocab_size, " tokens");
+      }
+      mismatch(held);
     }
     for (int64_t i = 0; i < vocab_size; ++i) {
       tokenizer.lookup_.emplace(tokenizer.pieces_[static_cast<size_t>(i)], i);  // first wins
@@ -124,25 +150,13 @@ class Llama2cTokenizer {
       }
       i = end;
     }
-    const size_t first = bos ? 1 : 0;
-    while (true) {
-      float best_score = -std::numeric_limits<float>::infinity();
-      std::optional<int64_t> best_id;
-      size_t best_at = 0;
-      for (size_t i = first; i + 1 < tokens.size(); ++i) {
-        const auto id = find(pieces_[static_cast<size_t>(tokens[i])] + pieces_[static_cast<size_t>(tokens[i + 1])]);
-        if (id && scores_[static_cast<size_t>(*id)] > best_score) {
-          best_score = scores_[static_cast<size_t>(*id)];
-          best_id = id;
-          best_at = i;
-        }
-      }
-      if (!best_id) break;
-      tokens[best_at] = *best_id;
-      tokens.erase(tokens.begin() + static_cast<std::ptrdiff_t>(best_at) + 1);
-    }
+    merge(tokens, bos ? 1 : 0);
     return tokens;
   }
+
+  // The longest piece in bytes: a text of B bytes encodes to at least B / max_token_length()
+  // tokens, a bound a caller can check before encoding.
+  [[nodiscard]] int64_t max_token_length() const noexcept { return max_token_length_; }
 
   // The text of `token` following `previous` (-1 for none).
   [[nodiscard]] std::string decode_piece(int64_t previous, int64_t token) const {
@@ -162,6 +176,52 @@ class Llama2cTokenizer {
   }
 
  private:
+  // Merges tokens[first..] as SentencePiece BPE does: repeatedly the adjacent pair whose
+  // concatenation is the highest-scoring vocabulary entry, the leftmost on ties. A max-heap of
+  // candidate pairs over a linked list makes it O(n log n); a popped pair whose symbols have
+  // changed since it was pushed is stale and skipped.
+  void merge(std::vector<int64_t>& tokens, size_t first) const {
+    const size_t n = tokens.size();
+    if (n < first + 2) return;
+    std::vector<size_t> next(n), previous(n);
+    std::vector<bool> alive(n, true);
+    for (size_t i = 0; i < n; ++i) next[i] = i + 1, previous[i] = i == 0 ? n : i - 1;
+    struct Candidate {
+      float score;
+      size_t left, right;
+      int64_t left_token, right_token, merged;
+      bool operator<(const Candidate& other) const {  // the heap's top: highest score, then leftmost
+        return score != other.score ? score < other.score : left > other.left;
+      }
+    };
+    std::priority_queue<Candidate> heap;
+    const auto consider = [&](size_t left, size_t right) {
+      if (left < first || left >= n || right >= n) return;
+      const auto id = find(pieces_[static_cast<size_t>(tokens[left])] + pieces_[static_cast<size_t>(tokens[right])]);
+      if (id) heap.push({scores_[static_cast<size_t>(*id)], left, right, tokens[left], tokens[right], *id});
+    };
+    for (size_t i = first; i + 1 < n; ++i) consider(i, i + 1);
+    while (!heap.empty()) {
+      const Candidate c = heap.top();
+      heap.pop();
+      if (!alive[c.left] || !alive[c.right] || next[c.left] != c.right || tokens[c.left] != c.left_token ||
+          tokens[c.right] != c.right_token) {
+        continue;  // stale
+      }
+      tokens[c.left] = c.merged;
+      alive[c.right] = false;
+      next[c.left] = next[c.right];
+      if (next[c.right] < n) previous[next[c.right]] = c.left;
+      consider(previous[c.left], c.left);
+      consider(c.left, next[c.left]);
+    }
+    size_t kept = first;
+    for (size_t i = first; i < n; ++i) {
+      if (alive[i]) tokens[kept++] = tokens[i];
+    }
+    tokens.resize(kept);
+  }
+
   [[nodiscard]] std::optional<int64_t> find(std::string_view text) const {
     const auto it = lookup_.find(std::string(text));
     return it == lookup_.end() ? std::nullopt : std::optional(it->second);
@@ -188,6 +248,7 @@ class Llama2cTokenizer {
     return value;
   }
 
+  int64_t max_token_length_ = 1;
   std::vector<std::string> pieces_;
   std::vector<float> scores_;
   std::unordered_map<std::string, int64_t> lookup_;
