@@ -320,6 +320,27 @@ TEST(SpeculativeGenerate, ReportsFaultyModelsClearly) {
   EXPECT_THROW((void)speculative_generate(throwing, target, prompt), std::runtime_error);
 }
 
+// Non-finite values are blamed on the right model, and on the temperature when the logits are
+// finite.
+TEST(SpeculativeGenerate, NamesTheModelOrTheTemperatureForNonFiniteDistributions) {
+  const std::vector<int64_t> prompt{1, 2};
+  FaultyModel nan_target(FaultyModel::Fault::kNaN);
+  expect_invalid([&] { (void)autoregressive_generate(nan_target, prompt); },
+                 {"the target model's logits contain NaN or infinity"});
+  expect_invalid([&] { (void)autoregressive_generate(nan_target, prompt, {}, MultinomialProcessor{}); },
+                 {"the target model's logits contain NaN or infinity"});
+  FaultyModel nan_drafter(FaultyModel::Fault::kNaN);
+  PrefixHashModel target(8, 1);
+  expect_invalid([&] { (void)speculative_generate(nan_drafter, target, prompt, {.first_target = false}); },
+                 {"the drafter"});
+  expect_invalid([&] { (void)speculative_generate(nan_drafter, target, prompt, {.first_target = false},
+                                                  MultinomialProcessor{}); },
+                 {"the drafter's distribution contains NaN or infinity"});
+  // Finite logits divided by a temperature of 1e-300 overflow: the temperature is named.
+  expect_invalid([&] { (void)autoregressive_generate(target, prompt, {}, MultinomialProcessor{1e-300}); },
+                 {"the target's logits are finite", "temperature is too small"});
+}
+
 TEST(SpeculativeGenerate, DrafterOnCpuTargetOnCuda) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
   const models::LlamaConfig config = test::small_llama_config();

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -265,6 +266,44 @@ TEST(StopReasons, EachReasonIsReported) {
             StopReason::max_new_tokens);
 }
 
+// Counts at the edge of int64 neither overflow nor change the output: max_new_tokens is bounded by
+// the context, and the schedule and EGAG policies saturate at gamma_max.
+TEST(Limits, ExtremeCountsAreSafe) {
+  models::LlamaConfig config = test::small_llama_config();
+  config.max_seq_len = 24;
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 8);
+  models::LlamaModel<StaticKVCache> target(config, weights), drafter(config, test::perturbed(weights, 0.05, 3));
+  constexpr int64_t kHuge = std::numeric_limits<int64_t>::max();
+  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = kHuge});
+  EXPECT_EQ(reference.stop_reason, StopReason::sequence_limit);
+  EXPECT_EQ(reference.tokens.size(), 24u - kPrompt.size());
+  for (const GammaPolicy policy : {GammaPolicy::fixed, GammaPolicy::schedule, GammaPolicy::egag}) {
+    const auto result = speculative_generate(
+        drafter, target, kPrompt, {.max_new_tokens = kHuge, .gamma = kHuge, .gamma_policy = policy});
+    EXPECT_EQ(result.tokens, reference.tokens) << static_cast<int>(policy);
+  }
+}
+
+// A drafter with a shorter context than the target's drafts what fits and then lets the target
+// go on alone: the output is the target's to the target's own limit.
+TEST(Limits, AShorterDrafterContextDoesNotCutGenerationShort) {
+  models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 8);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  models::LlamaConfig short_config = config;
+  short_config.max_seq_len = 16;
+  models::LlamaModel<StaticKVCache> drafter(short_config, weights);
+  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = 40});
+  const auto result = speculative_generate(drafter, target, kPrompt, {.max_new_tokens = 40, .gamma = 4});
+  EXPECT_EQ(result.tokens, reference.tokens);
+  EXPECT_EQ(result.stop_reason, StopReason::max_new_tokens);
+  EXPECT_GT(result.stats.accepted, 0) << "the drafter drafted while it fit";
+  // A prompt longer than the drafter's context: the target alone, still the target's output.
+  const std::vector<int64_t> long_prompt(20, 3);
+  EXPECT_EQ(speculative_generate(drafter, target, long_prompt, {.max_new_tokens = 10}).tokens,
+            autoregressive_generate(target, long_prompt, {.max_new_tokens = 10}).tokens);
+}
+
 TEST(StopSequences, RejectsBadOnesNamingThem) {
   PrefixHashModel target(40, 1);
   test::expect_invalid([&] { (void)autoregressive_generate(target, kPrompt, {.stop_sequences = {{1}, {}}}); },
@@ -313,7 +352,7 @@ TEST(GreedyFastPath, EqualsRejectionSamplingWithGreedyDistributions) {
     const auto fast = specdec::detail::verify_greedy_pending(logits, q, drafts);
     const at::Tensor host = specdec::detail::to_host(fast.packed);
     if (trial % 50 == 7) {
-      EXPECT_EQ(host.data_ptr<int64_t>()[2], 0) << "a NaN row is reported";
+      EXPECT_EQ(host.data_ptr<int64_t>()[2], specdec::detail::kFiniteDrafter) << "a NaN row is reported";
       continue;
     }
     const VerifiedStep expected = verify_drafts(greedy(logits), q, drafts, greedy, uniforms);

@@ -85,9 +85,10 @@ at::Tensor verify_batch(const at::Tensor& p, const at::Tensor& q, const at::Tens
     next = at::where(mass > 0, residual / mass.clamp_min(1e-300), p_row);
   }
   const at::Tensor token = processor.sample(next, gen).view({b, 1});
-  at::Tensor finite = at::isfinite(p.sum({1, 2}));
-  if (q.defined() && k > 0) finite = finite.logical_and(at::isfinite(q.sum({1, 2})));
-  return at::cat({accepted.view({b, 1}), token.to(at::kLong), finite.to(at::kLong).view({b, 1}), drafts}, 1);
+  at::Tensor finite = at::isfinite(p.sum({1, 2})).to(at::kLong) * kFiniteTarget;
+  finite = finite + (q.defined() && k > 0 ? at::isfinite(q.sum({1, 2})).to(at::kLong) * kFiniteDrafter
+                                          : at::full_like(finite, kFiniteDrafter));
+  return at::cat({accepted.view({b, 1}), token.to(at::kLong), finite.view({b, 1}), drafts}, 1);
 }
 
 // Host tokens of ragged rows as ids [rows, width] on `device`, row i's tokens first, zeros after.
@@ -270,7 +271,9 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
     const int64_t* values = host.data_ptr<int64_t>();
     const int64_t stride = 3 + k;
     for (int64_t i = 0; i < b; ++i) {
-      if (values[i * stride + 2] == 0) throw_non_finite("speculative_generate_batch", "target or drafter distribution");
+      if (values[i * stride + 2] != kFinite) {
+        throw_step_non_finite("speculative_generate_batch", values[i * stride + 2], rows_from(logits, last, k + 1));
+      }
     }
     prune_to.clear();
     for (int64_t i = 0; i < b; ++i) {

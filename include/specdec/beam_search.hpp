@@ -126,7 +126,7 @@ template <class T>
     const at::Tensor host = detail::to_host(at::cat({top_values.flatten(), top_tokens.to(at::kDouble).flatten(), valid}));
     const double* values = host.data_ptr<double>();
     const double* top = values + beams * k;
-    if (values[2 * beams * k] == 0.0) detail::throw_non_finite("beam_search_generate", "target distribution");
+    if (values[2 * beams * k] == 0.0) detail::throw_non_finite("beam_search_generate", "target", /*logits_finite=*/false);
     struct Candidate {
       double log_probability;
       int64_t beam;

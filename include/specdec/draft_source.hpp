@@ -80,8 +80,9 @@ struct VerifiedDrafts {
 //   `s.start(sequence, options)`: before a generation's first step (options: SpeculativeOptions);
 //   `s.finish(sequence)`: after its last; `cs.target_top_k()`: how many of the target's top
 //   tokens per verified position verified() should see (one extra host copy costs nothing: they
-//   travel in the step's one copy); `cs.vocab_size()` and `cs.max_sequence_length()`, checked
-//   against and bounding the target's.
+//   travel in the step's one copy); `cs.vocab_size()`, checked against the target's;
+//   `cs.max_sequence_length()`: the step asks for no more drafts than fit in it, and none once
+//   the sequence is longer (the target then goes on alone to its own limit).
 // Not required: copyability, thread safety.
 template <class S, class P>
 concept DraftSource =
@@ -172,6 +173,10 @@ class ModelDraftSource {
   std::optional<detail::DraftLength> policy_;
   std::vector<at::Tensor> probs_;
 };
+
+static_assert(NGramDrafter<OneLevelNGramStorage>);
+static_assert(NGramDrafter<NGramStorage>);
+static_assert(NGramDrafter<PromptLookupDrafter>);
 
 // Settings of NGramDraftSource (the n-gram fields of NGramAssistedOptions).
 struct NGramDraftSettings {

@@ -344,7 +344,7 @@ class StandDraftSource {
   TreeVerdict walk_tree(const double* values) {
     values_ = values;
     const auto positions = static_cast<size_t>(tree_.nodes() + 1);
-    if (values[positions * (kStandTop + 2)] == 0.0) throw_non_finite("stand_generate", "target distribution");
+    if (values[positions * (kStandTop + 2)] == 0.0) throw_non_finite("stand_generate", "target");
     const TreeTargetView view{{values, positions * kStandTop},
                               {values + positions * kStandTop, positions},
                               {values + positions * (kStandTop + 1), positions}};

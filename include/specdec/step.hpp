@@ -84,6 +84,17 @@ int64_t source_top_k(const S& source) {
   }
 }
 
+// The most drafts a source can propose after `length` tokens: unbounded, or what its
+// max_sequence_length() leaves (drafting k tokens feeds it length + k - 1 positions).
+template <class S>
+int64_t source_room(const S& source, int64_t length) {
+  if constexpr (requires { source.max_sequence_length(); }) {
+    return std::max<int64_t>(0, static_cast<int64_t>(source.max_sequence_length()) - length + 1);
+  } else {
+    return std::numeric_limits<int64_t>::max();
+  }
+}
+
 // One step of chain drafting. target_only: the step drafts nothing (a first target step, or
 // autoregressive decoding).
 template <LanguageModel T, class S, LogitsProcessor P>
@@ -91,7 +102,8 @@ void chain_step(ModelRunner<T>& target, GenerationState& state, S& source, const
                 const SpeculativeOptions& options, bool target_only, int64_t vocab) {
   GenerationStats& stats = state.stats();
   const int64_t position = state.length();
-  const int64_t room = state.room() - 1;  // the target's own token comes after the drafts
+  // The target's own token comes after the drafts.
+  const int64_t room = std::min(state.room() - 1, source_room(source, position));
   Drafts drafts;
   if (!target_only && room > 0) {
     ScopedTimer timer(stats.drafter_seconds);
@@ -124,7 +136,7 @@ void chain_step(ModelRunner<T>& target, GenerationState& state, S& source, const
       top_k > 0 ? at::cat({pending.packed, std::get<1>(rows.topk(top_k, -1)).flatten()}) : pending.packed;
   const at::Tensor host = to_host(packed);
   const int64_t* values = host.data_ptr<int64_t>();
-  const VerifiedStep step = read_step(pending, values);
+  const VerifiedStep step = read_step(pending, values, rows);
 
   target.truncate(position + step.accepted);
   EmittedStep emitted{.drafts = step.drafts, .accepted = step.accepted, .token = step.token, .entropy = drafts.entropy};
@@ -221,14 +233,11 @@ SpeculativeOptions step_options(const Options& options) {
   return step;
 }
 
-// The sequence limit of a generation: the target's, or the source's when shorter.
+// The sequence limit of a generation: the target's. A source with a shorter context drafts less
+// near its end and nothing beyond it (source_room), so it never cuts a generation short.
 template <LanguageModel T, class S>
-int64_t generation_limit(const T& target, const S& source) {
-  int64_t limit = sequence_limit(target);
-  if constexpr (requires { source.max_sequence_length(); }) {
-    limit = std::min<int64_t>(limit, static_cast<int64_t>(source.max_sequence_length()));
-  }
-  return limit;
+int64_t generation_limit(const T& target, const S& /*source*/) {
+  return sequence_limit(target);
 }
 
 // Validates a draft source against the target (vocabulary) and the options.

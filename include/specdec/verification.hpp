@@ -53,8 +53,29 @@ inline int64_t check_verify_inputs(const at::Tensor& target_probs, const at::Ten
 }
 
 // A verification's outcome still on the device, before the step's one host copy: packed holds
-// int64 [3 + gamma] = accepted, token, finite (0 or 1), then the gamma drafts. The generation
-// step appends what else it needs from the device to the same copy.
+// int64 [3 + gamma] = accepted, token, finite, then the gamma drafts. finite is
+// kFiniteTarget | kFiniteDrafter when both distributions are finite (a missing drafter counts as
+// finite). The generation step appends what else it needs from the device to the same copy.
+inline constexpr int64_t kFiniteTarget = 1, kFiniteDrafter = 2, kFinite = kFiniteTarget | kFiniteDrafter;
+
+// The finite code of a target and an optional drafter finiteness (bool tensors of one element).
+inline at::Tensor finite_code(const at::Tensor& target_finite, const at::Tensor& drafter_finite) {
+  const at::Tensor target = target_finite.to(at::kLong).view({1});
+  if (!drafter_finite.defined()) return target + kFiniteDrafter;
+  return target + drafter_finite.to(target.device()).to(at::kLong).view({1}) * kFiniteDrafter;
+}
+
+// Throws for a finite code other than kFinite, naming the model; `target_logits` (when defined)
+// tells whether the target's logits or the processor made its distribution non-finite. An error
+// path: the check costs a host copy.
+[[noreturn]] inline void throw_step_non_finite(const char* caller, int64_t code, const at::Tensor& target_logits) {
+  if ((code & kFiniteTarget) == 0) {
+    std::optional<bool> logits_finite;
+    if (target_logits.defined()) logits_finite = at::isfinite(target_logits).all().item<bool>();
+    throw_non_finite(caller, "target", logits_finite);
+  }
+  throw_non_finite(caller, "drafter");
+}
 struct PendingStep {
   at::Tensor packed;
   int64_t gamma = 0;
@@ -62,17 +83,20 @@ struct PendingStep {
 };
 
 inline PendingStep pack_step(const char* caller, const at::Tensor& accepted, const at::Tensor& token,
-                             const at::Tensor& finite, const at::Tensor& draft_index) {
+                             const at::Tensor& target_finite, const at::Tensor& drafter_finite,
+                             const at::Tensor& draft_index) {
   const int64_t gamma = draft_index.size(0);
-  return PendingStep{at::cat({accepted, token.to(at::kLong).view({1}), finite.to(at::kLong).view({1}),
+  return PendingStep{at::cat({accepted, token.to(at::kLong).view({1}), finite_code(target_finite, drafter_finite),
                               draft_index.view({gamma})}),
                      gamma, caller};
 }
 
 // Reads a PendingStep from host values (its packed entries, copied). Throws
-// std::invalid_argument when the distributions were not finite.
-inline VerifiedStep read_step(const PendingStep& pending, const int64_t* values) {
-  if (values[2] == 0) throw_non_finite(pending.caller, "target or drafter distribution");
+// std::invalid_argument naming the model when a distribution was not finite; `target_logits`,
+// when given, tells whether the target's logits were.
+inline VerifiedStep read_step(const PendingStep& pending, const int64_t* values,
+                              const at::Tensor& target_logits = at::Tensor()) {
+  if (values[2] != kFinite) throw_step_non_finite(pending.caller, values[2], target_logits);
   return VerifiedStep{values[0], values[1], std::vector<int64_t>(values + 3, values + 3 + pending.gamma)};
 }
 
@@ -94,9 +118,9 @@ inline PendingStep verify_greedy_pending(const at::Tensor& target_logits, const 
   const at::Tensor best = target_logits.argmax(1);
   const at::Tensor accepted = best.narrow(0, 0, gamma).eq(draft_index.view({gamma})).to(at::kLong).cumprod(0).sum().view({1});
   const at::Tensor token = best.index_select(0, accepted);
-  at::Tensor finite = at::isfinite(target_logits.amax(1)).all();
-  if (draft_probs.defined()) finite = finite.logical_and(at::isfinite(draft_probs.sum()).to(finite.device()));
-  return pack_step("verify_drafts", accepted, token, finite, draft_index);
+  const at::Tensor drafter_finite = draft_probs.defined() ? at::isfinite(draft_probs.sum()) : at::Tensor();
+  return pack_step("verify_drafts", accepted, token, at::isfinite(target_logits.amax(1)).all(), drafter_finite,
+                   draft_index);
 }
 
 // verify_threshold without its host copy; see verify_threshold.
@@ -196,9 +220,8 @@ PendingStep verify_drafts_pending(const at::Tensor& target_probs, const at::Tens
   const at::Tensor token = processor.sample(next, gen).view({1});
 
   // Probabilities are non-negative, so a sum is finite exactly when every entry is.
-  at::Tensor finite = at::isfinite(target_probs.sum());
-  if (draft_probs.defined()) finite = finite.logical_and(at::isfinite(draft_probs.sum()).to(device));
-  return pack_step("verify_drafts", accepted, token, finite, draft_index);
+  const at::Tensor drafter_finite = draft_probs.defined() ? at::isfinite(draft_probs.sum()) : at::Tensor();
+  return pack_step("verify_drafts", accepted, token, at::isfinite(target_probs.sum()), drafter_finite, draft_index);
 }
 
 template <LogitsProcessor P>
@@ -211,7 +234,7 @@ PendingStep verify_threshold_pending(const at::Tensor& target_probs, const at::T
       target_probs.narrow(0, 0, gamma).gather(1, draft_index).view({gamma}).to(at::kDouble);
   const at::Tensor accepted = (p_drafted >= threshold).to(at::kLong).cumprod(0).sum().view({1});
   const at::Tensor token = processor.sample(target_probs.index_select(0, accepted), gen).view({1});
-  return pack_step("verify_threshold", accepted, token, at::isfinite(target_probs.sum()), draft_index);
+  return pack_step("verify_threshold", accepted, token, at::isfinite(target_probs.sum()), at::Tensor(), draft_index);
 }
 
 }  // namespace detail

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <stdexcept>
@@ -46,12 +47,21 @@ std::vector<T> pick_rows(const std::vector<T>& values, std::span<const int64_t> 
   return picked;
 }
 
-// Throws std::invalid_argument("<caller>: the <what> contains NaN or infinity (...)"): the one
-// message of every generation function for non-finite model output.
-[[noreturn]] inline void throw_non_finite(std::string_view caller, std::string_view what) {
-  throw_invalid_message(caller, ": the ", what,
-                        " contains NaN or infinity (non-finite logits from the model, or a temperature too small for "
-                        "their range)");
+// Throws std::invalid_argument("<caller>: the <model>'s ... NaN or infinity ..."): the one message
+// of every generation function for non-finite values. `model` is "target" or "drafter";
+// `logits_finite` says whether that model's logits were finite, when known: finite logits whose
+// distribution is not were made so by the logits processor's temperature.
+[[noreturn]] inline void throw_non_finite(std::string_view caller, std::string_view model,
+                                          std::optional<bool> logits_finite = std::nullopt) {
+  if (logits_finite.has_value() && *logits_finite) {
+    throw_invalid_message(caller, ": the ", model, "'s logits are finite but its distribution contains NaN or ",
+                          "infinity: the temperature is too small for the range of its logits");
+  }
+  if (logits_finite.has_value()) {
+    throw_invalid_message(caller, ": the ", model, " model's logits contain NaN or infinity");
+  }
+  throw_invalid_message(caller, ": the ", model, "'s distribution contains NaN or infinity (non-finite logits from the ",
+                        model, " model, or a temperature too small for their range)");
 }
 
 }  // namespace specdec::detail

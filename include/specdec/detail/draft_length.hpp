@@ -34,7 +34,7 @@ inline DrafterSignal drafter_signal(const at::Tensor& logits) {
   const at::Tensor host = to_host(at::stack({-plogp.sum(), p.max()}));
   const double* values = host.data_ptr<double>();
   if (!std::isfinite(values[0]) || !std::isfinite(values[1])) {
-    throw_non_finite("speculative_generate", "drafter's distribution");
+    throw_non_finite("speculative_generate", "drafter", /*logits_finite=*/false);
   }
   const double entropy = vocab > 1 ? values[0] / std::log(static_cast<double>(vocab)) : 0.0;
   return {std::clamp(entropy, 0.0, 1.0), values[1]};
@@ -108,8 +108,12 @@ class DraftLength {
     smoothed_ = has_smoothed_ ? beta_ * smoothed_ + (1.0 - beta_) * signal.entropy : signal.entropy;
     has_smoothed_ = true;
     const auto span = static_cast<double>(gamma_max_ - gamma_min_);
-    const auto gamma = static_cast<int64_t>(std::lround(static_cast<double>(gamma_max_) - smoothed_ * span));
-    current_ = std::clamp(gamma, gamma_min_, gamma_max_);
+    // Clamped in double first: gamma_max may be as large as int64 allows.
+    const double gamma = std::clamp(std::round(static_cast<double>(gamma_max_) - smoothed_ * span),
+                                    static_cast<double>(gamma_min_), static_cast<double>(gamma_max_));
+    current_ = gamma >= static_cast<double>(gamma_max_) ? gamma_max_
+               : gamma <= static_cast<double>(gamma_min_) ? gamma_min_
+                                                          : static_cast<int64_t>(gamma);
     return std::min(current_, room);
   }
   // The smoothed entropy behind the last choose(); NaN before the first.
@@ -125,7 +129,8 @@ class DraftLength {
   // The success schedule: +2 after a step whose drafts were all accepted, -1 otherwise.
   void after(int64_t drafted, int64_t accepted) {
     if (policy_ != GammaPolicy::schedule || drafted == 0) return;
-    current_ = std::clamp(accepted == drafted ? current_ + 2 : current_ - 1, gamma_min_, gamma_max_);
+    const int64_t grown = current_ > gamma_max_ - 2 ? gamma_max_ : current_ + 2;  // no overflow
+    current_ = std::clamp(accepted == drafted ? grown : current_ - 1, gamma_min_, gamma_max_);
   }
 
  private:
