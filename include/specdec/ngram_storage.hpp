@@ -33,7 +33,6 @@
 #include <unordered_map>
 #endif
 
-#include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
 #include "specdec/io/atomic_file.hpp"
 #include "specdec/io/binary_reader.hpp"
@@ -398,10 +397,6 @@ class PromptLookupDrafter {
   int64_t max_ngram_;
   int64_t min_ngram_;
 };
-
-static_assert(NGramDrafter<OneLevelNGramStorage>);
-static_assert(NGramDrafter<NGramStorage>);
-static_assert(NGramDrafter<PromptLookupDrafter>);
 
 // STAND's memory (seed 004): for every context of 1..max_context tokens, the target's
 // next-token distribution after it, truncated to its kTopTokens most probable (token,
