@@ -12,8 +12,12 @@
 #include <torch/version.h>
 #include <unistd.h>
 
+#include "support/cli.hpp"
+
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <iomanip>
@@ -33,60 +37,6 @@ namespace {
 
 using namespace specdec;
 using Model = models::LlamaModel<StaticKVCache>;
-
-constexpr std::string_view kUsage = R"(usage: specdec-generate [options]
-Generates a continuation of a prompt and prints it as it is produced, then statistics.
-
-models
-  --target PATH          target: llama2.c .bin file or Hugging Face Llama folder
-                         (default: the bundled target, )" SPECDEC_BUNDLED_MODELS_DIR R"(/target)
-  --drafter PATH         drafter, same formats (default: the bundled drafter)
-  --tokenizer PATH       llama2.c tokenizer file; without it the models are byte-level
-  --device D             cpu (default) or cuda[:N]: where the models run
-  --dtype T              float32 (default), float16 or bfloat16: the weights and activations
-                         (RMSNorm, softmax and verification compute in float32 or wider)
-decoding
-  --mode MODE            speculative (default), autoregressive, ngram, prompt-lookup, stand or beam
-  --trajectories N       --mode stand: sample N generations of the prompt sharing one memory
-  --deterministic        --mode stand: draft the memory's most probable tokens, not Gumbel draws
-  --tree-nodes N         --mode stand: nodes of the default tree template (default 64)
-  --ngram-order N        n of the n-gram storage for --mode ngram (default 3)
-  --filler K             teach the storage the target's top-K per position (default 3; 1 = off)
-  --storage FILE         start --mode ngram or stand from a storage saved with --save-storage
-  --save-storage FILE    save the n-gram storage after generating
-  --num-beams N          beams for --mode beam (default 4)
-  --length-penalty A     beam score = log-probability / length^A (default 1)
-  --prompt TEXT          the prompt (default: a line of Python)
-  --batch-file FILE      generate for every line of FILE as one batch (modes speculative,
-                         autoregressive, ngram) and print each row's text and stats; \n in a
-                         line stands for a newline
-  --gamma N              drafts per step (default 4)
-  --gamma-policy P       fixed (default), egag (entropy-adaptive) or schedule (+2 / -1)
-  --gamma-min N          egag, schedule: fewest drafts per step (default 1)
-  --gamma-max N          egag, schedule: most drafts per step (default: --gamma)
-  --egag-beta B          egag: EMA smoothing of the drafter's entropy, in [0, 1) (default 0)
-  --p-min P              stop drafting where the drafter's top probability is below P
-  --entropy-gate H       stop drafting where the drafter's normalised entropy is above H
-  --verify V             rejection (default, exact) or threshold (lossy, seed 003)
-  --threshold T          threshold verification's tau (default 0.25)
-  --calibrate            choose --threshold first: run the grid on the dev prompts and print it
-  --dev-file FILE        dev prompts for --calibrate: 8 windows of this text (default: the prompt)
-  --thresholds LIST      the --calibrate grid (default 0.15,0.2,0.25,0.3,0.35)
-  --target-acceptance A  --calibrate aims at this acceptance rate (default 0.7)
-  --max-new-tokens N     tokens to generate (default 200)
-  --temperature T        0 = greedy (default); > 0 samples
-  --top-k K              keep the K most probable tokens (with --temperature > 0)
-  --top-p P              keep the nucleus of mass P (with --temperature > 0)
-  --seed N               sampling seed (default 0)
-  --eos ID               an end token id (repeatable; llama2.c models default to 2)
-  --stop TEXT            stop when the output contains TEXT's tokens (repeatable; kept in the
-                         output)
-output
-  --compare              also run autoregressive decoding and print the speedup
-  --trace                show every step: accepted drafts, rejected drafts, the target's token
-  --json                 print the statistics as one JSON object instead of text
-  --help                 this text
-)";
 
 struct Arguments {
   std::string target = SPECDEC_BUNDLED_MODELS_DIR "/target";
@@ -125,6 +75,7 @@ struct Arguments {
   std::string batch_file;
   std::string device = "cpu";
   std::string dtype = "float32";
+  int64_t max_seq_len = io::LoadLimits{}.max_sequence_length;
   bool compare = false, trace = false, json = false;
 };
 
@@ -165,80 +116,212 @@ bool has_matrix_products(at::ScalarType dtype, const at::Device& device) {
   }
 }
 
-// "0.1,0.2,0.3" -> {0.1, 0.2, 0.3}
-std::vector<double> parse_list(const std::string& text) {
-  std::vector<double> values;
-  std::stringstream stream(text);
-  for (std::string item; std::getline(stream, item, ',');) values.push_back(std::stod(item));
-  return values;
+// Which modes each mode-specific flag applies to; giving one in another mode is an error.
+struct FlagModes {
+  const char* flag;
+  std::vector<std::string> modes;
+};
+
+const std::vector<FlagModes>& flag_modes() {
+  static const std::vector<std::string> drafting{"speculative", "ngram", "prompt-lookup"};
+  static const std::vector<FlagModes> table{
+      {"--drafter", {"speculative"}},
+      {"--gamma", {"speculative", "ngram", "prompt-lookup"}},
+      {"--gamma-policy", {"speculative"}},
+      {"--gamma-min", {"speculative"}},
+      {"--gamma-max", {"speculative"}},
+      {"--egag-beta", {"speculative"}},
+      {"--p-min", {"speculative"}},
+      {"--entropy-gate", {"speculative"}},
+      {"--verify", {"speculative"}},
+      {"--threshold", {"speculative"}},
+      {"--calibrate", {"speculative"}},
+      {"--dev-file", {"speculative"}},
+      {"--thresholds", {"speculative"}},
+      {"--target-acceptance", {"speculative"}},
+      {"--ngram-order", {"ngram"}},
+      {"--filler", drafting},
+      {"--storage", {"ngram", "stand"}},
+      {"--save-storage", {"ngram", "stand"}},
+      {"--trajectories", {"stand"}},
+      {"--deterministic", {"stand"}},
+      {"--tree-nodes", {"stand"}},
+      {"--num-beams", {"beam"}},
+      {"--length-penalty", {"beam"}},
+      {"--batch-file", {"speculative", "autoregressive", "ngram"}},
+      {"--temperature", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
+      {"--top-k", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
+      {"--top-p", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
+      {"--seed", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
+      {"--stop", {"speculative", "autoregressive", "ngram", "prompt-lookup"}},
+      {"--compare", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
+      {"--trace", {"speculative", "autoregressive", "ngram", "prompt-lookup"}},
+  };
+  return table;
 }
 
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) out += (i == 0 ? "" : i + 1 == items.size() ? " or " : ", ") + items[i];
+  return out;
+}
+
+// Throws std::invalid_argument naming `flag` unless `path` is a readable regular file.
+void require_file(const std::string& flag, const std::string& path) {
+  std::error_code error;
+  if (!std::filesystem::exists(path, error)) throw std::invalid_argument(flag + " " + path + ": no such file");
+  if (!std::filesystem::is_regular_file(path, error)) {
+    throw std::invalid_argument(flag + " " + path + ": not a regular file");
+  }
+}
+
+// Parses the command line with CLI11. Exits 0 after --help; throws CLI::ParseError (a bad flag or
+// value, named) or std::invalid_argument (a flag that does not apply to the mode, or a bad
+// combination).
 Arguments parse(int argc, char** argv) {
   Arguments a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view flag = argv[i];
-    if (flag == "--help") { std::cout << kUsage; std::exit(0); }
-    if (flag == "--compare") { a.compare = true; continue; }
-    if (flag == "--trace") { a.trace = true; continue; }
-    if (flag == "--json") { a.json = true; continue; }
-    if (flag == "--calibrate") { a.calibrate = true; continue; }
-    if (flag == "--deterministic") { a.deterministic = true; continue; }
-    if (i + 1 >= argc) throw std::invalid_argument(std::string(flag) + " needs a value (see --help)");
-    const std::string v = argv[++i];
-    if (flag == "--target") a.target = v;
-    else if (flag == "--drafter") a.drafter = v;
-    else if (flag == "--tokenizer") a.tokenizer = v;
-    else if (flag == "--mode") a.mode = v;
-    else if (flag == "--prompt") a.prompt = v;
-    else if (flag == "--gamma") a.gamma = std::stoll(v);
-    else if (flag == "--gamma-policy") a.gamma_policy = v;
-    else if (flag == "--gamma-min") a.gamma_min = std::stoll(v);
-    else if (flag == "--gamma-max") a.gamma_max = std::stoll(v);
-    else if (flag == "--egag-beta") a.egag_beta = std::stod(v);
-    else if (flag == "--p-min") a.p_min = std::stod(v);
-    else if (flag == "--entropy-gate") a.entropy_gate = std::stod(v);
-    else if (flag == "--verify") a.verify = v;
-    else if (flag == "--threshold") a.threshold = std::stod(v);
-    else if (flag == "--dev-file") a.dev_file = v;
-    else if (flag == "--thresholds") a.thresholds = parse_list(v);
-    else if (flag == "--target-acceptance") a.target_acceptance = std::stod(v);
-    else if (flag == "--num-beams") a.num_beams = std::stoll(v);
-    else if (flag == "--trajectories") a.trajectories = std::stoll(v);
-    else if (flag == "--tree-nodes") a.tree_nodes = std::stoll(v);
-    else if (flag == "--ngram-order") a.ngram_order = std::stoll(v);
-    else if (flag == "--filler") a.filler = std::stoll(v);
-    else if (flag == "--storage") a.storage = v;
-    else if (flag == "--save-storage") a.save_storage = v;
-    else if (flag == "--length-penalty") a.length_penalty = std::stod(v);
-    else if (flag == "--max-new-tokens") a.max_new_tokens = std::stoll(v);
-    else if (flag == "--temperature") a.temperature = std::stod(v);
-    else if (flag == "--top-k") a.top_k = std::stoll(v);
-    else if (flag == "--top-p") a.top_p = std::stod(v);
-    else if (flag == "--seed") a.seed = std::stoull(v);
-    else if (flag == "--eos") a.eos.push_back(std::stoll(v));
-    else if (flag == "--stop") a.stops.push_back(v);
-    else if (flag == "--batch-file") a.batch_file = v;
-    else if (flag == "--device") a.device = v;
-    else if (flag == "--dtype") a.dtype = v;
-    else throw std::invalid_argument("unknown option " + std::string(flag) + " (see --help)");
+  CLI::App app("Generates a continuation of a prompt and prints it as it is produced, then statistics.",
+               "specdec-generate");
+  app.get_formatter()->column_width(30);
+  const auto in = [](const std::vector<std::string>& choices) { return CLI::IsMember(choices); };
+  constexpr int64_t kMaxTokens = int64_t{1} << 40;
+
+  const std::string models = "Models";
+  app.add_option("--target", a.target, "target: llama2.c .bin file or Hugging Face Llama folder (default: the bundled target)")
+      ->group(models);
+  app.add_option("--drafter", a.drafter, "drafter, same formats (default: the bundled drafter)")->group(models);
+  app.add_option("--tokenizer", a.tokenizer, "llama2.c tokenizer file; without it the models are byte-level")
+      ->group(models);
+  app.add_option("--device", a.device, "cpu (default) or cuda[:N]: where the models run")->group(models);
+  app.add_option("--dtype", a.dtype, "float32 (default), float16 or bfloat16 (norms, softmax and verification stay float32)")
+      ->check(in({"float32", "float16", "bfloat16"}))->group(models);
+  app.add_option("--max-seq-len", a.max_seq_len,
+                 "the longest context a checkpoint may declare (default 131072; raise it for longer ones)")
+      ->check(cli::integer<int64_t>(1, int64_t{1} << 24))->group(models);
+
+  const std::string common = "Decoding (every mode)";
+  app.add_option("--mode", a.mode, "speculative (default), autoregressive, ngram, prompt-lookup, stand or beam")
+      ->check(in({"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "beam"}))->group(common);
+  app.add_option("--prompt", a.prompt, "the prompt (default: a line of Python)")->group(common);
+  app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate (default 200)")
+      ->check(cli::integer<int64_t>(0, kMaxTokens))->group(common);
+  app.add_option("--eos", a.eos, "an end token id (repeatable; llama2.c models default to 2)")
+      ->check(cli::integer<int64_t>(0, kMaxTokens))->group(common);
+
+  const std::string sampling = "Sampling (all modes but beam)";
+  app.add_option("--temperature", a.temperature, "0 = greedy (default); > 0 samples")
+      ->check(cli::real(0.0, 1e6))->group(sampling);
+  app.add_option("--top-k", a.top_k, "keep the K most probable tokens (needs --temperature > 0)")
+      ->check(cli::integer<int64_t>(1, kMaxTokens))->group(sampling);
+  app.add_option("--top-p", a.top_p, "keep the nucleus of mass P (needs --temperature > 0)")
+      ->check(cli::real(0.0, 1.0, /*low_open=*/true))->group(sampling);
+  app.add_option("--seed", a.seed, "sampling seed (default 0)")
+      ->check(cli::integer<uint64_t>(0, std::numeric_limits<uint64_t>::max()))->group(sampling);
+  app.add_option("--stop", a.stops, "stop when the output contains TEXT's tokens (repeatable; kept in the output)")
+      ->group(sampling);
+
+  const std::string speculative = "Speculative decoding (--mode speculative; --gamma also ngram, prompt-lookup)";
+  app.add_option("--gamma", a.gamma, "drafts per step (default 4)")
+      ->check(cli::integer<int64_t>(1, 1024))->group(speculative);
+  app.add_option("--gamma-policy", a.gamma_policy, "fixed (default), egag (entropy-adaptive) or schedule (+2 / -1)")
+      ->check(in({"fixed", "egag", "schedule"}))->group(speculative);
+  app.add_option("--gamma-min", a.gamma_min, "egag, schedule: fewest drafts per step (default 1)")
+      ->check(cli::integer<int64_t>(1, 1024))->group(speculative);
+  app.add_option("--gamma-max", a.gamma_max, "egag, schedule: most drafts per step (default: --gamma)")
+      ->check(cli::integer<int64_t>(1, 1024))->group(speculative);
+  app.add_option("--egag-beta", a.egag_beta, "egag: EMA smoothing of the drafter's entropy (default 0)")
+      ->check(cli::real(0.0, 1.0, false, /*high_open=*/true))->group(speculative);
+  app.add_option("--p-min", a.p_min, "stop drafting where the drafter's top probability is below P")
+      ->check(cli::real(0.0, 1.0))->group(speculative);
+  app.add_option("--entropy-gate", a.entropy_gate, "stop drafting where the drafter's normalised entropy is above H")
+      ->check(cli::real(0.0, 1.0))->group(speculative);
+  app.add_option("--verify", a.verify, "rejection (default, exact) or threshold (lossy)")
+      ->check(in({"rejection", "threshold"}))->group(speculative);
+  app.add_option("--threshold", a.threshold, "threshold verification's tau (default 0.25)")
+      ->check(cli::real(0.0, 1.0))->group(speculative);
+  app.add_flag("--calibrate", a.calibrate, "choose --threshold first: run the grid on the dev prompts and print it")
+      ->group(speculative);
+  app.add_option("--dev-file", a.dev_file, "dev prompts for --calibrate: 8 windows of this text (default: the prompt)")
+      ->group(speculative);
+  std::string thresholds;
+  app.add_option("--thresholds", thresholds, "the --calibrate grid (default 0.15,0.2,0.25,0.3,0.35)")->group(speculative);
+  app.add_option("--target-acceptance", a.target_acceptance, "--calibrate aims at this acceptance rate (default 0.7)")
+      ->check(cli::real(0.0, 1.0))->group(speculative);
+
+  const std::string ngram = "N-gram drafting (--mode ngram; --filler also prompt-lookup; storages also stand)";
+  app.add_option("--ngram-order", a.ngram_order, "n of a new n-gram storage (default 3)")
+      ->check(cli::integer<int64_t>(2, 8))->group(ngram);
+  app.add_option("--filler", a.filler, "teach the storage the target's top-K per position (default 3; 1 = off)")
+      ->check(cli::integer<int64_t>(1, 64))->group(ngram);
+  app.add_option("--storage", a.storage, "start from a storage saved with --save-storage")->group(ngram);
+  app.add_option("--save-storage", a.save_storage, "save the storage after generating")->group(ngram);
+
+  const std::string stand = "STAND (--mode stand)";
+  app.add_option("--trajectories", a.trajectories, "sample N generations of the prompt sharing one memory")
+      ->check(cli::integer<int64_t>(1, 1 << 20))->group(stand);
+  app.add_flag("--deterministic", a.deterministic, "draft the memory's most probable tokens, not Gumbel draws")
+      ->group(stand);
+  app.add_option("--tree-nodes", a.tree_nodes, "nodes of the default tree template (default 64)")
+      ->check(cli::integer<int64_t>(1, 1024))->group(stand);
+
+  const std::string beam = "Beam search (--mode beam)";
+  app.add_option("--num-beams", a.num_beams, "beams (default 4; at most 64: each holds a cache)")
+      ->check(cli::integer<int64_t>(1, 64))->group(beam);
+  app.add_option("--length-penalty", a.length_penalty, "beam score = log-probability / length^A (default 1)")
+      ->check(cli::real(-100.0, 100.0))->group(beam);
+
+  const std::string output = "Output";
+  app.add_option("--batch-file", a.batch_file,
+                 "generate for every line of FILE as one batch (speculative, autoregressive, ngram); \\n in a line "
+                 "stands for a newline")
+      ->group(output);
+  app.add_flag("--compare", a.compare, "also run autoregressive decoding and print the speedup")->group(output);
+  app.add_flag("--trace", a.trace, "show every step: accepted drafts, rejected drafts, the target's token")
+      ->group(output);
+  app.add_flag("--json", a.json, "print the statistics as one JSON object instead of text")->group(output);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success&) {
+    std::cout << app.help();
+    std::exit(0);
   }
-  if (a.mode != "speculative" && a.mode != "autoregressive" && a.mode != "beam" && a.mode != "ngram" &&
-      a.mode != "prompt-lookup" && a.mode != "stand") {
-    throw std::invalid_argument("--mode must be speculative, autoregressive, ngram, prompt-lookup, stand or beam, got " +
-                                a.mode);
+  if (!thresholds.empty()) a.thresholds = cli::real_list("--thresholds", thresholds, 0.0, 1.0);
+
+  for (const FlagModes& entry : flag_modes()) {
+    if (app.count(entry.flag) > 0 && std::find(entry.modes.begin(), entry.modes.end(), a.mode) == entry.modes.end()) {
+      throw std::invalid_argument(std::string(entry.flag) + " applies to --mode " + join(entry.modes) +
+                                  ", not --mode " + a.mode);
+    }
   }
-  if (a.trajectories < 1) throw std::invalid_argument("--trajectories must be >= 1, got " + std::to_string(a.trajectories));
-  if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
-  if (a.gamma_policy != "fixed" && a.gamma_policy != "egag" && a.gamma_policy != "schedule") {
-    throw std::invalid_argument("--gamma-policy must be fixed, egag or schedule, got " + a.gamma_policy);
+  if (a.temperature == 0 && (app.count("--top-k") > 0 || app.count("--top-p") > 0)) {
+    throw std::invalid_argument("--top-k and --top-p apply when sampling: give --temperature > 0 too");
   }
-  if (a.verify != "rejection" && a.verify != "threshold") {
-    throw std::invalid_argument("--verify must be rejection or threshold, got " + a.verify);
+  if (!a.storage.empty() && app.count("--ngram-order") > 0) {
+    throw std::invalid_argument("--ngram-order does not apply with --storage: the saved storage fixes n");
   }
-  if (a.calibrate && a.mode != "speculative") throw std::invalid_argument("--calibrate needs --mode speculative");
-  if (!a.batch_file.empty() && a.mode != "speculative" && a.mode != "autoregressive" && a.mode != "ngram") {
-    throw std::invalid_argument("--batch-file needs --mode speculative, autoregressive or ngram, got " + a.mode);
+  if (a.gamma_policy == "fixed" && (app.count("--gamma-min") > 0 || app.count("--gamma-max") > 0 ||
+                                    app.count("--egag-beta") > 0)) {
+    throw std::invalid_argument("--gamma-min, --gamma-max and --egag-beta apply to --gamma-policy egag or schedule");
   }
+  if (a.verify != "threshold" && !a.calibrate && app.count("--threshold") > 0) {
+    throw std::invalid_argument("--threshold applies to --verify threshold");
+  }
+  if (!a.calibrate && (app.count("--dev-file") > 0 || app.count("--thresholds") > 0 ||
+                       app.count("--target-acceptance") > 0)) {
+    throw std::invalid_argument("--dev-file, --thresholds and --target-acceptance apply to --calibrate");
+  }
+  if (a.calibrate && app.count("--threshold") > 0) {
+    throw std::invalid_argument("--threshold and --calibrate exclude each other: --calibrate chooses the threshold");
+  }
+  if (!a.batch_file.empty() && a.trace) {
+    throw std::invalid_argument("--trace does not apply to --batch-file");
+  }
+  if (!a.dev_file.empty()) require_file("--dev-file", a.dev_file);
+  if (!a.batch_file.empty()) require_file("--batch-file", a.batch_file);
+  if (!a.storage.empty()) require_file("--storage", a.storage);
+  if (!a.tokenizer.empty()) require_file("--tokenizer", a.tokenizer);
+  if (!a.save_storage.empty()) io::detail::require_writable_path(a.save_storage, "--save-storage");
   if (!has_matrix_products(parse_dtype(a.dtype), parse_device(a.device))) {
     throw std::invalid_argument("--dtype " + a.dtype + " on " + a.device + ": this libtorch " + TORCH_VERSION +
                                 " has no " + a.dtype + " matrix products there; use bfloat16 or float32, or a GPU");
@@ -267,6 +350,10 @@ class Text {
     }
   }
   [[nodiscard]] bool llama2c() const { return tokenizer_.has_value(); }
+  // The fewest tokens a text of `bytes` bytes encodes to (BOS aside).
+  [[nodiscard]] int64_t min_tokens(int64_t bytes) const {
+    return tokenizer_ ? bytes / tokenizer_->max_token_length() : bytes;
+  }
   [[nodiscard]] std::vector<int64_t> encode(const std::string& text) const {
     return tokenizer_ ? tokenizer_->encode(text) : bytes_.encode(text);
   }
@@ -522,11 +609,20 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const Text
 
 int run(const Arguments& a) {
   const auto weights = at::TensorOptions().dtype(parse_dtype(a.dtype)).device(parse_device(a.device));
-  const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights);
+  const io::LoadLimits limits{.max_sequence_length = a.max_seq_len};
+  const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights, limits);
   Model target(target_checkpoint.config, target_checkpoint.weights);
   const Text text(a.tokenizer, target.vocab_size());
   std::optional<Model> drafter;
+  // The length check before encoding: a text encodes to at least min_tokens of its bytes.
+  const int64_t least = text.min_tokens(static_cast<int64_t>(a.prompt.size()));
+  if (least > target.max_sequence_length()) {
+    throw std::invalid_argument("--prompt of " + std::to_string(a.prompt.size()) + " bytes is at least " +
+                                std::to_string(least) + " tokens, more than the target's max_sequence_length " +
+                                std::to_string(target.max_sequence_length()));
+  }
   const std::vector<int64_t> prompt = text.encode(a.prompt);
+  if (prompt.empty()) throw std::invalid_argument("--prompt must not be empty");
   std::vector<std::vector<int64_t>> stops;
   for (const std::string& stop : a.stops) {
     if (stop.empty()) throw std::invalid_argument("--stop must not be empty");
@@ -537,7 +633,7 @@ int run(const Arguments& a) {
   if (a.mode == "beam") return run_beam(a, target, text, prompt, eos);
   if (a.mode == "stand") return run_stand(a, target, text, prompt, eos, make_processor(a));
   if (a.mode == "speculative") {
-    const io::LlamaCheckpoint drafter_checkpoint = io::load_llama(a.drafter, weights);
+    const io::LlamaCheckpoint drafter_checkpoint = io::load_llama(a.drafter, weights, limits);
     drafter.emplace(drafter_checkpoint.config, drafter_checkpoint.weights);
   }
   const Processor processor = make_processor(a);
@@ -700,6 +796,9 @@ int run(const Arguments& a) {
 int main(int argc, char** argv) {
   try {
     return run(parse(argc, argv));
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "specdec-generate: " << e.what() << " (see --help)\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "specdec-generate: " << e.what() << "\n";
     return 2;

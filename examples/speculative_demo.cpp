@@ -7,7 +7,10 @@
 #include <specdec/models/llama.hpp>
 #include <specdec/specdec.hpp>
 
+#include "support/cli.hpp"
+
 #include <cstdlib>
+#include <limits>
 #include <iomanip>
 #include <iostream>
 #include <string>
@@ -23,31 +26,25 @@ struct Arguments {
   uint64_t seed = 7;
 };
 
-constexpr std::string_view kUsage = R"(usage: specdec-demo [options]
-  --gamma N            drafts per step (default 4)
-  --max-new-tokens N   tokens to generate (default 96)
-  --drafter-layers N   layers of the target the drafter keeps (default 1 of 8)
-  --temperature T      0 for greedy (default), > 0 to sample
-  --seed N             sampling seed (default 7)
-  --help               this text
-)";
-
+// Parses the command line with CLI11; exits 0 after --help, throws CLI::ParseError naming a bad
+// flag or value.
 Arguments parse(int argc, char** argv) {
   Arguments args;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view flag = argv[i];
-    if (flag == "--help") {
-      std::cout << kUsage;
-      std::exit(0);
-    }
-    if (i + 1 >= argc) throw std::invalid_argument(std::string(flag) + " needs a value (see --help)");
-    const std::string value = argv[++i];
-    if (flag == "--gamma") args.gamma = std::stoll(value);
-    else if (flag == "--max-new-tokens") args.max_new_tokens = std::stoll(value);
-    else if (flag == "--drafter-layers") args.drafter_layers = std::stoll(value);
-    else if (flag == "--temperature") args.temperature = std::stod(value);
-    else if (flag == "--seed") args.seed = std::stoull(value);
-    else throw std::invalid_argument("unknown option " + std::string(flag) + " (see --help)");
+  CLI::App app("Speculative decoding beside autoregressive decoding on a random-weight Llama pair.", "specdec-demo");
+  app.add_option("--gamma", args.gamma, "drafts per step (default 4)")->check(cli::integer<int64_t>(1, 1024));
+  app.add_option("--max-new-tokens", args.max_new_tokens, "tokens to generate (default 96)")
+      ->check(cli::integer<int64_t>(0, 900));
+  app.add_option("--drafter-layers", args.drafter_layers, "layers of the target the drafter keeps (default 1 of 8)")
+      ->check(cli::integer<int64_t>(1, 8));
+  app.add_option("--temperature", args.temperature, "0 for greedy (default), > 0 to sample")
+      ->check(cli::real(0.0, 1e6));
+  app.add_option("--seed", args.seed, "sampling seed (default 7)")
+      ->check(cli::integer<uint64_t>(0, std::numeric_limits<uint64_t>::max()));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success&) {
+    std::cout << app.help();
+    std::exit(0);
   }
   return args;
 }
@@ -113,6 +110,9 @@ int main(int argc, char** argv) {
     const Arguments args = parse(argc, argv);
     if (args.temperature == 0.0) return run(args, specdec::GreedyProcessor{});
     return run(args, specdec::MultinomialProcessor{args.temperature});
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "specdec-demo: " << e.what() << " (see --help)\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "specdec-demo: " << e.what() << "\n";
     return 2;

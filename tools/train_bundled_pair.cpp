@@ -16,10 +16,12 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "../examples/support/cli.hpp"
 #include "specdec/io/hf_llama.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/text/python_corpus.hpp"
@@ -42,19 +44,29 @@ struct Arguments {
   int threads = 2;
 };
 
+// Parses the command line with CLI11; exits 0 after --help, throws CLI::ParseError naming a bad
+// flag or value.
 Arguments parse(int argc, char** argv) {
   Arguments args;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--data") args.data = value;
-    else if (flag == "--out") args.out = value;
-    else if (flag == "--target-steps") args.target_steps = std::stoll(value);
-    else if (flag == "--drafter-steps") args.drafter_steps = std::stoll(value);
-    else if (flag == "--seed") args.seed = std::stoull(value);
-    else if (flag == "--batch") args.batch = std::stoll(value);
-    else if (flag == "--seq-len") args.seq_len = std::stoll(value);
-    else if (flag == "--threads") args.threads = std::stoi(value);
-    else throw std::invalid_argument("unknown option " + flag);
+  CLI::App app("Trains the bundled byte-level target/drafter pair on Python sources.", "train_bundled_pair");
+  app.add_option("--data", args.data, "folder of *.py training sources (default /usr/lib/python3.11)")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--out", args.out, "where the target/ and drafter/ folders are written (default models/bundled)");
+  app.add_option("--target-steps", args.target_steps, "target training steps (default 2000)")
+      ->check(cli::integer<int64_t>(0, int64_t{1} << 30));
+  app.add_option("--drafter-steps", args.drafter_steps, "drafter distillation steps (default 1000)")
+      ->check(cli::integer<int64_t>(0, int64_t{1} << 30));
+  app.add_option("--batch", args.batch, "sequences per step (default 4)")->check(cli::integer<int64_t>(1, 4096));
+  app.add_option("--seq-len", args.seq_len, "training window and the models' context (default 512)")
+      ->check(cli::integer<int64_t>(2, 1 << 16));
+  app.add_option("--seed", args.seed, "initialisation and sampling seed")
+      ->check(cli::integer<uint64_t>(0, std::numeric_limits<uint64_t>::max()));
+  app.add_option("--threads", args.threads, "torch threads (default 2)")->check(cli::integer<int>(1, 1024));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success&) {
+    std::cout << app.help();
+    std::exit(0);
   }
   return args;
 }
@@ -193,6 +205,9 @@ int main(int argc, char** argv) {
     specdec::io::save_hf_llama(args.out / "target", target_config, target_weights, torch::kHalf, extra, metadata);
     specdec::io::save_hf_llama(args.out / "drafter", drafter_config, drafter_weights, torch::kHalf, extra, metadata);
     std::cout << "wrote " << (args.out / "target") << " and " << (args.out / "drafter") << std::endl;
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "train_bundled_pair: " << e.what() << " (see --help)\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "train_bundled_pair: " << e.what() << "\n";
     return 1;

@@ -1,0 +1,70 @@
+# Command-line cases of bad input (included by examples/CMakeLists.txt): specdec_cli_case(NAME
+# EXIT_STATUS REGEX COMMAND...). Each bad flag or value exits with status 2 and a message naming
+# the flag and the value; nothing runs before the command line is known to be good.
+set(G $<TARGET_FILE:specdec-generate>)
+set(D $<TARGET_FILE:specdec-demo>)
+set(_bundled "${PROJECT_SOURCE_DIR}/models/bundled")
+string(REPEAT "x" 600 _long_prompt)  # the bundled target's context is 512
+
+# Empty prompts in every mode that takes one.
+foreach(_mode speculative autoregressive ngram prompt-lookup stand beam)
+  specdec_cli_case(empty_prompt_${_mode} 2 "--prompt must not be empty" ${G} --mode ${_mode} --prompt @EMPTY@)
+endforeach()
+
+# Strict numbers: the whole text, of the right type, in range.
+specdec_cli_case(gamma_not_a_number 2 "--gamma: 'abc' is not an integer in \\[1, 1024\\]" ${G} --gamma abc)
+specdec_cli_case(gamma_trailing_text 2 "--gamma: '12abc' is not an integer" ${G} --gamma 12abc)
+specdec_cli_case(gamma_fraction 2 "--gamma: '1.9' is not an integer" ${G} --gamma 1.9)
+specdec_cli_case(gamma_zero 2 "--gamma: 0 is outside \\[1, 1024\\]" ${G} --gamma 0)
+specdec_cli_case(gamma_huge 2 "--gamma: 9223372036854775807 is outside" ${G} --gamma-policy schedule
+  --gamma 9223372036854775807)
+specdec_cli_case(max_new_tokens_exponent 2 "--max-new-tokens: '1e6' is not an integer" ${G} --max-new-tokens 1e6)
+specdec_cli_case(max_new_tokens_huge 2 "--max-new-tokens: 9223372036854775807 is outside" ${G}
+  --max-new-tokens 9223372036854775807)
+specdec_cli_case(seed_negative 2 "--seed: '-1' is not an integer" ${G} --seed -1)
+specdec_cli_case(top_p_above_one 2 "--top-p: 1.5 is outside \\(0, 1\\]" ${G} --temperature 1 --top-p 1.5)
+specdec_cli_case(top_p_nan 2 "--top-p: 'nan' is not a finite number" ${G} --temperature 1 --top-p nan)
+specdec_cli_case(top_k_negative 2 "--top-k: -5 is outside" ${G} --temperature 1 --top-k -5)
+specdec_cli_case(thresholds_empty_item 2 "--thresholds: '' in '0.1,,0.2' is not a number" ${G} --calibrate
+  --thresholds 0.1,,0.2)
+specdec_cli_case(num_beams_bound 2 "--num-beams: 1000 is outside \\[1, 64\\]" ${G} --mode beam --num-beams 1000)
+specdec_cli_case(unknown_flag 2 "--frobnicate" ${G} --frobnicate)
+specdec_cli_case(missing_value 2 "--gamma" ${G} --gamma)
+specdec_cli_case(bad_mode 2 "--mode: .*sideways" ${G} --mode sideways)
+
+# Flags that do not apply to the chosen mode are errors, not silently ignored.
+specdec_cli_case(storage_in_speculative 2 "--storage applies to --mode ngram or stand, not --mode speculative"
+  ${G} --storage "${PROJECT_SOURCE_DIR}/README.md")
+specdec_cli_case(save_storage_in_autoregressive 2 "--save-storage applies to --mode ngram or stand" ${G}
+  --mode autoregressive --save-storage x.bin)
+specdec_cli_case(ngram_order_with_storage 2 "--ngram-order does not apply with --storage" ${G} --mode ngram
+  --storage "${PROJECT_SOURCE_DIR}/README.md" --ngram-order 4)
+specdec_cli_case(trace_in_beam 2 "--trace applies to" ${G} --mode beam --trace)
+specdec_cli_case(compare_in_beam 2 "--compare applies to" ${G} --mode beam --compare)
+specdec_cli_case(temperature_in_beam 2 "--temperature applies to" ${G} --mode beam --temperature 0.5)
+foreach(_mode autoregressive beam stand)
+  specdec_cli_case(gamma_in_${_mode} 2 "--gamma applies to --mode speculative, ngram or prompt-lookup" ${G}
+    --mode ${_mode} --gamma 3)
+endforeach()
+specdec_cli_case(top_p_without_temperature 2 "--top-k and --top-p apply when sampling" ${G} --top-p 0.9)
+specdec_cli_case(egag_beta_with_fixed 2 "apply to --gamma-policy egag or schedule" ${G} --egag-beta 0.5)
+
+# Temperatures too small for the logits: the message blames the temperature, not the model.
+specdec_cli_case(tiny_temperature 2 "the target's logits are finite but its distribution contains NaN.*temperature is too small"
+  ${G} --mode autoregressive --temperature 1e-300 --max-new-tokens 4)
+
+# Files: the wrong kind of path is named as such.
+specdec_cli_case(dev_file_folder 2 "--dev-file /tmp: not a regular file" ${G} --calibrate --dev-file /tmp)
+specdec_cli_case(save_storage_folder 2 "--save-storage /tmp is a folder" ${G} --mode ngram --save-storage /tmp)
+specdec_cli_case(target_config_file 2 "config.json: is a file of a Hugging Face checkpoint: pass the folder" ${G}
+  --target "${_bundled}/target/config.json")
+specdec_cli_case(target_safetensors_file 2 "model.safetensors: is a file of a Hugging Face checkpoint" ${G}
+  --target "${_bundled}/target/model.safetensors")
+specdec_cli_case(max_seq_len_limit 2 "max_position_embeddings = [0-9]+ exceeds the limit of 16 \\(LoadLimits::max_sequence_length\\)"
+  ${G} --max-seq-len 16)
+specdec_cli_case(prompt_longer_than_context 2 "--prompt of [0-9]+ bytes is at least [0-9]+ tokens, more than the target's max_sequence_length"
+  ${G} --mode autoregressive --prompt "${_long_prompt}")
+
+# The demo's command line.
+specdec_cli_case(demo_gamma_text 2 "--gamma: '4x' is not an integer" ${D} --gamma 4x)
+specdec_cli_case(demo_unknown_flag 2 "--nope" ${D} --nope)
