@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds and runs every test: the unit tests under AddressSanitizer and UndefinedBehaviorSanitizer,
+# Builds and runs every test: the unit tests and the command-line cases of bad input under
+# AddressSanitizer and UndefinedBehaviorSanitizer,
 # the loaders' parsers under libFuzzer for 60 s, then (Release) the unit tests, header checks,
 # packaging tests, examples and a benchmark smoke run through CTest. Leak detection is off under the sanitizers: libtorch keeps
 # process-lifetime allocations (operator registries, thread pools) that LeakSanitizer reports.
@@ -13,10 +14,14 @@ jobs="$(nproc)"
 
 
 cmake -S "$root" -B "$root/build-sanitize" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
-  -DSPECDEC_SANITIZE=ON -DSPECDEC_BUILD_TESTS=ON -DSPECDEC_BUILD_EXAMPLES=OFF
-cmake --build "$root/build-sanitize" -j "$jobs" --target specdec_tests
-ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  "$root/build-sanitize/tests/specdec_tests" --gtest_brief=1
+  -DSPECDEC_SANITIZE=ON -DSPECDEC_BUILD_TESTS=ON -DSPECDEC_BUILD_EXAMPLES=ON
+cmake --build "$root/build-sanitize" -j "$jobs" --target specdec_tests specdec-generate specdec-demo
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+"$root/build-sanitize/tests/specdec_tests" --gtest_brief=1
+# The command-line cases of bad input (label cli) on the sanitizer build too: undefined behaviour
+# or a memory error on any of them changes the exit status and fails the case.
+ctest --test-dir "$root/build-sanitize" -L cli --output-on-failure -j "$jobs"
+unset ASAN_OPTIONS UBSAN_OPTIONS
 
 # The loaders' parsers under libFuzzer (clang), for a bounded time.
 "$root/scripts/run-fuzz.sh" 60

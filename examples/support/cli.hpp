@@ -51,7 +51,7 @@ CLI::Validator integer(T low, T high) {
         if (value < low || value > high) return text + " is outside " + range;
         return {};
       },
-      "INT in " + range);
+      range);
 }
 
 // A finite real in [low, high] (`low_open`: in (low, high]; `high_open`: in [low, high)).
@@ -68,7 +68,7 @@ inline CLI::Validator real(double low, double high, bool low_open = false, bool 
         }
         return {};
       },
-      "NUMBER in " + range);
+      range);
 }
 
 // A comma-separated list of finite reals in [low, high]: "0.1,0.2". Throws CLI::ValidationError

@@ -433,12 +433,13 @@ class NGramBatchDrafts {
 
 // Validates a batch: non-empty, every row valid (the message names the row).
 template <class Options>
-void check_batch(const Options& options, std::span<const std::vector<int64_t>> prompts, int64_t vocab, int64_t limit) {
+void check_batch(const Options& options, std::span<const std::vector<int64_t>> prompts, int64_t vocab, int64_t limit,
+                 const char* limit_owner = "target") {
   if (prompts.empty()) throw std::invalid_argument("prompts must not be empty");
   if (options.max_new_tokens < 0) throw_invalid("max_new_tokens", "be >= 0", options.max_new_tokens);
   for (size_t r = 0; r < prompts.size(); ++r) {
     try {
-      check_common(options, prompts[r], vocab, limit);
+      check_common(options, prompts[r], vocab, limit, limit_owner);
     } catch (const std::invalid_argument& e) {
       throw_invalid_message("prompts[", r, "]: ", e.what());
     }
@@ -501,8 +502,10 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
                                   drafter.vocab_size());
   }
   detail::check_batch_options(options);
+  // Batched drafting runs every row through the drafter: the shorter context bounds the batch.
   const int64_t limit = std::min(detail::sequence_limit(target), detail::sequence_limit(drafter));
-  detail::check_batch(options, prompts, vocab, limit);
+  detail::check_batch(options, prompts, vocab, limit,
+                      detail::sequence_limit(drafter) < detail::sequence_limit(target) ? "drafter" : "target");
   detail::ModelBatchDrafts<D> drafts(drafter, static_cast<int64_t>(prompts.size()));
   return detail::run_batch(target, prompts, options, processor, drafts, limit, /*draft=*/true);
 }
