@@ -2,14 +2,14 @@
 # Installs what specdec needs on Debian 12 (bookworm): a C++20 compiler, CMake, Ninja, libtorch
 # (CPU), OpenBLAS (without it libtorch falls back to a reference BLAS about 25x slower),
 # GoogleTest, Google Benchmark, nlohmann-json (for the checkpoint loaders), CLI11 (the programs'
-# command lines), tsl-hopscotch-map (the
+# command lines), xxHash (checksums of saved storages, header-only), tsl-hopscotch-map (the
 # n-gram tables; header-only and optional for users), clang with its
 # libFuzzer runtime (for the loaders' fuzz target) and libpython3.11-stdlib (the Python sources
 # the bundled models were trained and are evaluated on). Idempotent: installs only what is missing.
 set -euo pipefail
 
 packages=(g++ cmake ninja-build libtorch-dev libopenblas0-pthread libgtest-dev libbenchmark-dev
-  nlohmann-json3-dev libtsl-hopscotch-map-dev libcli11-dev clang libclang-rt-14-dev libpython3.11-stdlib)
+  nlohmann-json3-dev libtsl-hopscotch-map-dev libcli11-dev libxxhash-dev clang libclang-rt-14-dev libpython3.11-stdlib)
 
 missing=()
 for package in "${packages[@]}"; do

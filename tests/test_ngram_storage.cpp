@@ -120,13 +120,26 @@ TEST(NGramStorage, RejectsCorruptFiles) {
       EXPECT_NE(std::string(e.what()).find(problem), std::string::npos) << e.what();
     }
   };
-  expect_error(bytes.substr(0, bytes.size() - 5), "truncated or oversized");
-  expect_error(bytes + "x", "truncated or oversized");
-  expect_error("XX" + bytes.substr(2), "bad magic");
-  std::string wrong_token = bytes;
+  // Any change to a saved file fails its checksum: every single byte changed in turn.
+  expect_error(bytes.substr(0, bytes.size() - 5), "no checksum trailer");
+  expect_error(bytes + "x", "no checksum trailer");
+  for (size_t i = 8 + 4; i < bytes.size() - 16; ++i) {
+    std::string flipped = bytes;
+    flipped[i] = static_cast<char>(flipped[i] ^ (1 << (i % 8)));
+    expect_error(flipped, "checksum mismatch");
+  }
+  // Version 1 files (before checksums) still load; their parser checks every entry.
+  std::string version1 = bytes.substr(0, bytes.size() - 16);
+  version1[8] = 1;
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(version1.data(), static_cast<std::streamsize>(version1.size()));
+  expect_same_predictions(storage, NGramStorage::load(path), random_tokens(200, 20, 5));
+  expect_error(version1.substr(0, version1.size() - 5), "truncated or oversized");
+  expect_error(version1 + "x", "truncated or oversized");
+  expect_error("XX" + version1.substr(2), "bad magic");
+  std::string wrong_token = version1;
   wrong_token[48] = static_cast<char>(0xff);  // the first n-gram's first token becomes >= 20
   expect_error(wrong_token, "invalid");
-  expect_error(bytes.substr(0, 10), "truncated");
+  expect_error(version1.substr(0, 10), "truncated");
   std::filesystem::remove(path);
 }
 

@@ -136,7 +136,23 @@ TEST(ProbabilisticNGramStorage, SavesLoadsAndMerges) {
   };
   write(bytes.substr(0, bytes.size() - 3));
   EXPECT_THROW((void)ProbabilisticNGramStorage::load(path), io::FormatError);
-  std::string bad_probability = bytes;
+  // Every flipped bit after the version fails the checksum.
+  for (size_t i = 12; i < bytes.size() - 16; i += 7) {
+    std::string flipped = bytes;
+    flipped[i] = static_cast<char>(flipped[i] ^ (1 << (i % 8)));
+    write(flipped);
+    try {
+      (void)ProbabilisticNGramStorage::load(path);
+      FAIL() << "loaded a file with byte " << i << " changed";
+    } catch (const io::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
+    }
+  }
+  // A version 1 file (no checksum) with a probability out of range: the parser refuses it.
+  std::string bad_probability = bytes.substr(0, bytes.size() - 16);
+  bad_probability[8] = 1;
+  write(bad_probability);
+  EXPECT_NO_THROW((void)ProbabilisticNGramStorage::load(path));
   const float two = 2.0F;
   std::memcpy(bad_probability.data() + 32 + 16 + 8 + 4, &two, sizeof(two));  // first entry's first probability
   write(bad_probability);

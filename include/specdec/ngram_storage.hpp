@@ -97,7 +97,7 @@ struct BestFollower {
 // Counts and best followers for contexts of the lengths in [min_context, max_context].
 class NGramCounts {
  public:
-  static constexpr uint32_t kFileVersion = 1;
+  static constexpr uint32_t kFileVersion = 2;  // 2: with a checksum trailer; 1 still loads
 
   NGramCounts(int64_t n, int64_t vocab_size, int64_t min_context, int kind)
       : n_(n), vocab_(vocab_size), min_context_(min_context), kind_(kind), bits_(token_bits(vocab_size)) {
@@ -183,7 +183,7 @@ class NGramCounts {
   }
 
   void save(const std::filesystem::path& path) const {
-    io::detail::write_atomically(path, [&](std::ofstream& out) {
+    io::detail::write_atomically_checksummed(path, [&](std::ofstream& out) {
       const auto put = [&](const auto& value) { io::detail::put(out, value); };
       out.write(kMagic, sizeof(kMagic));
       put(kFileVersion);
@@ -214,7 +214,10 @@ class NGramCounts {
     reader.read_bytes(magic, sizeof(magic), "magic");
     if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) io::detail::throw_format(path, "not an n-gram storage file (bad magic)");
     const auto version = reader.read<uint32_t>("version");
-    if (version != kFileVersion) io::detail::throw_format(path, "unsupported n-gram storage version ", version);
+    if (version != kFileVersion && version != 1) {
+      io::detail::throw_format(path, "unsupported n-gram storage version ", version);
+    }
+    if (version >= 2) reader.verify_checksum();
     const auto file_kind = reader.read<uint32_t>("kind");
     if (file_kind != static_cast<uint32_t>(kind)) {
       io::detail::throw_format(path, "holds a storage of kind ", file_kind, ", expected ", kind);
@@ -340,7 +343,8 @@ class BasicNGramStorage {
   void clear() { counts_.clear(); }
   // Adds other's counts (see detail::NGramCounts::merge for ties).
   void merge(const BasicNGramStorage& other) { counts_.merge(other.counts_); }
-  // A versioned binary file, written atomically; load() validates every entry.
+  // A versioned binary file with a checksum trailer, written atomically; load() verifies the
+  // checksum, then validates every entry.
   void save(const std::filesystem::path& path) const { counts_.save(path); }
   [[nodiscard]] static BasicNGramStorage load(const std::filesystem::path& path) {
     return BasicNGramStorage(detail::NGramCounts::load(path, kKind));
@@ -408,7 +412,7 @@ class PromptLookupDrafter {
 class ProbabilisticNGramStorage {
  public:
   static constexpr int64_t kTopTokens = 10;
-  static constexpr uint32_t kFileVersion = 1;
+  static constexpr uint32_t kFileVersion = 2;  // 2: with a checksum trailer; 1 still loads
 
   // One context's distribution: size() pairs, most probable first.
   struct Entry {
@@ -513,9 +517,9 @@ class ProbabilisticNGramStorage {
     return table_.bucket_count() * (sizeof(detail::NGramKey) + sizeof(Entry) + kBookkeeping);
   }
 
-  // Writes the storage atomically (a temporary file renamed over `path`).
+  // Writes the storage atomically (a temporary file renamed over `path`), with a checksum trailer.
   void save(const std::filesystem::path& path) const {
-    io::detail::write_atomically(path, [&](std::ofstream& out) {
+    io::detail::write_atomically_checksummed(path, [&](std::ofstream& out) {
       const auto put = [&](const auto& value) { io::detail::put(out, value); };
       out.write(kMagic, sizeof(kMagic));
       put(kFileVersion);
@@ -544,7 +548,8 @@ class ProbabilisticNGramStorage {
       io::detail::throw_format(path, "not a probabilistic n-gram storage file (bad magic)");
     }
     const auto version = reader.read<uint32_t>("version");
-    if (version != kFileVersion) io::detail::throw_format(path, "unsupported storage version ", version);
+    if (version != kFileVersion && version != 1) io::detail::throw_format(path, "unsupported storage version ", version);
+    if (version >= 2) reader.verify_checksum();
     const auto max_context = reader.read<uint32_t>("max_context");
     const auto vocab = reader.read<uint64_t>("vocab_size");
     const auto entries = reader.read<uint64_t>("entries");

@@ -15,6 +15,8 @@
 #include <string>
 #include <system_error>
 
+#include "specdec/io/checksum.hpp"
+
 namespace specdec::io::detail {
 
 // Throws std::invalid_argument naming `what` unless a file can be written at `path`: it is not a
@@ -40,11 +42,12 @@ inline std::filesystem::path temporary_name(const std::filesystem::path& path) {
   return temporary;
 }
 
-// Calls write(out) on a binary stream to a temporary file beside `path`, then renames it over
-// `path`. Throws std::runtime_error when `path` is a folder or the file cannot be opened, written
-// or renamed (the temporary file is removed); whatever `write` throws, after removing it.
+// Calls write(out) on a binary stream to a temporary file beside `path`, then (with `checksum`)
+// appends the checksum trailer of io/checksum.hpp, then renames the file over `path`. Throws
+// std::runtime_error when `path` is a folder or the file cannot be opened, written or renamed
+// (the temporary file is removed); whatever `write` throws, after removing it.
 template <class Write>
-void write_atomically(const std::filesystem::path& path, Write write) {
+void write_atomically(const std::filesystem::path& path, Write write, bool checksum = false) {
   std::error_code error;
   if (std::filesystem::is_directory(path, error)) {
     throw std::runtime_error("cannot write " + path.string() + ": it is a folder");
@@ -59,6 +62,7 @@ void write_atomically(const std::filesystem::path& path, Write write) {
     if (!out) throw std::runtime_error("cannot write " + temporary.string());
     try {
       write(out);
+      if (checksum && out.flush()) append_checksum(temporary, out);
     } catch (...) {
       out.close();
       discard();
@@ -76,6 +80,12 @@ void write_atomically(const std::filesystem::path& path, Write write) {
     discard();
     throw std::runtime_error("cannot replace " + path.string() + ": " + reason);
   }
+}
+
+// write_atomically with the checksum trailer.
+template <class Write>
+void write_atomically_checksummed(const std::filesystem::path& path, Write write) {
+  write_atomically(path, write, /*checksum=*/true);
 }
 
 // Writes the bytes of a trivially copyable value.

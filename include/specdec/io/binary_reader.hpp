@@ -11,6 +11,7 @@
 #include <string>
 #include <type_traits>
 
+#include "specdec/io/checksum.hpp"
 #include "specdec/io/errors.hpp"
 
 namespace specdec::io::detail {
@@ -31,6 +32,14 @@ class BinaryReader {
   [[nodiscard]] uint64_t size() const noexcept { return size_; }
   [[nodiscard]] uint64_t position() const noexcept { return position_; }
   [[nodiscard]] uint64_t remaining() const noexcept { return size_ - position_; }
+
+  // Checks the file's checksum trailer (io/checksum.hpp) and from then on reads only the content
+  // before it, from the current position. Throws FormatError on a missing trailer or mismatch.
+  void verify_checksum() {
+    size_ = detail::verify_checksum(path_, stream_, size_);
+    if (position_ > size_) throw_format(path_, "truncated: the header runs into the checksum trailer");
+    stream_.seekg(static_cast<std::streamoff>(position_));
+  }
 
   void seek(uint64_t position) {
     if (position > size_) throw_format(path_, "offset ", position, " is past the end of the file (", size_, " bytes)");
