@@ -76,6 +76,7 @@ struct Arguments {
   std::string device = "cpu";
   std::string dtype = "float32";
   int64_t max_seq_len = io::LoadLimits{}.max_sequence_length;
+  int threads = 1;
   bool compare = false, trace = false, json = false;
 };
 
@@ -195,6 +196,9 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--device", a.device, "cpu (default) or cuda[:N]: where the models run")->group(models);
   app.add_option("--dtype", a.dtype, "float32 (default), float16 or bfloat16 (norms, softmax and verification stay float32)")
       ->check(in({"float32", "float16", "bfloat16"}))->group(models);
+  app.add_option("--threads", a.threads,
+                 "CPU threads of libtorch and of the loaded BLAS together (default 1: see README, Threads)")
+      ->check(cli::integer<int>(1, 1024))->group(models);
   app.add_option("--max-seq-len", a.max_seq_len,
                  "the longest context a checkpoint may declare (default 131072; raise it for longer ones)")
       ->check(cli::integer<int64_t>(1, int64_t{1} << 24))->group(models);
@@ -608,6 +612,7 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const Text
 }
 
 int run(const Arguments& a) {
+  const ThreadSettings threads = set_threads(a.threads);
   const auto weights = at::TensorOptions().dtype(parse_dtype(a.dtype)).device(parse_device(a.device));
   const io::LoadLimits limits{.max_sequence_length = a.max_seq_len};
   const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights, limits);
@@ -692,7 +697,7 @@ int run(const Arguments& a) {
 
   if (show_text) {
     std::cout << "target:  " << a.target << " (" << target_checkpoint.format << ", " << target.config() << ", "
-              << a.dtype << " on " << a.device << ")\n";
+              << a.dtype << " on " << a.device << "; threads: " << threads << ")\n";
     if (drafter) std::cout << "drafter: " << a.drafter << " (" << drafter->config() << ")\n";
     std::visit([&](const auto& p) { std::cout << "mode: " << a.mode << ", " << p << ", gamma " << a.gamma; }, processor);
     if (drafter) {

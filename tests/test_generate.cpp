@@ -2,11 +2,13 @@
 // hold exactly the accepted prefix, end tokens and length limits, seeds, stats and bad input.
 #include <gtest/gtest.h>
 
+#include <iostream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 
 #include "specdec/generate.hpp"
+#include "specdec/threads.hpp"
 #include "specdec/models/llama.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
@@ -339,6 +341,24 @@ TEST(SpeculativeGenerate, NamesTheModelOrTheTemperatureForNonFiniteDistributions
   // Finite logits divided by a temperature of 1e-300 overflow: the temperature is named.
   expect_invalid([&] { (void)autoregressive_generate(target, prompt, {}, MultinomialProcessor{1e-300}); },
                  {"the target's logits are finite", "temperature is too small"});
+}
+
+// set_threads sets libtorch's pool and the loaded BLAS's pool together (OpenBLAS here).
+TEST(Threads, OneSettingForTorchAndTheLoadedBlas) {
+  const ThreadSettings before = thread_settings();
+  for (const int n : {2, 1}) {
+    const ThreadSettings after = set_threads(n);
+    EXPECT_EQ(after.torch, n);
+    if (after.blas) {
+      EXPECT_EQ(*after.blas, n) << after.blas_name;
+    } else {
+      std::cout << "no BLAS thread setting found in this process: only libtorch's pool was set\n";
+    }
+  }
+  EXPECT_EQ(thread_settings().torch, 1);
+  expect_invalid([] { (void)set_threads(0); }, {"threads", "0"});
+  (void)set_threads(before.torch);
+  if (before.blas) EXPECT_EQ(*thread_settings().blas, before.torch);
 }
 
 TEST(SpeculativeGenerate, DrafterOnCpuTargetOnCuda) {

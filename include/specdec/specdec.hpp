@@ -17,6 +17,7 @@
 #include "specdec/session.hpp"
 #include "specdec/stand.hpp"
 #include "specdec/step.hpp"
+#include "specdec/threads.hpp"
 #include "specdec/tree.hpp"
 #include "specdec/verification.hpp"
 #include "specdec/version.hpp"

@@ -1,0 +1,94 @@
+// One setting for the CPU threads generation uses: libtorch's intra-op pool and the BLAS library
+// loaded in the process, which keeps a pool of its own. OpenBLAS starts its pool at load with as
+// many threads as cores whatever at::set_num_threads says, so the two pools can oversubscribe the
+// cores. set_threads(n) sets both; the BLAS is reached through the symbols it exports
+// (openblas_set_num_threads, or mkl_set_num_threads for MKL), found with dlsym in whatever library
+// the process actually loaded, so specdec links no BLAS itself.
+//
+//   specdec::set_threads(1);   // one thread in libtorch and in OpenBLAS
+//   std::cout << specdec::thread_settings();   // torch 1, openblas 1
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <optional>
+#include <ostream>
+#include <string>
+
+#if __has_include(<dlfcn.h>)
+#include <dlfcn.h>
+#define SPECDEC_HAS_DLSYM 1
+#endif
+
+#include "specdec/detail/check.hpp"
+
+namespace specdec {
+
+// The threads of libtorch's intra-op pool and of the loaded BLAS (none when no known BLAS exports
+// its thread setting, e.g. a statically linked one).
+struct ThreadSettings {
+  int torch = 1;
+  std::optional<int> blas;
+  std::string blas_name;  // "openblas", "mkl" or empty
+
+  friend std::ostream& operator<<(std::ostream& out, const ThreadSettings& s) {
+    out << "torch " << s.torch;
+    if (s.blas) out << ", " << s.blas_name << " " << *s.blas;
+    return out;
+  }
+};
+
+namespace detail {
+
+struct BlasThreads {
+  void (*set)(int) = nullptr;
+  int (*get)() = nullptr;
+  const char* name = "";
+};
+
+// The thread functions of the BLAS loaded in the process, looked up once.
+inline const BlasThreads& blas_threads() {
+  static const BlasThreads found = [] {
+    BlasThreads blas;
+#ifdef SPECDEC_HAS_DLSYM
+    if (void* set = dlsym(RTLD_DEFAULT, "openblas_set_num_threads")) {
+      blas.set = reinterpret_cast<void (*)(int)>(set);
+      blas.get = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+      blas.name = "openblas";
+    } else if (void* mkl = dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads")) {
+      blas.set = reinterpret_cast<void (*)(int)>(mkl);
+      blas.get = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "MKL_Get_Max_Threads"));
+      blas.name = "mkl";
+    }
+#endif
+    return blas;
+  }();
+  return found;
+}
+
+}  // namespace detail
+
+// The current thread counts.
+inline ThreadSettings thread_settings() {
+  ThreadSettings settings{.torch = at::get_num_threads()};
+  const detail::BlasThreads& blas = detail::blas_threads();
+  if (blas.get != nullptr) {
+    settings.blas = blas.get();
+    settings.blas_name = blas.name;
+  }
+  return settings;
+}
+
+// Sets libtorch's intra-op threads and the loaded BLAS's threads to `threads` (>= 1) and returns
+// what took effect. Call it before the first generation: libtorch's pool size is fixed once it
+// has started in some builds (then only the BLAS changes; the result says so).
+// Throws std::invalid_argument for threads < 1.
+inline ThreadSettings set_threads(int threads) {
+  if (threads < 1) detail::throw_invalid("threads", "be >= 1", threads);
+  at::set_num_threads(threads);
+  const detail::BlasThreads& blas = detail::blas_threads();
+  if (blas.set != nullptr) blas.set(threads);
+  return thread_settings();
+}
+
+}  // namespace specdec
