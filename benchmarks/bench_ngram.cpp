@@ -5,7 +5,10 @@
 // (exponent 1.1) so that n-grams repeat as in text.
 #include <benchmark/benchmark.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <fstream>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -31,10 +34,19 @@ const std::vector<int64_t>& stream() {
   return tokens;
 }
 
+// The process's resident bytes (/proc/self/statm), 0 where unavailable.
+double resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  double pages = 0, resident = 0;
+  if (!(statm >> pages >> resident)) return 0;
+  return resident * static_cast<double>(sysconf(_SC_PAGESIZE));
+}
+
 template <class S>
 void BM_Update(benchmark::State& state) {
   const auto& tokens = stream();
   const int64_t n = state.range(0);
+  const double resident_before = resident_bytes();
   S storage(n, kVocab);
   for (auto _ : state) {
     storage.clear();
@@ -51,6 +63,12 @@ void BM_Update(benchmark::State& state) {
       orders * static_cast<double>(tokens.size() - 1), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["ngrams"] = static_cast<double>(storage.size());
   state.counters["bytes_per_ngram"] = static_cast<double>(storage.memory_bytes()) / static_cast<double>(storage.size());
+  // Bytes per context by the tables' own size and by the growth of the process's resident memory
+  // (freed tables of earlier growth steps may stay resident: RSS is an upper bound).
+  const auto contexts = static_cast<double>(storage.contexts());
+  state.counters["contexts"] = contexts;
+  state.counters["bytes_per_context"] = static_cast<double>(storage.memory_bytes()) / contexts;
+  state.counters["rss_bytes_per_context"] = (resident_bytes() - resident_before) / contexts;
 }
 
 template <class S>

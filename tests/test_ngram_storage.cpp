@@ -3,12 +3,17 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <random>
 
 #include "specdec/generate.hpp"
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 namespace {
 
@@ -84,6 +89,52 @@ void expect_same_predictions(const S& a, const S& b, const Tokens& probe) {
 
 std::filesystem::path temp_file(const std::string& name) {
   return std::filesystem::temp_directory_path() / ("specdec_" + name + "_" + std::to_string(std::random_device{}()));
+}
+
+// Bytes the allocator reports in use (glibc's own accounting: small blocks and mapped ones), or 0
+// where it keeps none (another C library, or a sanitizer's allocator).
+size_t allocated_bytes() {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || __GLIBC_MINOR__ >= 33)
+  const struct mallinfo2 info = mallinfo2();
+  return info.uordblks + info.hblkhd;
+#else
+  return 0;
+#endif
+}
+
+// memory_bytes() against the allocator's own accounting of what building the storage took.
+template <class Build>
+void expect_memory_bytes_exact(Build build) {
+  const size_t before = allocated_bytes();
+  const auto storage = build();
+  const size_t after = allocated_bytes();
+  if (before == 0 || after <= before) GTEST_SKIP() << "this allocator keeps no accounting (mallinfo2)";
+  const auto held = static_cast<double>(after - before);
+  const auto reported = static_cast<double>(storage.memory_bytes());
+  std::cout << "memory_bytes " << reported << ", allocator " << held << " bytes\n";
+  // The tables are a few large blocks; the storage object and chunk headers add a few hundred bytes.
+  EXPECT_NEAR(reported, held, 0.002 * held + 4096);
+}
+
+TEST(NGramStorage, MemoryBytesEqualsTheAllocatorsAccounting) {
+  const Tokens text = random_tokens(200000, 32000, 9);
+  expect_memory_bytes_exact([&] {
+    NGramStorage storage(4, 32000);
+    storage.initialize(text);
+    return storage;
+  });
+}
+
+TEST(ProbabilisticNGramStorage, MemoryBytesEqualsTheAllocatorsAccounting) {
+  expect_memory_bytes_exact([&] {
+    ProbabilisticNGramStorage memory(1000, 3);
+    std::mt19937 rng(3);
+    for (int i = 0; i < 20000; ++i) {
+      const std::vector<int64_t> context{static_cast<int64_t>(rng() % 1000), static_cast<int64_t>(rng() % 1000)};
+      memory.update(context, std::vector<int64_t>{static_cast<int64_t>(rng() % 1000)}, std::vector<float>{1.0F});
+    }
+    return memory;
+  });
 }
 
 TEST(NGramStorage, SaveAndLoadRoundTrip) {

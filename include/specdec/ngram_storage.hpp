@@ -63,6 +63,32 @@ using NGramTable = tsl::hopscotch_map<NGramKey, Value, NGramKeyHash>;
 using NGramTable = std::unordered_map<NGramKey, Value, NGramKeyHash>;
 #endif
 
+// Bytes a table holds in its allocations. For tsl::hopscotch_map it is exact: the bucket array
+// (bucket_count() + NeighborhoodSize - 1 buckets of the library's own bucket type, whose size
+// includes the neighbourhood bitmap and alignment padding) plus the overflow list's nodes. For
+// std::unordered_map it counts nodes and the bucket array but not the allocator's per-node
+// overhead.
+template <class Value>
+size_t table_bytes(const NGramTable<Value>& table) noexcept {
+#ifdef SPECDEC_NGRAM_TABLE_TSL
+  using Pair = std::pair<NGramKey, Value>;
+  constexpr unsigned kNeighborhood = 62;  // tsl::hopscotch_map's default NeighborhoodSize
+  using Bucket = tsl::detail_hopscotch_hash::hopscotch_bucket<Pair, kNeighborhood, false>;
+  struct ListNode {  // std::list's node: two links and the value
+    void* links[2];
+    Pair value;
+  };
+  const size_t buckets = table.bucket_count() == 0 ? 0 : table.bucket_count() + kNeighborhood - 1;
+  return buckets * sizeof(Bucket) + table.overflow_size() * sizeof(ListNode);
+#else
+  struct Node {
+    void* next;
+    std::pair<const NGramKey, Value> value;
+  };
+  return table.size() * sizeof(Node) + table.bucket_count() * sizeof(void*);
+#endif
+}
+
 // Bits per token in a packed key for `vocab_size` tokens (validated: [1, 2^31]).
 inline int token_bits(int64_t vocab_size) {
   if (vocab_size < 1 || vocab_size > (int64_t{1} << 31)) throw_invalid("vocab_size", "be in [1, 2^31]", vocab_size);
@@ -153,12 +179,8 @@ class NGramCounts {
   [[nodiscard]] size_t size() const noexcept { return counts_.size(); }
   // Distinct contexts stored.
   [[nodiscard]] size_t contexts() const noexcept { return best_.size(); }
-  // Bytes held by the two tables' buckets (keys, values and per-bucket bookkeeping).
-  [[nodiscard]] size_t memory_bytes() const noexcept {
-    constexpr size_t kBookkeeping = 8;
-    return counts_.bucket_count() * (sizeof(NGramKey) + sizeof(uint32_t) + kBookkeeping) +
-           best_.bucket_count() * (sizeof(NGramKey) + sizeof(BestFollower) + kBookkeeping);
-  }
+  // Bytes the two tables hold in their allocations (see table_bytes).
+  [[nodiscard]] size_t memory_bytes() const noexcept { return table_bytes(counts_) + table_bytes(best_); }
 
   // Adds other's counts. The best follower of each context is then the token with the highest
   // summed count; ties keep this storage's leader, then other's leader.
@@ -352,6 +374,8 @@ class BasicNGramStorage {
   [[nodiscard]] int64_t n() const noexcept { return counts_.n(); }
   [[nodiscard]] int64_t vocab_size() const noexcept { return counts_.vocab_size(); }
   [[nodiscard]] size_t size() const noexcept { return counts_.size(); }
+  // Distinct contexts stored (of every length the storage keeps).
+  [[nodiscard]] size_t contexts() const noexcept { return counts_.contexts(); }
   [[nodiscard]] size_t memory_bytes() const noexcept { return counts_.memory_bytes(); }
 
   friend std::ostream& operator<<(std::ostream& out, const BasicNGramStorage& s) {
@@ -511,11 +535,8 @@ class ProbabilisticNGramStorage {
   void clear() { table_.clear(); }
   // Contexts stored.
   [[nodiscard]] size_t size() const noexcept { return table_.size(); }
-  // Bytes held by the table's buckets (key, entry and per-bucket bookkeeping).
-  [[nodiscard]] size_t memory_bytes() const noexcept {
-    constexpr size_t kBookkeeping = 8;
-    return table_.bucket_count() * (sizeof(detail::NGramKey) + sizeof(Entry) + kBookkeeping);
-  }
+  // Bytes the table holds in its allocations (see detail::table_bytes).
+  [[nodiscard]] size_t memory_bytes() const noexcept { return detail::table_bytes(table_); }
 
   // Writes the storage atomically (a temporary file renamed over `path`), with a checksum trailer.
   void save(const std::filesystem::path& path) const {
