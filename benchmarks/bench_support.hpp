@@ -10,6 +10,7 @@
 #include <cmath>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <span>
 #include <string>
 #include <vector>
@@ -137,14 +138,25 @@ inline at::TensorOptions on_device(at::ScalarType dtype = at::kFloat) {
   return at::TensorOptions().dtype(dtype).device(device());
 }
 
-// main() of a benchmark program: takes --device D (cpu or cuda[:N]) besides Google Benchmark's
-// flags, and runs the benchmarks with the torch version, device and thread count recorded as
-// context.
+// main() of a benchmark program: takes --device D (cpu or cuda[:N]) and --threads N (libtorch's
+// and the BLAS's threads together, set_threads; default 1) besides Google Benchmark's flags, and
+// runs the benchmarks with the torch version, device and thread counts recorded as context.
 inline int run_benchmarks(int argc, char** argv) {
   std::vector<char*> args;
+  int threads = 1;
   for (int i = 0; i < argc; ++i) {
     const std::string arg = argv[i];
     std::string value;
+    if (arg == "--threads" && i + 1 < argc) {
+      const std::string text = argv[++i];
+      if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos || text.size() > 4 ||
+          std::stoi(text) < 1) {
+        std::cerr << argv[0] << ": --threads must be an integer in [1, 9999], got '" << text << "'\n";
+        return 2;
+      }
+      threads = std::stoi(text);
+      continue;
+    }
     if (arg == "--device" && i + 1 < argc) {
       value = argv[++i];
     } else if (arg.rfind("--device=", 0) == 0) {
@@ -168,7 +180,8 @@ inline int run_benchmarks(int argc, char** argv) {
   benchmark::Initialize(&count, args.data());
   benchmark::AddCustomContext("torch", TORCH_VERSION);
   benchmark::AddCustomContext("device", device().str());
-  benchmark::AddCustomContext("torch_threads", std::to_string(at::get_num_threads()));
+  const ThreadSettings settings = set_threads(threads);
+  benchmark::AddCustomContext("threads", (std::ostringstream() << settings).str());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -27,6 +27,8 @@ u64() { u32 "$1"; u32 0; }
 { printf '\005SDNGRAM\0'; u32 1; u32 1; u32 3; u32 0; u64 256; u64 0; u64 0; } > "$corpus/one_level"
 { printf '\006SDPNGRAM'; u32 1; u32 3; u64 256; u64 0; } > "$corpus/memory"
 printf '\007def f(x):\n    return x * 2  # caf\xc3\xa9 \xe2\x9c\x93 \xff' > "$corpus/text"
+# Inputs that once found a bug (fuzz/regressions) stay in the corpus.
+cp "$root"/fuzz/regressions/* "$corpus/"
 if [ -f "$models/stories260K/tok512.bin" ]; then
   { printf '\001'; cat "$models/stories260K/tok512.bin"; } > "$corpus/tokenizer"
   { printf '\000'; head -c 4096 "$models/stories260K/stories260K.bin"; } > "$corpus/llama2c"

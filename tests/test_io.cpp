@@ -541,6 +541,14 @@ TEST(Llama2c, RefusesContextsAndVocabulariesBeyondTheLimits) {
   const int32_t vocab_header[7] = {64, 172, 1, 8, 4, 1 << 24, 256};
   write_file(file, std::string(reinterpret_cast<const char*>(vocab_header), sizeof(vocab_header)));
   expect_format_error([&] { (void)io::parse_llama2c(file); }, file, "vocab_size = 16777216 exceeds the limit");
+  // 16,777,215 layers declared in 28 bytes (a fuzzer's find): sized arithmetically, never listed,
+  // and the products saturate instead of wrapping.
+  const int32_t layers_header[7] = {1 << 24, 1 << 24, (1 << 24) - 1, 8, 4, 512, 256};
+  write_file(file, std::string(reinterpret_cast<const char*>(layers_header), sizeof(layers_header)));
+  expect_format_error([&] { (void)io::parse_llama2c(file); }, file, "truncated: the header implies 18446744073709551615 bytes");
+  const int32_t many_layers[7] = {64, 172, (1 << 24) - 1, 8, 4, 512, 256};
+  write_file(file, std::string(reinterpret_cast<const char*>(many_layers), sizeof(many_layers)));
+  expect_format_error([&] { (void)io::parse_llama2c(file); }, file, "truncated: the header implies");
 }
 
 TEST(Safetensors, BoundsTheHeaderWhileParsing) {

@@ -36,12 +36,15 @@ struct Llama2cHeader {
 
 // Shapes of the weight matrices in version 1/2 file order: the embedding, then each kind (wq, wk,
 // wv, wo, w1, w2, w3) for all layers, then the classifier when it is separate.
+// The shapes of one layer's matrices, in file order: wq, wk, wv, wo, w1, w2, w3.
+inline std::vector<std::vector<int64_t>> llama2c_layer_matrices(const models::LlamaConfig& c) {
+  return {{c.dim, c.dim},        {c.kv_dim(), c.dim},   {c.kv_dim(), c.dim}, {c.dim, c.dim},
+          {c.hidden_dim, c.dim}, {c.dim, c.hidden_dim}, {c.hidden_dim, c.dim}};
+}
+
 inline std::vector<std::vector<int64_t>> llama2c_matrices(const models::LlamaConfig& c, bool classifier) {
   std::vector<std::vector<int64_t>> shapes{{c.vocab_size, c.dim}};
-  const std::vector<std::vector<int64_t>> kinds{{c.dim, c.dim},        {c.kv_dim(), c.dim},   {c.kv_dim(), c.dim},
-                                                {c.dim, c.dim},        {c.hidden_dim, c.dim}, {c.dim, c.hidden_dim},
-                                                {c.hidden_dim, c.dim}};
-  for (const auto& shape : kinds) {
+  for (const auto& shape : llama2c_layer_matrices(c)) {
     for (int64_t l = 0; l < c.n_layers; ++l) shapes.push_back(shape);
   }
   if (classifier) shapes.push_back({c.vocab_size, c.dim});
@@ -111,31 +114,42 @@ inline Llama2cLayout parse_llama2c(const std::filesystem::path& path, const Load
     detail::throw_format(path, "invalid header: ", e.what());
   }
   const models::LlamaConfig& c = layout.config;
-  // Header fields are at most 2^24: these products fit in 64 bits.
+  // Sizes from the header alone, without listing every layer's matrices (a 30-byte header may
+  // declare 2^24 layers); products of fields up to 2^24 can exceed 64 bits, so they saturate and
+  // a saturated size never equals the file's.
+  const auto mul = [](uint64_t a, uint64_t b) {
+    return b != 0 && a > std::numeric_limits<uint64_t>::max() / b ? std::numeric_limits<uint64_t>::max() : a * b;
+  };
+  const auto add = [](uint64_t a, uint64_t b) {
+    return a > std::numeric_limits<uint64_t>::max() - b ? std::numeric_limits<uint64_t>::max() : a + b;
+  };
   const auto L = static_cast<uint64_t>(c.n_layers), D = static_cast<uint64_t>(c.dim);
-  const uint64_t norm_floats = 2 * L * D + D;
-  uint64_t matrix_floats = 0;
-  for (const auto& shape : detail::llama2c_matrices(c, !layout.shared_classifier)) {
-    matrix_floats += detail::element_count(shape);
+  const uint64_t embedding = mul(static_cast<uint64_t>(c.vocab_size), D);
+  std::vector<uint64_t> sizes{embedding};  // one of each matrix shape
+  uint64_t per_layer = 0;
+  for (const auto& shape : detail::llama2c_layer_matrices(c)) {
+    sizes.push_back(detail::element_count(shape));
+    per_layer = add(per_layer, detail::element_count(shape));
   }
+  const uint64_t norm_floats = add(mul(2 * L, D), D);
+  const uint64_t matrix_floats = add(add(embedding, mul(L, per_layer)), layout.shared_classifier ? 0 : embedding);
   uint64_t expected = layout.weights_offset;
   if (layout.version == 0) {
     const uint64_t rope_floats = 2 * static_cast<uint64_t>(c.max_seq_len) * static_cast<uint64_t>(c.head_dim() / 2);
-    expected += 4 * (norm_floats + matrix_floats + rope_floats);
+    expected = add(expected, mul(4, add(add(norm_floats, matrix_floats), rope_floats)));
   } else if (layout.version == 1) {
-    expected += 4 * (norm_floats + matrix_floats);
+    expected = add(expected, mul(4, add(norm_floats, matrix_floats)));
   } else {
     if (layout.group_size < 1 || layout.group_size > (1 << 20)) {
       detail::throw_format(path, "group size ", layout.group_size, " is out of range");
     }
     const auto group = static_cast<uint64_t>(layout.group_size);
-    for (const auto& shape : detail::llama2c_matrices(c, !layout.shared_classifier)) {
-      if (detail::element_count(shape) % group != 0) {
-        detail::throw_format(path, "a weight of ", detail::element_count(shape),
-                             " elements is not a multiple of the group size ", group);
+    for (const uint64_t size : sizes) {
+      if (size % group != 0) {
+        detail::throw_format(path, "a weight of ", size, " elements is not a multiple of the group size ", group);
       }
     }
-    expected += 4 * norm_floats + matrix_floats + 4 * (matrix_floats / group);
+    expected = add(add(expected, mul(4, norm_floats)), add(matrix_floats, mul(4, matrix_floats / group)));
   }
   detail::require_exact_size(path, expected, reader.size());
   return layout;

@@ -1,0 +1,158 @@
+// The reference model's forward against this machine's floor. For T = 1, 2, 3, 5 and 9 new tokens
+// after a 200-position cache (the prefill is timed on its own, never in the per-forward figures),
+// the bundled target's forward time beside the floor measured in the same run:
+// max(weight bytes / copy bandwidth, multiply-add FLOPs / large-GEMM throughput), and their ratio.
+// The floor's two rates come from a 1024^3 fp32 matrix product and a 256 MiB tensor copy, so a
+// performance claim compares with what this machine does, not with a datasheet.
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "bench_support.hpp"
+#include "specdec/io/checkpoint.hpp"
+#include "specdec/models/llama.hpp"
+
+namespace {
+
+using namespace specdec;
+using Clock = std::chrono::steady_clock;
+using Model = models::LlamaModel<StaticKVCache>;
+
+constexpr int64_t kContext = 200;
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+void synchronize() {
+  if (bench::device().is_cuda()) (void)at::ones({1}, at::TensorOptions().device(bench::device())).sum().item<float>();
+}
+
+// The best of `repeats` timings of `work`, in seconds.
+template <class Work>
+double best_of(int repeats, Work work) {
+  double best = 1e30;
+  for (int i = 0; i < repeats; ++i) {
+    synchronize();
+    const auto start = Clock::now();
+    work();
+    synchronize();
+    best = std::min(best, seconds_since(start));
+  }
+  return best;
+}
+
+struct Floor {
+  double gemm_flops_per_second = 0;   // one 1024^3 fp32 product
+  double copy_bytes_per_second = 0;   // bytes moved (read and written) per second by a 256 MiB copy
+};
+
+const Floor& floor_rates() {
+  static const Floor floor = [] {
+    const auto options = bench::on_device();
+    const at::Tensor a = at::randn({1024, 1024}, options), b = at::randn({1024, 1024}, options);
+    at::Tensor c = at::empty({1024, 1024}, options);
+    const double gemm = best_of(5, [&] { at::mm_out(c, a, b); });
+    const at::Tensor source = at::ones({int64_t{64} << 20}, options);  // 256 MiB of fp32
+    at::Tensor target = at::empty_like(source);
+    const double copy = best_of(5, [&] { target.copy_(source); });
+    return Floor{2.0 * 1024 * 1024 * 1024 / gemm, 2.0 * static_cast<double>(source.nbytes()) / copy};
+  }();
+  return floor;
+}
+
+Model& target() {
+  static Model model = [] {
+    const auto checkpoint = io::load_llama(SPECDEC_BUNDLED_MODELS_DIR "/target", bench::on_device());
+    return Model(checkpoint.config, checkpoint.weights);
+  }();
+  return model;
+}
+
+// Weight bytes a forward reads (every matrix and norm; the embedding rows it gathers are few) and
+// multiply-adds of its matrix products for T new tokens after `context` cached positions.
+struct Work {
+  double weight_bytes = 0;
+  double flops = 0;
+};
+
+Work work_of(const Model& model, int64_t tokens, int64_t context) {
+  const models::LlamaWeights& w = model.weights();
+  const models::LlamaConfig& c = model.config();
+  Work work;
+  double matrix_elements = static_cast<double>(w.output.numel());
+  work.weight_bytes = static_cast<double>(w.output.nbytes() + w.norm.nbytes());
+  for (const auto& layer : w.layers) {
+    for (const at::Tensor* m : {&layer.wq, &layer.wk, &layer.wv, &layer.wo, &layer.w1, &layer.w2, &layer.w3}) {
+      matrix_elements += static_cast<double>(m->numel());
+      work.weight_bytes += static_cast<double>(m->nbytes());
+    }
+    work.weight_bytes += static_cast<double>(layer.attention_norm.nbytes() + layer.ffn_norm.nbytes());
+  }
+  const auto t = static_cast<double>(tokens);
+  // Projections and classifier, then attention scores and values over the context.
+  work.flops = 2 * matrix_elements * t +
+               2 * 2 * static_cast<double>(c.n_layers * c.dim) * static_cast<double>(context + tokens) * t;
+  return work;
+}
+
+void BM_Forward(benchmark::State& state) {
+  const int64_t tokens = state.range(0);
+  Model& model = target();
+  c10::InferenceMode inference;
+  auto cache = model.make_cache(1);
+  const auto ids = at::TensorOptions().dtype(at::kLong).device(bench::device());
+  (void)model.forward(at::randint(0, 256, {1, kContext}, ids), cache);
+  const at::Tensor fresh = at::randint(0, 256, {1, tokens}, ids);
+  double seconds = 0;
+  int64_t forwards = 0;
+  for (auto _ : state) {
+    synchronize();
+    const auto start = Clock::now();
+    const at::Tensor logits = model.forward(fresh, cache);
+    synchronize();
+    seconds += seconds_since(start);
+    ++forwards;
+    benchmark::DoNotOptimize(logits.data_ptr());
+    cache.prune(tokens);
+  }
+  const Work work = work_of(model, tokens, kContext);
+  const Floor& floor = floor_rates();
+  const double floor_seconds =
+      std::max(work.weight_bytes / floor.copy_bytes_per_second, work.flops / floor.gemm_flops_per_second);
+  const double ms = 1e3 * seconds / static_cast<double>(forwards);
+  state.counters["forward_ms"] = ms;
+  state.counters["floor_ms"] = 1e3 * floor_seconds;
+  state.counters["ratio_to_floor"] = ms / (1e3 * floor_seconds);
+  state.counters["gemm_gflops"] = floor.gemm_flops_per_second / 1e9;
+  state.counters["copy_gbytes_per_s"] = floor.copy_bytes_per_second / 1e9;
+}
+
+// The 200-token prefill on its own.
+void BM_Prefill(benchmark::State& state) {
+  Model& model = target();
+  const auto ids = at::TensorOptions().dtype(at::kLong).device(bench::device());
+  const at::Tensor prompt = at::randint(0, 256, {1, kContext}, ids);
+  c10::InferenceMode inference;
+  double seconds = 0;
+  int64_t runs = 0;
+  for (auto _ : state) {
+    auto cache = model.make_cache(1);
+    synchronize();
+    const auto start = Clock::now();
+    benchmark::DoNotOptimize(model.forward(prompt, cache).data_ptr());
+    synchronize();
+    seconds += seconds_since(start);
+    ++runs;
+  }
+  state.counters["prefill_ms"] = 1e3 * seconds / static_cast<double>(runs);
+  state.counters["prefill_tokens_per_second"] = static_cast<double>(kContext * runs) / seconds;
+}
+
+}  // namespace
+
+BENCHMARK(BM_Forward)->Arg(1)->Arg(2)->Arg(3)->Arg(5)->Arg(9)->Unit(benchmark::kMillisecond)->MinTime(0.5);
+BENCHMARK(BM_Prefill)->Unit(benchmark::kMillisecond)->MinTime(0.5);
+
+int main(int argc, char** argv) { return specdec::bench::run_benchmarks(argc, argv); }
