@@ -119,7 +119,7 @@ class Session {
   template <class S, LogitsProcessor P>
   GenerationResult run(S& source, const SpeculativeOptions& options, const P& processor, bool draft) {
     detail::check_source(source, vocab(), options);
-    const int64_t limit = detail::generation_limit(runner_.model(), source);
+    const int64_t limit = detail::sequence_limit(runner_.model());  // sources bound only their drafts
     detail::check_common(options, tokens_, vocab(), limit);
     return detail::run_generation(runner_, tokens_, source, options, processor, limit, draft);
   }

@@ -233,13 +233,6 @@ SpeculativeOptions step_options(const Options& options) {
   return step;
 }
 
-// The sequence limit of a generation: the target's. A source with a shorter context drafts less
-// near its end and nothing beyond it (source_room), so it never cuts a generation short.
-template <LanguageModel T, class S>
-int64_t generation_limit(const T& target, const S& /*source*/) {
-  return sequence_limit(target);
-}
-
 // Validates a draft source against the target (vocabulary) and the options.
 template <class S>
 void check_source(const S& source, int64_t vocab, const SpeculativeOptions& options) {
@@ -271,7 +264,9 @@ template <Target T, class S, LogitsProcessor P = GreedyProcessor>
                                              const SpeculativeOptions& options = {}, const P& processor = {}) {
   const auto vocab = static_cast<int64_t>(target.vocab_size());
   detail::check_source(source, vocab, options);
-  const int64_t limit = detail::generation_limit(target, source);
+  // The target's limit: a source with a shorter context drafts less near its end and nothing
+  // beyond it (source_room), so it never cuts a generation short.
+  const int64_t limit = detail::sequence_limit(target);
   detail::check_common(options, prompt, vocab, limit);
   std::vector<int64_t> sequence(prompt.begin(), prompt.end());
   detail::ModelRunner<T> runner(target, "target", options.use_cache);
