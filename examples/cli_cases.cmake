@@ -39,6 +39,9 @@ specdec_cli_case(save_storage_in_autoregressive 2 "--save-storage applies to --m
   --mode autoregressive --save-storage x.bin)
 specdec_cli_case(ngram_order_with_storage 2 "--ngram-order does not apply with --storage" ${G} --mode ngram
   --storage "${PROJECT_SOURCE_DIR}/README.md" --ngram-order 4)
+specdec_cli_case(draft_min_share_above_one 2 "--draft-min-share: 1.5 is outside \\[0, 1\\]" ${G} --mode ngram
+  --draft-min-share 1.5)
+specdec_cli_case(draft_rule_in_speculative 2 "--draft-min-share applies to --mode ngram" ${G} --draft-min-share 0.9)
 specdec_cli_case(trace_in_beam 2 "--trace applies to" ${G} --mode beam --trace)
 specdec_cli_case(compare_in_beam 2 "--compare applies to" ${G} --mode beam --compare)
 specdec_cli_case(temperature_in_beam 2 "--temperature applies to" ${G} --mode beam --temperature 0.5)

@@ -63,6 +63,7 @@ struct Arguments {
   int64_t tree_nodes = 64;
   int64_t ngram_order = 3;
   int64_t filler = 3;
+  NGramDraftRule draft_rule;
   std::string storage, save_storage;
   double length_penalty = 1.0;
   int64_t max_new_tokens = 200;
@@ -142,6 +143,9 @@ const std::vector<FlagModes>& flag_modes() {
       {"--target-acceptance", {"speculative"}},
       {"--ngram-order", {"ngram"}},
       {"--filler", drafting},
+      {"--draft-min-count", {"ngram"}},
+      {"--draft-min-share", {"ngram"}},
+      {"--draft-min-context", {"ngram"}},
       {"--storage", {"ngram", "stand"}},
       {"--save-storage", {"ngram", "stand"}},
       {"--trajectories", {"stand"}},
@@ -257,6 +261,16 @@ Arguments parse(int argc, char** argv) {
       ->check(cli::integer<int64_t>(2, 8))->group(ngram);
   app.add_option("--filler", a.filler, "teach the storage the target's top-K per position (default 3; 1 = off)")
       ->check(cli::integer<int64_t>(1, 64))->group(ngram);
+  app.add_option("--draft-min-count", a.draft_rule.min_count,
+                 "confident drafting: stop where the best follower was seen fewer times (default 1 = off)")
+      ->check(cli::integer<int64_t>(1, int64_t{1} << 31))->group(ngram);
+  app.add_option("--draft-min-share", a.draft_rule.min_share,
+                 "confident drafting: stop where the best follower has a smaller share of its context "
+                 "(default 0 = off; 0.9 with --draft-min-context n-1 drafts best on bench_ngram's stream)")
+      ->check(cli::real(0.0, 1.0))->group(ngram);
+  app.add_option("--draft-min-context", a.draft_rule.min_context,
+                 "confident drafting: back off to contexts of at least this many tokens (default 1)")
+      ->check(cli::integer<int64_t>(1, 128))->group(ngram);
   app.add_option("--storage", a.storage, "start from a storage saved with --save-storage")->group(ngram);
   app.add_option("--save-storage", a.save_storage, "save the storage after generating")->group(ngram);
 
@@ -550,7 +564,7 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const Text
           return ngram_assisted_generate_batch(*storage, target, prompts,
                                                {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
                                                 .stop_sequences = stops, .seed = a.seed, .gamma = a.gamma,
-                                                .filler_top_k = 1},
+                                                .filler_top_k = 1, .draft_rule = a.draft_rule},
                                                p);
         }
         if (drafter != nullptr) {
@@ -727,7 +741,8 @@ int run(const Arguments& a) {
       [&](const auto& p) {
         const NGramAssistedOptions ngram_options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
                                                  .stop_sequences = stops, .seed = a.seed, .on_step = on_step,
-                                                 .gamma = a.gamma, .filler_top_k = a.filler};
+                                                 .gamma = a.gamma, .filler_top_k = a.filler,
+                                                 .draft_rule = a.draft_rule};
         if (storage) return ngram_assisted_generate(*storage, target, prompt, ngram_options, p);
         if (a.mode == "prompt-lookup") {
           PromptLookupDrafter lookup;

@@ -2,8 +2,8 @@
 # Installs what specdec needs on Debian 12 (bookworm): a C++20 compiler, CMake, Ninja, libtorch
 # (CPU), OpenBLAS (without it libtorch falls back to a reference BLAS about 25x slower),
 # GoogleTest, Google Benchmark, nlohmann-json (for the checkpoint loaders), CLI11 (the programs'
-# command lines), xxHash (checksums of saved storages, header-only), tsl-hopscotch-map (the
-# n-gram tables; header-only and optional for users), clang with its
+# command lines), xxHash (checksums of saved storages, header-only), tsl-hopscotch-map (only for the
+# benchmark that compares it with the n-gram storages' own table; header-only), clang with its
 # libFuzzer runtime (for the loaders' fuzz target) and libpython3.11-stdlib (the Python sources
 # the bundled models were trained and are evaluated on). Idempotent: installs only what is missing.
 set -euo pipefail

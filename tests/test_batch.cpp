@@ -126,6 +126,21 @@ TEST(BatchGreedy, NGramRowsEqualAutoregressive) {
     accepted += results[r].stats.accepted;
   }
   EXPECT_GT(accepted, 0);
+  // Confident drafting in a batch: each row stops its own draft where the counts are not confident.
+  NGramStorage confident(3, 12);
+  const NGramDraftRule rule{.min_share = 0.9, .min_context = 2};
+  const auto stopped = ngram_assisted_generate_batch(
+      confident, target, prompts, {.max_new_tokens = 30, .gamma = 4, .filler_top_k = 1, .draft_rule = rule});
+  int64_t drafted = 0, drafted_neutral = 0;
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    EXPECT_EQ(stopped[r].tokens, results[r].tokens) << r;
+    drafted += stopped[r].stats.drafted;
+    drafted_neutral += results[r].stats.drafted;
+  }
+  EXPECT_LT(drafted, drafted_neutral);
+  PromptLookupDrafter lookup;
+  EXPECT_THROW((void)ngram_assisted_generate_batch(lookup, target, prompts, {.filler_top_k = 1, .draft_rule = rule}),
+               std::invalid_argument);
 }
 
 TEST(BatchHostCopies, OnePerStepForTheWholeBatch) {

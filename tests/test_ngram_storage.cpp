@@ -8,6 +8,7 @@
 #include <random>
 
 #include "specdec/generate.hpp"
+#include "specdec/text/token_stream.hpp"
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
@@ -137,6 +138,177 @@ TEST(ProbabilisticNGramStorage, MemoryBytesEqualsTheAllocatorsAccounting) {
   });
 }
 
+// A plain count of every (context, follower) pair of lengths 1 .. n - 1, as initialize() learns them.
+using ReferenceCounts = std::map<Tokens, std::map<int64_t, uint32_t>>;
+ReferenceCounts reference_counts(const std::vector<Tokens>& texts, int64_t n) {
+  ReferenceCounts counts;
+  for (const Tokens& text : texts) {
+    for (size_t i = 1; i < text.size(); ++i) {
+      for (size_t length = 1; length <= std::min<size_t>(static_cast<size_t>(n - 1), i); ++length) {
+        ++counts[Tokens(text.begin() + static_cast<long>(i - length), text.begin() + static_cast<long>(i))][text[i]];
+      }
+    }
+  }
+  return counts;
+}
+
+// The compact layout (one slot per context, follower counts only for contexts with several) holds
+// exactly the plain counts, with 64-bit keys (n = 4 at vocabulary 32000: 60 bits) and 128-bit keys.
+TEST(NGramStorage, CompactCountsEqualAPlainCount) {
+  struct Case {
+    int64_t n, vocab, alphabet;
+    bool compact;
+  };
+  for (const Case c : {Case{4, 32000, 40, true}, Case{5, 32000, 40, false}, Case{2, 10, 10, true}, Case{8, 5000, 6, false}}) {
+    const Tokens text = random_tokens(20000, c.alphabet, static_cast<uint64_t>(c.n));
+    NGramStorage storage(c.n, c.vocab, NGramTies::smallest_token);
+    storage.initialize(text);
+    EXPECT_EQ(storage.compact_keys(), c.compact) << c.n;
+    const ReferenceCounts reference = reference_counts({text}, c.n);
+    size_t ngrams = 0, mismatches = 0;
+    for (const auto& [context, followers] : reference) {
+      int64_t best = -1;
+      uint32_t best_count = 0;
+      for (const auto& [follower, count] : followers) {
+        ++ngrams;
+        mismatches += storage.count(context, follower) != count;
+        if (count > best_count) best = follower, best_count = count;  // ascending: ties keep the smallest
+      }
+      mismatches += storage.count(context, (best + 1) % c.vocab) != (followers.count((best + 1) % c.vocab) ? followers.at((best + 1) % c.vocab) : 0u);
+      if (static_cast<int64_t>(context.size()) == c.n - 1) mismatches += storage.next_token(context) != best;
+    }
+    EXPECT_EQ(mismatches, 0u) << c.n;
+    EXPECT_EQ(storage.size(), ngrams);
+    EXPECT_EQ(storage.contexts(), reference.size());
+    const NGramStorage copy = storage;  // the flat tables copy whole
+    expect_same_predictions(storage, copy, random_tokens(300, c.alphabet, 77));
+  }
+}
+
+// Under NGramTies::smallest_token the best follower depends only on the counts: storages built
+// on parts and merged equal one storage that learned every part, prediction for prediction and
+// draft for draft. Under first_to_reach the order shows (which this data is chosen to show).
+TEST(NGramStorage, SmallestTokenTiesMakeAMergeEqualOneBuild) {
+  const std::vector<Tokens> parts{random_tokens(3000, 6, 11), random_tokens(3000, 6, 12), random_tokens(3000, 6, 13)};
+  const Tokens probe = random_tokens(2000, 6, 14);
+  const auto differences = [&](NGramTies ties) {
+    NGramStorage merged(3, 6, ties), other(3, 6, ties), single(3, 6, ties);
+    for (size_t i = parts.size(); i-- > 0;) single.initialize(parts[i]);  // the other order
+    merged.initialize(parts[0]);
+    for (size_t i = 1; i < parts.size(); ++i) {
+      NGramStorage part(3, 6, ties);
+      part.initialize(parts[i]);
+      merged.merge(part);
+    }
+    EXPECT_EQ(merged.size(), single.size());
+    int64_t differ = 0;
+    std::vector<int64_t> a(8), b(8);
+    const NGramDraftRule rule{.min_share = 0.3};
+    for (size_t end = 1; end <= probe.size(); ++end) {
+      const auto context = std::span(probe).first(end);
+      differ += merged.next_token(context) != single.next_token(context);
+      const int64_t ka = merged.draft(context, a, rule), kb = single.draft(context, b, rule);
+      differ += ka != kb || !std::equal(a.begin(), a.begin() + ka, b.begin());
+    }
+    return differ;
+  };
+  EXPECT_EQ(differences(NGramTies::smallest_token), 0);
+  EXPECT_GT(differences(NGramTies::first_to_reach), 0);
+}
+
+TEST(NGramStorage, SmallestTokenWinsATie) {
+  NGramStorage storage(2, 10, NGramTies::smallest_token);
+  storage.update(Tokens{1}, Tokens{6});
+  storage.update(Tokens{1}, Tokens{4});
+  EXPECT_EQ(storage.next_token(Tokens{1}), 4);  // tie 1:1, 4 is smaller
+  storage.update(Tokens{1}, Tokens{6});
+  EXPECT_EQ(storage.next_token(Tokens{1}), 6);  // 2:1
+  storage.update(Tokens{1}, Tokens{4});
+  EXPECT_EQ(storage.next_token(Tokens{1}), 4);  // 2:2
+  EXPECT_EQ(storage.count(Tokens{1}, 6), 2u);
+  EXPECT_EQ(storage.count(Tokens{1}, 5), 0u);
+  EXPECT_EQ(storage.count(Tokens{3}, 5), 0u);
+  EXPECT_THROW((void)storage.count(Tokens{1, 2}, 5), std::invalid_argument);
+  EXPECT_THROW(NGramStorage(3, 10, static_cast<NGramTies>(7)), std::invalid_argument);
+}
+
+// draft() stops at the first position whose longest known context is not confident.
+TEST(NGramStorage, DraftStopsWhereTheCountsAreNotConfident) {
+  NGramStorage storage(3, 10);
+  storage.initialize(Tokens{1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 7});  // (1, 2) -> 3 twice, 7 once
+  std::vector<int64_t> out(6);
+  const auto draft = [&](const Tokens& context, const NGramDraftRule& rule, size_t room = 6) {
+    const int64_t k = storage.draft(context, std::span(out).first(room), rule);
+    return Tokens(out.begin(), out.begin() + k);
+  };
+  EXPECT_EQ(draft({1, 2}, {}), (Tokens{3, 4, 5, 1, 2, 3}));                         // neutral: as far as known
+  EXPECT_EQ(draft({1, 2}, {}, 2), (Tokens{3, 4}));                                  // out's size bounds it
+  EXPECT_EQ(draft({1, 2}, {.min_share = 0.6}), (Tokens{3, 4, 5, 1, 2, 3}));          // 2 of 3 passes 0.6
+  EXPECT_EQ(draft({1, 2}, {.min_share = 0.7}), Tokens{});                           // ... but not 0.7
+  EXPECT_EQ(draft({3, 4}, {.min_share = 0.7}), (Tokens{5, 1, 2}));                  // stops at (1, 2)
+  EXPECT_EQ(draft({1, 2}, {.min_count = 2}), (Tokens{3, 4, 5, 1, 2, 3}));
+  EXPECT_EQ(draft({4, 5}, {.min_count = 3}), Tokens{});
+  EXPECT_EQ(draft({9, 3}, {}), (Tokens{4, 5, 1, 2, 3, 4}));                         // backs off to (3)
+  EXPECT_EQ(draft({9, 3}, {.min_context = 2}), Tokens{});                           // longest only
+  EXPECT_EQ(draft({9, 3}, {.min_context = 99}), Tokens{});                          // clamped to n - 1
+  EXPECT_EQ(draft({9, 9}, {}), Tokens{});
+  EXPECT_EQ(draft({}, {}), Tokens{});
+  const auto message = [&](const NGramDraftRule& rule) {
+    try {
+      (void)storage.draft(Tokens{1}, out, rule);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message({.min_share = 1.5}), "draft_rule.min_share must be in [0, 1], got 1.5");
+  EXPECT_EQ(message({.min_count = 0}), "draft_rule.min_count must be in [1, 2^32 - 1], got 0");
+  EXPECT_EQ(message({.min_context = 0}), "draft_rule.min_context must be >= 1, got 0");
+}
+
+// Under the neutral rule draft() is next_token() applied to its own output until a context is
+// unknown, for both key widths and both storage kinds.
+TEST(NGramStorage, NeutralDraftEqualsRepeatedNextToken) {
+  const Tokens text = random_tokens(5000, 30, 21);
+  const Tokens probe = random_tokens(500, 30, 22);
+  const auto check = [&](const auto& storage) {
+    std::vector<int64_t> out(5);
+    for (size_t end = 0; end <= probe.size(); ++end) {
+      Tokens context(probe.begin(), probe.begin() + static_cast<long>(end)), expected;
+      while (expected.size() < out.size()) {
+        const auto next = storage.next_token(context);
+        if (!next) break;
+        expected.push_back(*next);
+        context.push_back(*next);
+      }
+      const int64_t k = storage.draft(std::span(probe).first(end), out);
+      ASSERT_EQ(Tokens(out.begin(), out.begin() + k), expected) << storage << " at " << end;
+    }
+  };
+  for (const int64_t n : {3, 4, 6}) {
+    NGramStorage storage(n, 30);
+    storage.initialize(text);
+    check(storage);
+    OneLevelNGramStorage one(n, 30);
+    one.initialize(text);
+    check(one);
+  }
+}
+
+TEST(TokenStream, IsSeededZipfWithCopiedSpans) {
+  const text::TokenStreamOptions options{.tokens = 200000, .vocab_size = 1000};
+  const text::TokenStream a = text::make_token_stream(options), b = text::make_token_stream(options);
+  EXPECT_EQ(a.tokens, b.tokens);
+  ASSERT_EQ(a.tokens.size(), 200000u);
+  EXPECT_NEAR(static_cast<double>(a.copied) / 200000.0, 0.3, 0.03);
+  EXPECT_TRUE(std::all_of(a.tokens.begin(), a.tokens.end(), [](int64_t t) { return t >= 0 && t < 1000; }));
+  const auto zeros = std::count(a.tokens.begin(), a.tokens.end(), 0);  // Zipf 1.1 over 1000: p(0) ~ 0.16
+  EXPECT_GT(zeros, 200000 / 10);
+  EXPECT_NE(text::make_token_stream({.tokens = 1000, .seed = 1}).tokens, text::make_token_stream({.tokens = 1000, .seed = 2}).tokens);
+  EXPECT_THROW((void)text::make_token_stream({.copied_share = 1.0}), std::invalid_argument);
+  EXPECT_THROW((void)text::make_token_stream({.min_span = 5, .max_span = 4}), std::invalid_argument);
+}
+
 TEST(NGramStorage, SaveAndLoadRoundTrip) {
   const Tokens text = random_tokens(3000, 50, 1);
   NGramStorage storage(4, 50);
@@ -151,6 +323,14 @@ TEST(NGramStorage, SaveAndLoadRoundTrip) {
   one.save(path);
   expect_same_predictions(one, OneLevelNGramStorage::load(path), random_tokens(400, 50, 3));
   EXPECT_THROW((void)NGramStorage::load(path), io::FormatError);  // a one-level file
+  // The tie rule travels with the file; 128-bit keys save and load too.
+  NGramStorage ties(6, 50000, NGramTies::smallest_token);
+  ties.initialize(random_tokens(3000, 7, 4));
+  ties.save(path);
+  const NGramStorage loaded_ties = NGramStorage::load(path);
+  EXPECT_EQ(loaded_ties.ties(), NGramTies::smallest_token);
+  EXPECT_FALSE(loaded_ties.compact_keys());
+  expect_same_predictions(ties, loaded_ties, random_tokens(400, 7, 5));
   std::filesystem::remove(path);
 }
 
@@ -190,6 +370,12 @@ TEST(NGramStorage, RejectsCorruptFiles) {
   std::string wrong_token = version1;
   wrong_token[48] = static_cast<char>(0xff);  // the first n-gram's first token becomes >= 20
   expect_error(wrong_token, "invalid");
+  std::string unknown_ties = version1;
+  unknown_ties[20] = 7;  // the tie rule field
+  expect_error(unknown_ties, "tie rule 7 is unknown");
+  std::string repeated = version1;  // the second n-gram entry (20 bytes each) made a copy of the first
+  repeated.replace(68, 20, version1.substr(48, 20));
+  expect_error(repeated, "n-gram entry 1 is invalid (repeated)");
   expect_error(version1.substr(0, 10), "truncated");
   std::filesystem::remove(path);
 }
@@ -261,6 +447,37 @@ TEST(NGramAssistedGenerate, GreedyEqualsAutoregressive) {
   EXPECT_LT(accepted, drafted);
 }
 
+// Confident drafting changes what is drafted, never what is generated.
+TEST(NGramAssistedGenerate, ConfidentDraftingStaysExactAndDraftsLess) {
+  test::PrefixHashModel target(12, 5);
+  const Tokens prompt{1, 2, 3, 4, 1, 2, 3, 4, 5};
+  const auto reference = autoregressive_generate(target, prompt, {.max_new_tokens = 60});
+  const std::vector<NGramDraftRule> rules{NGramDraftRule{}, NGramDraftRule{.min_share = 0.9, .min_context = 2},
+                                          NGramDraftRule{.min_count = 2, .min_share = 0.5}};
+  std::vector<int64_t> drafted(rules.size(), 0);
+  for (int64_t gamma = 1; gamma <= 8; ++gamma) {
+    for (size_t i = 0; i < rules.size(); ++i) {
+      NGramStorage storage(3, 12);
+      const auto result = ngram_assisted_generate(storage, target, prompt,
+                                                  {.max_new_tokens = 60, .gamma = gamma, .draft_rule = rules[i]});
+      EXPECT_EQ(result.tokens, reference.tokens) << gamma << " " << rules[i];
+      drafted[i] += result.stats.drafted;
+    }
+  }
+  EXPECT_LT(drafted[1], drafted[0]);
+  EXPECT_LT(drafted[2], drafted[0]);
+  PromptLookupDrafter lookup;
+  try {
+    (void)ngram_assisted_generate(lookup, target, prompt, {.draft_rule = {.min_share = 0.5}});
+    FAIL() << "a rule for a drafter without counts";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("draft_rule needs a storage with counts"), std::string::npos) << e.what();
+  }
+  NGramStorage storage(3, 12);
+  EXPECT_THROW((void)ngram_assisted_generate(storage, target, prompt, {.draft_rule = {.min_count = 0}}),
+               std::invalid_argument);
+}
+
 TEST(NGramAssistedGenerate, LearnsRepeatedTextAndCutsTargetCalls) {
   test::MarkovModel target(pattern_chain(8));
   NGramStorage storage(3, 8);
@@ -311,7 +528,7 @@ Tokens biased_generate(test::MarkovModel& target, NGramStorage& storage, const T
 }
 
 template <class P>
-test::ChiSquare fit(const P& processor, bool biased, int64_t samples) {
+test::ChiSquare fit(const P& processor, bool biased, int64_t samples, const NGramDraftRule& rule = {}) {
   test::MarkovModel target(noisy_chain());
   const Tokens prompt{0, 1, 2, 3, 0};
   std::map<Tokens, int64_t> observed;
@@ -321,7 +538,7 @@ test::ChiSquare fit(const P& processor, bool biased, int64_t samples) {
     const Tokens tokens = biased ? biased_generate(target, storage, prompt, processor, gen)
                                  : ngram_assisted_generate(storage, target, prompt,
                                                            {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i),
-                                                            .gamma = 3, .first_target = false},
+                                                            .gamma = 3, .draft_rule = rule, .first_target = false},
                                                            processor).tokens;
     ++observed[tokens];
   }
@@ -346,5 +563,10 @@ void expect_exact_and_detectable(const P& processor) {
 
 TEST(NGramAssistedDistribution, MultinomialEqualsTarget) { expect_exact_and_detectable(MultinomialProcessor{1.0}); }
 TEST(NGramAssistedDistribution, TopKEqualsTarget) { expect_exact_and_detectable(TopKProcessor{3}); }
+TEST(NGramAssistedDistribution, ConfidentDraftsEqualTarget) {
+  const auto exact = fit(MultinomialProcessor{1.0}, false, 8000, {.min_share = 0.5});
+  EXPECT_EQ(exact.outside_support, 0);
+  EXPECT_LT(exact.statistic, test::chi_square_quantile(exact.dof, 4.75));
+}
 
 }  // namespace

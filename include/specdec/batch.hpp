@@ -378,8 +378,11 @@ class ModelBatchDrafts {
 template <NGramDrafter S>
 class NGramBatchDrafts {
  public:
-  NGramBatchDrafts(S& storage, int64_t batch, const at::Device& device, bool stop_if_unknown)
-      : storage_(storage), device_(device), stop_if_unknown_(stop_if_unknown), learned_(static_cast<size_t>(batch), 0) {}
+  NGramBatchDrafts(S& storage, int64_t batch, const at::Device& device, bool stop_if_unknown, NGramDraftRule rule)
+      : storage_(storage), device_(device), stop_if_unknown_(stop_if_unknown), rule_(rule),
+        learned_(static_cast<size_t>(batch), 0) {
+    check_draft_rule<S>(rule);
+  }
 
   void start(std::span<const std::vector<int64_t>> prompts) {
     for (size_t r = 0; r < prompts.size(); ++r) {
@@ -396,17 +399,9 @@ class NGramBatchDrafts {
     buffer_.assign(static_cast<size_t>(b * k), 0);
     for (int64_t r = 0; r < b; ++r) {
       context_.assign(sequences[static_cast<size_t>(r)].begin(), sequences[static_cast<size_t>(r)].end());
-      int64_t made = 0;
-      for (; made < k; ++made) {
-        std::optional<int64_t> next = storage_.next_token(context_);
-        if (!next) {
-          if (stop_if_unknown_) break;
-          next = context_.back();
-        }
-        buffer_[static_cast<size_t>(r * k + made)] = *next;
-        context_.push_back(*next);
-      }
-      result.valid.push_back(made);
+      int64_t calls = 0;
+      result.valid.push_back(draft_ngrams(storage_, context_, std::span(buffer_).subspan(static_cast<size_t>(r * k), static_cast<size_t>(k)),
+                                          rule_, stop_if_unknown_, calls));
     }
     result.tokens = to_device<int64_t>(buffer_, {b, k}, device_);
     return result;
@@ -427,6 +422,7 @@ class NGramBatchDrafts {
   S& storage_;
   at::Device device_;
   bool stop_if_unknown_;
+  NGramDraftRule rule_;
   std::vector<size_t> learned_;
   std::vector<int64_t> buffer_, context_;
 };
@@ -528,7 +524,7 @@ template <NGramDrafter S, Target T, LogitsProcessor P = GreedyProcessor>
   const int64_t limit = detail::sequence_limit(target);
   detail::check_batch(options, prompts, static_cast<int64_t>(target.vocab_size()), limit);
   detail::NGramBatchDrafts<S> drafts(storage, static_cast<int64_t>(prompts.size()), target.device(),
-                                     options.stop_if_unknown);
+                                     options.stop_if_unknown, options.draft_rule);
   drafts.start(prompts);
   return detail::run_batch(target, prompts, detail::step_options(options), processor, drafts, limit, /*draft=*/true);
 }

@@ -174,8 +174,23 @@ class ModelDraftSource {
   std::vector<at::Tensor> probs_;
 };
 
-static_assert(NGramDrafter<OneLevelNGramStorage>);
-static_assert(NGramDrafter<NGramStorage>);
+// ConfidentNGramDrafter: an NGramDrafter that drafts several tokens at once and stops by its
+// counts.
+//
+// A type S satisfies ConfidentNGramDrafter if it satisfies NGramDrafter and, for `cs` a const S,
+// `tokens` a span of token ids, `out` a span of int64 and `rule` an NGramDraftRule:
+//   1. `cs.draft(tokens, out, rule)` writes at most out.size() tokens that it predicts after
+//      `tokens` and returns how many, stopping where `rule` finds its statistics not confident.
+// Not required: that draft() agrees with next_token() beyond the first token.
+template <class S>
+concept ConfidentNGramDrafter =
+    NGramDrafter<S> && requires(const S& cs, std::span<const int64_t> tokens, std::span<int64_t> out,
+                                const NGramDraftRule& rule) {
+      { cs.draft(tokens, out, rule) } -> std::convertible_to<int64_t>;
+    };
+
+static_assert(ConfidentNGramDrafter<OneLevelNGramStorage>);
+static_assert(ConfidentNGramDrafter<NGramStorage>);
 static_assert(NGramDrafter<PromptLookupDrafter>);
 
 // Settings of NGramDraftSource (the n-gram fields of NGramAssistedOptions).
@@ -184,7 +199,55 @@ struct NGramDraftSettings {
                                   // position (>= 1; 1: only the emitted tokens)
   bool stop_if_unknown = false;   // stop drafting at an unknown context; false drafts the
                                   // context's last token again there
+  NGramDraftRule draft_rule{};    // when a storage's draft stops by its counts (needs a
+                                  // ConfidentNGramDrafter unless neutral)
 };
+
+namespace detail {
+
+// Drafts up to out.size() tokens after `context` into `out`, appending them to `context`:
+// a ConfidentNGramDrafter's draft() under `rule`, otherwise next_token() per token. Where no
+// context at all is known, stop_if_unknown ends the draft and otherwise drafts the context's last
+// token again and goes on; a stop by the rule's confidence ends it. Returns how many tokens it
+// drafted; `calls` counts the storage's calls.
+template <NGramDrafter S>
+int64_t draft_ngrams(const S& storage, std::vector<int64_t>& context, std::span<int64_t> out,
+                     const NGramDraftRule& rule, bool stop_if_unknown, int64_t& calls) {
+  const auto k = static_cast<int64_t>(out.size());
+  int64_t made = 0;
+  while (made < k) {
+    std::optional<int64_t> next;
+    if constexpr (ConfidentNGramDrafter<S>) {
+      const int64_t drafted = storage.draft(context, out.subspan(static_cast<size_t>(made)), rule);
+      ++calls;
+      context.insert(context.end(), out.begin() + made, out.begin() + made + drafted);
+      made += drafted;
+      if (made == k) break;
+      if (storage.next_token(context)) break;  // known but not confident: the rule stops here
+    } else {
+      next = storage.next_token(context);
+      ++calls;
+    }
+    if (!next) {
+      if (stop_if_unknown || context.empty()) break;
+      next = context.back();
+    }
+    out[static_cast<size_t>(made++)] = *next;
+    context.push_back(*next);
+  }
+  return made;
+}
+
+template <NGramDrafter S>
+void check_draft_rule(const NGramDraftRule& rule) {
+  rule.validate();
+  if (!ConfidentNGramDrafter<S> && !rule.neutral()) {
+    throw std::invalid_argument(
+        "draft_rule needs a storage with counts (NGramStorage, OneLevelNGramStorage): this drafter has no draft()");
+  }
+}
+
+}  // namespace detail
 
 // Drafts from an n-gram storage or prompt lookup (seed 000, NASD): deterministic drafts from the
 // storage's statistics, which learn the sequence and the target's top-k online. Host-side work
@@ -196,6 +259,7 @@ class NGramDraftSource {
   explicit NGramDraftSource(S& storage, NGramDraftSettings settings = {})
       : storage_(storage), settings_(settings) {
     if (settings.filler_top_k < 1) detail::throw_invalid("filler_top_k", "be >= 1", settings.filler_top_k);
+    detail::check_draft_rule<S>(settings.draft_rule);
   }
 
   [[nodiscard]] int64_t target_top_k() const noexcept { return settings_.filler_top_k > 1 ? settings_.filler_top_k : 0; }
@@ -222,18 +286,10 @@ class NGramDraftSource {
     const auto sequence = request.sequence;
     context_.resize(std::min(context_.size() - drafts_.size(), sequence.size()));
     context_.insert(context_.end(), sequence.begin() + static_cast<std::ptrdiff_t>(context_.size()), sequence.end());
-    drafts_.clear();
+    drafts_.resize(static_cast<size_t>(request.gamma));
     int64_t calls = 0;
-    for (int64_t i = 0; i < request.gamma; ++i) {
-      std::optional<int64_t> next = storage_.next_token(context_);
-      ++calls;
-      if (!next) {
-        if (settings_.stop_if_unknown) break;
-        next = context_.back();
-      }
-      drafts_.push_back(*next);
-      context_.push_back(*next);
-    }
+    drafts_.resize(static_cast<size_t>(
+        detail::draft_ngrams(storage_, context_, drafts_, settings_.draft_rule, settings_.stop_if_unknown, calls)));
     return Drafts::from_host(drafts_, request.device, calls);
   }
 

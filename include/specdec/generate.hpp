@@ -89,7 +89,9 @@ template <NGramDrafter S, Target T, LogitsProcessor P = GreedyProcessor>
                                                        const NGramAssistedOptions& options = {},
                                                        const P& processor = {}) {
   if (options.gamma < 1) detail::throw_invalid("gamma", "be >= 1", options.gamma);
-  NGramDraftSource<S> source(storage, {.filler_top_k = options.filler_top_k, .stop_if_unknown = options.stop_if_unknown});
+  NGramDraftSource<S> source(storage, {.filler_top_k = options.filler_top_k,
+                                       .stop_if_unknown = options.stop_if_unknown,
+                                       .draft_rule = options.draft_rule});
   return generate_with(source, target, prompt, detail::step_options(options), processor);
 }
 
