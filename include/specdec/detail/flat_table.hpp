@@ -1,6 +1,6 @@
 // A flat open-addressing hash table for the n-gram storages: linear probing over one array of
-// (key, value) slots packed to 4-byte alignment (a 64-bit key and 12 bytes of counts take 20
-// bytes, not 24), any capacity (a hash picks its home slot by multiply-shift, not by a mask), grown
+// (key, value) slots without padding (the key is kept as bytes, so a 64-bit key and 12 bytes of
+// counts take 20 bytes, not 24), any capacity (a hash picks its home slot by multiply-shift, not by a mask), grown
 // by half when more than 4/5 full, so between 53% and 80% of the slots are used. An all-zero key marks an empty slot
 // (the packed n-gram keys carry their length, at least 1, in their top bits, so none is zero), and
 // keys and values are trivially copyable, so the array is one calloc'd block: memory_bytes() is
@@ -46,15 +46,14 @@ inline bool is_empty_key(const Key128& key) noexcept { return (key.low | key.hig
 template <class Key, class Value>
 class FlatTable {
   static_assert(std::is_trivially_copyable_v<Key> && std::is_trivially_copyable_v<Value>);
-  static_assert(alignof(Value) <= 4, "values are reached through pointers: they must keep their alignment");
 
  public:
-#pragma pack(push, 4)
+  // The key as bytes (read and written with memcpy, so nothing refers to it misaligned) and the
+  // value: sizeof(Key) + sizeof(Value) bytes, aligned as Value.
   struct Slot {
-    Key key;
+    unsigned char key[sizeof(Key)];
     Value value;
   };
-#pragma pack(pop)
   // At most 2^32 - 1 slots (the home slot is a 32 x 32-bit multiply-shift).
   static constexpr size_t kMaxCapacity = (size_t{1} << 32) - 1;
 
@@ -96,8 +95,9 @@ class FlatTable {
     if (capacity_ == 0) return nullptr;
     for (size_t i = home(key);; i = next(i)) {
       const Slot& slot = slots_[i];
-      if (slot.key == key) return &slot.value;
-      if (is_empty_key(slot.key)) return nullptr;
+      const Key stored = key_of(slot);
+      if (stored == key) return &slot.value;
+      if (is_empty_key(stored)) return nullptr;
     }
   }
 
@@ -107,9 +107,10 @@ class FlatTable {
     if ((size_ + 1) * 5 > capacity_ * 4) grow(std::max(capacity_ + capacity_ / 2, (size_ + 1) * 5 / 4 + 1));
     for (size_t i = home(key);; i = next(i)) {
       Slot& slot = slots_[i];
-      if (slot.key == key) return {&slot.value, false};
-      if (is_empty_key(slot.key)) {
-        slot.key = key;
+      const Key stored = key_of(slot);
+      if (stored == key) return {&slot.value, false};
+      if (is_empty_key(stored)) {
+        std::memcpy(slot.key, &key, sizeof(Key));
         ++size_;
         return {&slot.value, true};
       }
@@ -135,7 +136,8 @@ class FlatTable {
   template <class F>
   void for_each(F&& f) const {
     for (size_t i = 0; i < capacity_; ++i) {
-      if (!is_empty_key(slots_[i].key)) f(slots_[i].key, slots_[i].value);
+      const Key key = key_of(slots_[i]);
+      if (!is_empty_key(key)) f(key, slots_[i].value);
     }
   }
 
@@ -146,6 +148,11 @@ class FlatTable {
   FlatTable(std::unique_ptr<Slot[], Free> slots, size_t capacity, size_t size)
       : slots_(std::move(slots)), capacity_(capacity), size_(size) {}
 
+  static Key key_of(const Slot& slot) noexcept {
+    Key key;
+    std::memcpy(&key, slot.key, sizeof(Key));
+    return key;
+  }
   [[nodiscard]] size_t home(const Key& key) const noexcept {
     return static_cast<size_t>(((hash_key(key) >> 32) * static_cast<uint64_t>(capacity_)) >> 32);
   }
@@ -166,11 +173,15 @@ class FlatTable {
     bigger.allocate(std::max<size_t>(capacity, 16));
     constexpr size_t kAhead = 16;  // slots whose new home is prefetched before they are moved
     for (size_t i = 0; i < capacity_; ++i) {
-      if (i + kAhead < capacity_ && !is_empty_key(slots_[i + kAhead].key)) bigger.prefetch(slots_[i + kAhead].key);
+      if (i + kAhead < capacity_) {
+        const Key ahead = key_of(slots_[i + kAhead]);
+        if (!is_empty_key(ahead)) bigger.prefetch(ahead);
+      }
       const Slot& slot = slots_[i];
-      if (is_empty_key(slot.key)) continue;
-      size_t j = bigger.home(slot.key);
-      while (!is_empty_key(bigger.slots_[j].key)) j = bigger.next(j);
+      const Key key = key_of(slot);
+      if (is_empty_key(key)) continue;
+      size_t j = bigger.home(key);
+      while (!is_empty_key(key_of(bigger.slots_[j]))) j = bigger.next(j);
       bigger.slots_[j] = slot;
     }
     bigger.size_ = size_;

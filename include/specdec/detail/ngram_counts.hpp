@@ -127,6 +127,10 @@ struct ContextCounts {
   [[nodiscard]] bool several() const noexcept { return (best & kSeveral) != 0; }
 };
 
+static_assert(sizeof(FlatTable<uint64_t, ContextCounts>::Slot) == 20);
+static_assert(sizeof(FlatTable<uint64_t, uint32_t>::Slot) == 12);
+static_assert(sizeof(FlatTable<Key128, ContextCounts>::Slot) == 28);
+
 // Counts of (context, follower) n-grams for context lengths [min_context, n - 1], keyed by Key.
 template <class Key>
 class CompactNGramCounts {
