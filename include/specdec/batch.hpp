@@ -14,6 +14,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -203,6 +204,7 @@ template <BatchedLanguageModel T, class Drafting, LogitsProcessor P>
 std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<int64_t>> prompts,
                                         const SpeculativeOptions& options, const P& processor, Drafting& drafting,
                                         int64_t limit, bool draft) {
+  const c10::InferenceMode inference;  // no autograd in the loop (see run_generation)
   const auto batch = static_cast<int64_t>(prompts.size());
   std::vector<std::vector<int64_t>> sequences(prompts.begin(), prompts.end());
   std::vector<std::unique_ptr<GenerationState>> states;

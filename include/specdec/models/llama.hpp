@@ -108,6 +108,22 @@ class LlamaModel {
         at::outer(at::arange(config_.max_seq_len, at::kDouble), inv_freq);  // [max_seq, hd/2]
     rope_cos_ = angles.cos().to(options);
     rope_sin_ = angles.sin().to(options);
+    if (complex_rope()) {
+      rope_ = at::polar(at::ones_like(angles), angles).to(device()).to(at::toComplexType(dtype()));
+    }
+    // The projections that read the same input, concatenated once: q|k|v and gate|up, so a layer
+    // makes two products where it made five. The layer's own tensors become views of the fused
+    // ones, so the weights are held once.
+    const int64_t dim = config_.dim, kv_dim = config_.kv_dim(), hidden = config_.hidden_dim;
+    for (LlamaLayerWeights& w : weights_.layers) {
+      FusedLayer fused{at::cat({w.wq, w.wk, w.wv}, 0), at::cat({w.w1, w.w3}, 0)};
+      w.wq = fused.wqkv.narrow(0, 0, dim);
+      w.wk = fused.wqkv.narrow(0, dim, kv_dim);
+      w.wv = fused.wqkv.narrow(0, dim + kv_dim, kv_dim);
+      w.w1 = fused.w13.narrow(0, 0, hidden);
+      w.w3 = fused.w13.narrow(0, hidden, hidden);
+      fused_.push_back(std::move(fused));
+    }
   }
 
   [[nodiscard]] const LlamaConfig& config() const noexcept { return config_; }
@@ -235,6 +251,19 @@ class LlamaModel {
     return (wide * at::rsqrt(wide.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type()) * weight;
   }
 
+  // Whether rotary embeddings run as one complex product (float32 and float64; ATen has no
+  // complex half types on every device).
+  [[nodiscard]] bool complex_rope() const { return dtype() == at::kFloat || dtype() == at::kDouble; }
+
+  // Rotates consecutive pairs (2i, 2i+1) of x [B, T, heads, head_dim] by the angles of positions:
+  // pair (a, b) is the complex number a + ib times e^(i angle), given as `rotation`
+  // [rows, T, 1, hd/2]. One product and two views.
+  static at::Tensor rotate_complex(const at::Tensor& x, const at::Tensor& rotation) {
+    const auto sizes = x.sizes();
+    const at::Tensor pairs = at::view_as_complex(x.reshape({sizes[0], sizes[1], sizes[2], sizes[3] / 2, 2}));
+    return at::view_as_real(pairs * rotation).view(sizes);
+  }
+
   // Rotates consecutive pairs (2i, 2i+1) of x [B, T, heads, head_dim] by the angles of positions.
   at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
     const auto sizes = x.sizes();
@@ -255,8 +284,18 @@ class LlamaModel {
     const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
     // [1 or B, T, 1, hd/2] to broadcast over batch (positions [T]) or rows (positions [B, T]) and heads.
     const int64_t rows = positions.dim() == 2 ? batch : 1;
-    const at::Tensor cos = rope_cos_.index_select(0, positions.flatten()).view({rows, count, 1, head_dim / 2});
-    const at::Tensor sin = rope_sin_.index_select(0, positions.flatten()).view({rows, count, 1, head_dim / 2});
+    const std::vector<int64_t> rope_shape{rows, count, 1, head_dim / 2};
+    at::Tensor cos, sin, rotation;
+    if (complex_rope()) {
+      rotation = rope_.index_select(0, positions.flatten()).view(rope_shape);
+    } else {
+      cos = rope_cos_.index_select(0, positions.flatten()).view(rope_shape);
+      sin = rope_sin_.index_select(0, positions.flatten()).view(rope_shape);
+    }
+    const auto rotate_heads = [&](const at::Tensor& x) {
+      return complex_rope() ? rotate_complex(x, rotation) : rotate(x, cos, sin);
+    };
+    const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
     // The bias repeated for the query heads that share a key/value head: [group * T, T], or given
     // whole over every key column ([B, 1, group * T, keys]).
     const bool full_bias = bias.defined() && bias.dim() == 4;
@@ -265,10 +304,15 @@ class LlamaModel {
     at::Tensor x = at::embedding(weights_.token_embedding, ids);
     for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
       const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
+      const FusedLayer& fused = fused_[static_cast<size_t>(layer)];
       const at::Tensor h = rms_norm(x, w.attention_norm, config_.norm_eps);
-      const at::Tensor q = rotate(at::linear(h, w.wq).view({batch, count, heads, head_dim}), cos, sin);
-      const at::Tensor k = rotate(at::linear(h, w.wk).view({batch, count, kv_heads, head_dim}), cos, sin);
-      const at::Tensor v = at::linear(h, w.wv).view({batch, count, kv_heads, head_dim});
+      // q and k rotate together: [B, T, heads + kv_heads, hd].
+      const at::Tensor qkv = at::linear(h, fused.wqkv);
+      const at::Tensor qk =
+          rotate_heads(qkv.narrow(-1, 0, q_width + kv_width).reshape({batch, count, heads + kv_heads, head_dim}));
+      const at::Tensor q = qk.narrow(2, 0, heads);
+      const at::Tensor k = qk.narrow(2, heads, kv_heads);
+      const at::Tensor v = qkv.narrow(-1, q_width + kv_width, kv_width).view({batch, count, kv_heads, head_dim});
       const auto [keys, values] = cache.update(layer, k.transpose(1, 2), v.transpose(1, 2));
       // Queries grouped by their key/value head: [B, kv_heads, group * T, hd].
       const at::Tensor grouped = q.transpose(1, 2).reshape({batch, kv_heads, group * count, head_dim});
@@ -286,7 +330,9 @@ class LlamaModel {
                                       .reshape({batch, count, config_.dim});
       x = x + at::linear(attended, w.wo);
       const at::Tensor f = rms_norm(x, w.ffn_norm, config_.norm_eps);
-      x = x + at::linear(at::silu(at::linear(f, w.w1)) * at::linear(f, w.w3), w.w2);
+      const at::Tensor gate_up = at::linear(f, fused.w13);
+      const int64_t hidden = config_.hidden_dim;
+      x = x + at::linear(at::silu(gate_up.narrow(-1, 0, hidden)) * gate_up.narrow(-1, hidden, hidden), w.w2);
     }
     cache.commit(count);
     return at::linear(rms_norm(x, weights_.norm, config_.norm_eps), weights_.output);
@@ -333,10 +379,17 @@ class LlamaModel {
     expect(weights_.output, "output", {c.vocab_size, c.dim});
   }
 
+  struct FusedLayer {
+    at::Tensor wqkv;  // [dim + 2 kv_dim, dim]: wq, wk, wv
+    at::Tensor w13;   // [2 hidden_dim, dim]: w1 (gate), w3 (up)
+  };
+
   LlamaConfig config_;
   LlamaWeights weights_;
+  std::vector<FusedLayer> fused_;
   at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2]
   at::Tensor rope_sin_;
+  at::Tensor rope_;      // complex e^(i angle) [max_seq_len, head_dim / 2] (complex_rope() only)
 };
 
 // The config and weights of the model's first `n_layers` layers with the same embedding, final
