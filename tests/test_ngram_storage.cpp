@@ -295,6 +295,20 @@ TEST(NGramStorage, NeutralDraftEqualsRepeatedNextToken) {
   }
 }
 
+// The distinct-key estimate initialize() reserves from: HyperLogLog with 4096 registers has a
+// standard error of about 1.6%, so 5% is over three standard errors.
+TEST(NGramStorage, DistinctKeyEstimateIsWithinFivePercent) {
+  for (const uint64_t distinct : {0ULL, 10ULL, 1000ULL, 100000ULL, 1000000ULL}) {
+    specdec::detail::DistinctKeys keys;
+    for (uint64_t i = 0; i < distinct; ++i) {
+      keys.add(i + 1);
+      keys.add(i + 1);  // repeats do not count
+    }
+    EXPECT_NEAR(static_cast<double>(keys.estimate()), static_cast<double>(distinct), 0.05 * static_cast<double>(distinct) + 1)
+        << distinct;
+  }
+}
+
 TEST(TokenStream, IsSeededZipfWithCopiedSpans) {
   const text::TokenStreamOptions options{.tokens = 200000, .vocab_size = 1000};
   const text::TokenStream a = text::make_token_stream(options), b = text::make_token_stream(options);
