@@ -5,11 +5,14 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <numbers>
 #include <optional>
 #include <unordered_map>
 #include <random>
 #include <thread>
 
+#include "specdec/batch.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/tokenizer.hpp"
@@ -381,10 +384,18 @@ TEST(HfLlama, RejectsBadConfigs) {
   expect_format_error(load, "config.json", "key 'num_hidden_layers' must be an integer, got \"five\"");
   with([](auto& j) { j["num_key_value_heads"] = 3; });
   expect_format_error(load, "config.json", "n_kv_heads");
-  with([](auto& j) { j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}}; });
-  expect_format_error(load, "config.json", "rope_scaling");
-  with([](auto& j) { j["model_type"] = "mistral"; });
-  expect_format_error(load, "config.json", "model_type 'mistral'");
+  with([](auto& j) { j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; });
+  expect_format_error(load, "config.json", "rope_scaling.rope_type 'yarn' is not supported");
+  with([](auto& j) { j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}}; });
+  expect_format_error(load, "config.json", "rope_scaling.low_freq_factor must be a number");
+  with([](auto& j) { j["model_type"] = "gemma"; });
+  expect_format_error(load, "config.json", "model_type 'gemma' is not supported");
+  with([](auto& j) { j["architectures"] = {"MistralForCausalLM"}; });
+  expect_format_error(load, "config.json", "architectures [\"MistralForCausalLM\"] is not supported for model_type 'llama'");
+  with([](auto& j) { j["hidden_act"] = "gelu"; });
+  expect_format_error(load, "config.json", "hidden_act 'gelu' is not supported");
+  with([](auto& j) { j["model_type"] = "qwen2"; j["architectures"] = {"Qwen2ForCausalLM"}; j["use_sliding_window"] = true; });
+  expect_format_error(load, "config.json", "use_sliding_window: true is not supported");
   with([](auto& j) { j["hidden_size"] = 64; });
   expect_format_error(load, "model.safetensors", "has shape");
   write_file(dir.path() / "config.json", "{not json");
@@ -666,6 +677,245 @@ TEST(BundledPair, GreedyOnHeldOutTextEqualsAutoregressiveAtTwoOrMoreTokensPerTar
   std::cout << "bundled pair, held-out text, gamma 4: " << total.tokens_per_target_call()
             << " tokens per target call, acceptance rate " << total.acceptance_rate() << "\n";
   EXPECT_GE(total.tokens_per_target_call(), 2.0);
+}
+
+
+// ---- Hugging Face families: Llama 3.x (rope_scaling llama3), Qwen2/2.5 (q, k, v biases),
+// Mistral (sliding window), tied embeddings. Each checkpoint is written as the family writes it
+// (config.json keys of the real configs, tensor names of the real checkpoints, q and k rows in
+// Hugging Face's rotate-half order), loaded, and checked against a forward written here on the
+// raw tensors with plain tensor ops and no cache. Its formulas follow Hugging Face transformers:
+// rotate_half and apply_rotary_pos_emb (modeling_llama.py), the llama3 frequencies
+// (_compute_llama3_parameters in modeling_rope_utils.py), Mistral's sliding-window mask (a query
+// at position i sees keys j with i - sliding_window < j <= i), Qwen2's biased q, k, v projections.
+
+struct Family {
+  std::string name;
+  nlohmann::json config;
+};
+
+std::vector<Family> hf_families() {
+  const nlohmann::json common = {{"hidden_act", "silu"},          {"hidden_size", 64},
+                                 {"initializer_range", 0.02},     {"intermediate_size", 96},
+                                 {"max_position_embeddings", 256}, {"num_attention_heads", 4},
+                                 {"num_hidden_layers", 2},        {"num_key_value_heads", 2},
+                                 {"torch_dtype", "bfloat16"},     {"use_cache", true},
+                                 {"vocab_size", 300}};
+  nlohmann::json llama3 = common;  // Llama 3.2's keys
+  llama3.update({{"architectures", {"LlamaForCausalLM"}}, {"attention_bias", false}, {"attention_dropout", 0.0},
+                 {"bos_token_id", 128000}, {"eos_token_id", {128001, 128008, 128009}}, {"head_dim", 16},
+                 {"mlp_bias", false}, {"model_type", "llama"}, {"pretraining_tp", 1}, {"rms_norm_eps", 1e-5},
+                 {"rope_scaling", {{"factor", 32.0}, {"high_freq_factor", 4.0}, {"low_freq_factor", 1.0},
+                                   {"original_max_position_embeddings", 64}, {"rope_type", "llama3"}}},
+                 {"rope_theta", 500000.0}, {"tie_word_embeddings", true}, {"transformers_version", "4.45.0.dev0"}});
+  nlohmann::json qwen2 = common;  // Qwen2.5's keys
+  qwen2.update({{"architectures", {"Qwen2ForCausalLM"}}, {"attention_dropout", 0.0}, {"bos_token_id", 151643},
+                {"eos_token_id", 151645}, {"max_window_layers", 2}, {"model_type", "qwen2"}, {"rms_norm_eps", 1e-6},
+                {"rope_scaling", nullptr}, {"rope_theta", 1000000.0}, {"sliding_window", 256},
+                {"tie_word_embeddings", true}, {"transformers_version", "4.43.1"}, {"use_sliding_window", false}});
+  nlohmann::json mistral = common;  // Mistral 7B v0.1's keys, with a window of 5 positions
+  mistral.update({{"architectures", {"MistralForCausalLM"}}, {"bos_token_id", 1}, {"eos_token_id", 2},
+                  {"model_type", "mistral"}, {"rms_norm_eps", 1e-5}, {"rope_theta", 10000.0},
+                  {"sliding_window", 5}, {"tie_word_embeddings", false}, {"transformers_version", "4.34.0.dev0"}});
+  nlohmann::json linear = common;  // a Llama 2 with linear position interpolation and attention_bias
+  linear.update({{"architectures", {"LlamaForCausalLM"}}, {"attention_bias", true}, {"model_type", "llama"},
+                 {"rms_norm_eps", 1e-5}, {"rope_scaling", {{"type", "linear"}, {"factor", 4.0}}},
+                 {"tie_word_embeddings", false}});
+  return {{"llama3", llama3}, {"qwen2", qwen2}, {"mistral", mistral}, {"llama_linear", linear}};
+}
+
+// Random tensors under the family's real names.
+std::map<std::string, at::Tensor> hf_family_tensors(const nlohmann::json& config, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto normal = [&](std::vector<int64_t> shape, double std) {
+    return at::normal(0.0, std, shape, gen, at::TensorOptions(at::kDouble));
+  };
+  const int64_t d = config["hidden_size"], h = config["intermediate_size"], v = config["vocab_size"];
+  const int64_t kv = d / config["num_attention_heads"].get<int64_t>() * config["num_key_value_heads"].get<int64_t>();
+  const std::string type = config["model_type"];
+  const bool qkv_bias = type == "qwen2" || config.value("attention_bias", false);
+  std::map<std::string, at::Tensor> t;
+  t["model.embed_tokens.weight"] = normal({v, d}, 1.0);
+  for (int64_t i = 0; i < config["num_hidden_layers"].get<int64_t>(); ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    t[p + "input_layernorm.weight"] = 1.0 + normal({d}, 0.1);
+    t[p + "post_attention_layernorm.weight"] = 1.0 + normal({d}, 0.1);
+    t[p + "self_attn.q_proj.weight"] = normal({d, d}, 1.0 / 8);
+    t[p + "self_attn.k_proj.weight"] = normal({kv, d}, 1.0 / 8);
+    t[p + "self_attn.v_proj.weight"] = normal({kv, d}, 1.0 / 8);
+    t[p + "self_attn.o_proj.weight"] = normal({d, d}, 1.0 / 8);
+    t[p + "mlp.gate_proj.weight"] = normal({h, d}, 1.0 / 8);
+    t[p + "mlp.up_proj.weight"] = normal({h, d}, 1.0 / 8);
+    t[p + "mlp.down_proj.weight"] = normal({d, h}, 1.0 / 10);
+    if (qkv_bias) {
+      t[p + "self_attn.q_proj.bias"] = normal({d}, 0.5);
+      t[p + "self_attn.k_proj.bias"] = normal({kv}, 0.5);
+      t[p + "self_attn.v_proj.bias"] = normal({kv}, 0.5);
+    }
+    if (type == "llama" && config.value("attention_bias", false)) t[p + "self_attn.o_proj.bias"] = normal({d}, 0.1);
+  }
+  t["model.norm.weight"] = 1.0 + normal({d}, 0.1);
+  if (!config.value("tie_word_embeddings", false)) t["lm_head.weight"] = normal({v, d}, 0.5);
+  return t;
+}
+
+// The rotary inverse frequencies, loop by loop, as the family's config says.
+std::vector<double> hf_inverse_frequencies(const nlohmann::json& config, int64_t head_dim) {
+  const double theta = config.value("rope_theta", 10000.0);
+  std::vector<double> f;
+  for (int64_t i = 0; i < head_dim; i += 2) f.push_back(1.0 / std::pow(theta, static_cast<double>(i) / static_cast<double>(head_dim)));
+  if (!config.contains("rope_scaling") || config["rope_scaling"].is_null()) return f;
+  const auto& r = config["rope_scaling"];
+  const std::string type = r.contains("rope_type") ? r["rope_type"] : r["type"];
+  const double factor = r["factor"];
+  for (double& x : f) {
+    if (type == "linear") {
+      x /= factor;
+      continue;
+    }
+    const double original = r["original_max_position_embeddings"], low = r["low_freq_factor"], high = r["high_freq_factor"];
+    const double wavelength = 2 * std::numbers::pi / x;
+    if (wavelength > original / low) {
+      x /= factor;
+    } else if (wavelength >= original / high) {  // medium: smooth between scaled and kept
+      const double smooth = (original / wavelength - low) / (high - low);
+      x = (1 - smooth) * x / factor + smooth * x;
+    }
+  }
+  return f;
+}
+
+// Logits [T, vocab] of the whole sequence, straight from the Hugging Face tensors.
+at::Tensor hf_reference_forward(const nlohmann::json& config, std::map<std::string, at::Tensor> t,
+                                const std::vector<int64_t>& tokens) {
+  const int64_t d = config["hidden_size"], heads = config["num_attention_heads"], kv_heads = config["num_key_value_heads"];
+  const int64_t hd = d / heads, n = static_cast<int64_t>(tokens.size());
+  const double eps = config["rms_norm_eps"];
+  const int64_t window = config["model_type"] == "mistral" ? config["sliding_window"].get<int64_t>() : 0;
+  const auto rms = [&](const at::Tensor& x, const at::Tensor& w) { return x * at::rsqrt(x.pow(2).mean(-1, true) + eps) * w; };
+  const auto linear = [&](const at::Tensor& x, const std::string& name) {
+    const at::Tensor y = at::matmul(x, t.at(name + ".weight").t());
+    return t.count(name + ".bias") ? y + t.at(name + ".bias") : y;
+  };
+  const std::vector<double> inv = hf_inverse_frequencies(config, hd);
+  at::Tensor cos = at::empty({n, hd}, at::kDouble), sin = at::empty({n, hd}, at::kDouble);
+  for (int64_t p = 0; p < n; ++p) {
+    for (int64_t i = 0; i < hd; ++i) {  // emb = cat(freqs, freqs)
+      const double angle = static_cast<double>(p) * inv[static_cast<size_t>(i % (hd / 2))];
+      cos[p][i] = std::cos(angle);
+      sin[p][i] = std::sin(angle);
+    }
+  }
+  const auto rotate_half = [&](const at::Tensor& x) {
+    return at::cat({-x.narrow(-1, hd / 2, hd / 2), x.narrow(-1, 0, hd / 2)}, -1);
+  };
+  at::Tensor mask = at::zeros({n, n}, at::kDouble);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (j > i || (window > 0 && j <= i - window)) mask[i][j] = -std::numeric_limits<double>::infinity();
+    }
+  }
+  at::Tensor x = t.at("model.embed_tokens.weight").index_select(0, at::tensor(tokens, at::kLong));
+  for (int64_t l = 0; l < config["num_hidden_layers"].get<int64_t>(); ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    const at::Tensor h = rms(x, t.at(p + "input_layernorm.weight"));
+    at::Tensor q = linear(h, p + "self_attn.q_proj").view({n, heads, hd}).transpose(0, 1);  // [heads, n, hd]
+    at::Tensor k = linear(h, p + "self_attn.k_proj").view({n, kv_heads, hd}).transpose(0, 1);
+    const at::Tensor v = linear(h, p + "self_attn.v_proj").view({n, kv_heads, hd}).transpose(0, 1);
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    const at::Tensor keys = k.repeat_interleave(heads / kv_heads, 0), values = v.repeat_interleave(heads / kv_heads, 0);
+    const at::Tensor weights = (at::matmul(q, keys.transpose(1, 2)) / std::sqrt(static_cast<double>(hd)) + mask).softmax(-1);
+    x = x + linear(at::matmul(weights, values).transpose(0, 1).reshape({n, d}), p + "self_attn.o_proj");
+    const at::Tensor f = rms(x, t.at(p + "post_attention_layernorm.weight"));
+    x = x + at::matmul(at::silu(linear(f, p + "mlp.gate_proj")) * linear(f, p + "mlp.up_proj"),
+                       t.at(p + "mlp.down_proj.weight").t());
+  }
+  const at::Tensor output = t.count("lm_head.weight") ? t.at("lm_head.weight") : t.at("model.embed_tokens.weight");
+  return at::matmul(rms(x, t.at("model.norm.weight")), output.t());
+}
+
+TEST(HfFamilies, LoadAndMatchAPlainForwardOfTheRawTensors) {
+  const std::vector<int64_t> tokens{5, 17, 250, 3, 99, 42, 7, 7, 128, 64, 1, 299, 33, 80};  // longer than the window
+  for (const Family& family : hf_families()) {
+    SCOPED_TRACE(family.name);
+    TempDir dir;
+    const auto tensors = hf_family_tensors(family.config, 3);
+    write_file(dir.path() / "config.json", family.config.dump(2));
+    io::save_safetensors(dir.path() / "model.safetensors", tensors, {{"format", "pt"}});
+    io::HfLlamaCheckpoint checkpoint = io::load_hf_llama(dir.path(), at::kDouble);
+    if (checkpoint.tied_classifier) checkpoint.weights.output = checkpoint.weights.token_embedding;
+    const models::LlamaConfig config = checkpoint.config;
+    const at::Tensor expected = hf_reference_forward(family.config, tensors, tokens);
+    const at::Tensor ids = at::tensor(tokens, at::kLong).view({1, -1});
+
+    models::LlamaModel<DynamicKVCache> model(config, checkpoint.weights);
+    auto cache = model.make_cache(1);
+    const at::Tensor whole = model.forward(ids, cache)[0];
+    EXPECT_LT((whole - expected).abs().max().item<double>(), 1e-9);
+
+    // In pieces through a cache (the window then hides cached positions too), both cache types,
+    // and as a chain through the tree-attention forward.
+    models::LlamaModel<StaticKVCache> static_model(config, checkpoint.weights);
+    auto static_cache = static_model.make_cache(1);
+    auto chain_cache = model.make_cache(1);
+    int64_t start = 0;
+    for (const int64_t piece : {4, 1, 3, 1, 5}) {
+      const at::Tensor part = ids.narrow(1, start, piece);
+      const at::Tensor reference = expected.narrow(0, start, piece);
+      EXPECT_LT((static_model.forward(part, static_cache)[0] - reference).abs().max().item<double>(), 1e-9) << start;
+      std::vector<int64_t> parents(static_cast<size_t>(piece));
+      for (int64_t i = 0; i < piece; ++i) parents[static_cast<size_t>(i)] = i - 1;
+      EXPECT_LT((model.forward_tree(part, chain_cache, parents)[0] - reference).abs().max().item<double>(), 1e-9) << start;
+      start += piece;
+    }
+  }
+}
+
+// Generation on each family stays exact: speculative (a one-layer self-drafter) and batched
+// greedy output equal autoregressive decoding, past the Mistral window.
+TEST(HfFamilies, SpeculativeAndBatchedGreedyEqualAutoregressive) {
+  for (const Family& family : hf_families()) {
+    SCOPED_TRACE(family.name);
+    TempDir dir;
+    write_file(dir.path() / "config.json", family.config.dump());
+    io::save_safetensors(dir.path() / "model.safetensors", hf_family_tensors(family.config, 4), {{"format", "pt"}});
+    io::HfLlamaCheckpoint c = io::load_hf_llama(dir.path(), at::kDouble);
+    if (c.tied_classifier) c.weights.output = c.weights.token_embedding;
+    models::LlamaModel<StaticKVCache> target(c.config, c.weights);
+    models::LlamaModel<StaticKVCache> drafter(models::truncated(c.config, c.weights, 1));
+    const std::vector<std::vector<int64_t>> prompts{{1, 2, 3}, {9, 8, 7, 6, 5, 4, 200}};
+    const auto batch = speculative_generate_batch(drafter, target, prompts, {.max_new_tokens = 16, .gamma = 3});
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      const auto reference = autoregressive_generate(target, prompts[r], {.max_new_tokens = 16});
+      EXPECT_EQ(speculative_generate(drafter, target, prompts[r], {.max_new_tokens = 16, .gamma = 4}).tokens,
+                reference.tokens);
+      EXPECT_EQ(batch[r].tokens, reference.tokens) << r;
+    }
+  }
+}
+
+// save_hf_llama writes each family's layout back, and it loads to the same model.
+TEST(HfFamilies, SaveWritesTheFamilyAndLoadsBack) {
+  for (const Family& family : hf_families()) {
+    SCOPED_TRACE(family.name);
+    TempDir dir, copy;
+    write_file(dir.path() / "config.json", family.config.dump());
+    io::save_safetensors(dir.path() / "model.safetensors", hf_family_tensors(family.config, 5), {{"format", "pt"}});
+    const io::HfLlamaCheckpoint c = io::load_hf_llama(dir.path(), at::kDouble);
+    io::save_hf_llama(copy.path(), c.config, c.weights, at::kDouble);
+    const auto written = nlohmann::json::parse(read_file(copy.path() / "config.json"));
+    EXPECT_EQ(written["model_type"], family.config["model_type"]);
+    EXPECT_EQ(written["architectures"], family.config["architectures"]);
+    const io::HfLlamaCheckpoint back = io::load_hf_llama(copy.path(), at::kDouble);
+    EXPECT_EQ(back.config.rope_scaling.type, c.config.rope_scaling.type);
+    EXPECT_EQ(back.config.sliding_window, c.config.sliding_window);
+    EXPECT_EQ(back.config.qkv_bias, c.config.qkv_bias);
+    models::LlamaModel<DynamicKVCache> a(c.config, c.weights), b(back.config, back.weights);
+    const at::Tensor ids = at::tensor(std::vector<int64_t>{4, 8, 15, 16, 23, 42, 108}, at::kLong).view({1, -1});
+    auto ca = a.make_cache(1), cb = b.make_cache(1);
+    EXPECT_TRUE(at::allclose(a.forward(ids, ca), b.forward(ids, cb), 0, 1e-12));
+  }
 }
 
 }  // namespace bundled

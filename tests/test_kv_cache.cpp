@@ -97,6 +97,23 @@ TYPED_TEST(EveryCache, ReordersBatchRows) {
   EXPECT_THROW(cache.reorder(at::tensor({0, 2}, at::kLong)), std::invalid_argument);
 }
 
+// When the longest row leaves the batch, the cache ends where the longest kept row does: the next
+// positions follow that row, not the row that left (batched generation relies on it when a longer
+// request finishes first).
+TYPED_TEST(EveryCache, SelectingRowsEndsTheCacheAtTheLongestKeptRow) {
+  TypeParam cache = make_cache<TypeParam>();
+  append(cache, 6);
+  cache.prune_rows(std::vector<int64_t>{2, 5});
+  ASSERT_TRUE(cache.ragged());
+  cache.select_rows(std::vector<int64_t>{0});
+  EXPECT_EQ(cache.length(), 2);
+  EXPECT_FALSE(cache.ragged());
+  EXPECT_EQ(cache.keys(1).size(2), 2);
+  const auto [k, v] = cache.update(1, entries(1, 2, 1).narrow(0, 0, 1), entries(1, 2, 1).narrow(0, 0, 1));
+  EXPECT_EQ(k.size(2), 3) << "the new position follows the kept row's two";
+  EXPECT_TRUE(at::equal(k[0].narrow(1, 0, 2), entries(1, 0, 2)[0]));
+}
+
 TYPED_TEST(EveryCache, RejectsBadArguments) {
   TypeParam cache = make_cache<TypeParam>();
   append(cache, 2);

@@ -194,12 +194,14 @@ class DynamicKVCache {
   // Keeps the rows `rows` (host indices in [0, batch), may repeat): row i becomes old row rows[i].
   void select_rows(std::span<const int64_t> rows) {
     const at::Tensor index = detail::to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, device());
+    rows_.select(rows);
+    // The cache ends where its longest kept row does: a longer row that left takes its positions.
+    if (!rows_.rows().empty()) length_ = rows_.longest();
     for (size_t layer = 0; layer < keys_.size(); ++layer) {
       if (!keys_[layer].defined()) continue;
       keys_[layer] = keys_[layer].narrow(2, 0, length_).index_select(0, index);
       values_[layer] = values_[layer].narrow(2, 0, length_).index_select(0, index);
     }
-    rows_.select(rows);
   }
 
   // Appends this layer's keys and values [batch, kv_heads, T, head_dim] after the committed
@@ -375,6 +377,8 @@ class StaticKVCache {
     storage_ = storage_.index_select(2, index);
     shape_.batch = static_cast<int64_t>(rows.size());
     rows_.select(rows);
+    // The cache ends where its longest kept row does: a longer row that left takes its positions.
+    if (!rows_.rows().empty()) length_ = rows_.longest();
   }
 
   // Writes this layer's keys and values [batch, kv_heads, T, head_dim] in place after the

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -52,21 +53,82 @@ inline int64_t config_integer(const nlohmann::json& config, const std::filesyste
   return value.get<int64_t>();
 }
 
+// config.json's rope_scaling: null, or an object whose rope_type (older files: type) is default,
+// linear (factor) or llama3 (factor, low_freq_factor, high_freq_factor,
+// original_max_position_embeddings).
+inline models::RopeScaling rope_scaling(const nlohmann::json& config, const std::filesystem::path& path) {
+  models::RopeScaling scaling;
+  if (!config.contains("rope_scaling") || config["rope_scaling"].is_null()) return scaling;
+  const nlohmann::json& r = config["rope_scaling"];
+  if (!r.is_object()) throw_format(path, "rope_scaling must be an object or null, got ", excerpt(r));
+  const char* type_key = r.contains("rope_type") ? "rope_type" : "type";
+  if (!r.contains(type_key) || !r[type_key].is_string()) throw_format(path, "rope_scaling.rope_type must be a string");
+  const auto type = r[type_key].get<std::string>();
+  const auto number = [&](const char* key) {
+    if (!r.contains(key) || !r[key].is_number()) {
+      throw_format(path, "rope_scaling.", key, " must be a number for rope_type '", type, "', got ",
+                   r.contains(key) ? excerpt(r[key]) : std::string("nothing"));
+    }
+    return r[key].get<double>();
+  };
+  if (type == "default") return scaling;
+  if (type == "linear") {
+    scaling.type = models::RopeScaling::Type::linear;
+    scaling.factor = number("factor");
+  } else if (type == "llama3") {
+    scaling.type = models::RopeScaling::Type::llama3;
+    scaling.factor = number("factor");
+    scaling.low_freq_factor = number("low_freq_factor");
+    scaling.high_freq_factor = number("high_freq_factor");
+    if (!r.contains("original_max_position_embeddings") || !r["original_max_position_embeddings"].is_number_integer()) {
+      throw_format(path, "rope_scaling.original_max_position_embeddings must be an integer");
+    }
+    scaling.original_max_position_embeddings = r["original_max_position_embeddings"].get<int64_t>();
+  } else {
+    throw_format(path, "rope_scaling.rope_type '", printable(type), "' is not supported (supported: default, linear, llama3)");
+  }
+  return scaling;
+}
+
 }  // namespace detail
 
-// Reads the LlamaConfig of a Hugging Face config.json. Throws FormatError on a missing key, a
-// wrong type, a size that is not an integer or exceeds `limits`, an architecture other than
-// Llama, or rope scaling the model does not implement.
+// The families config.json may name (model_type) and the class each loads as (architectures).
+inline const char* hf_architecture(const std::string& model_type) {
+  if (model_type == "llama") return "LlamaForCausalLM";
+  if (model_type == "mistral") return "MistralForCausalLM";
+  if (model_type == "qwen2") return "Qwen2ForCausalLM";
+  return nullptr;
+}
+
+// Reads the LlamaConfig of a Hugging Face config.json of the Llama (1, 2, 3.x, with rope_scaling
+// llama3 or linear and attention_bias), Mistral (sliding_window) or Qwen2/Qwen2.5 (q, k, v
+// biases) families. Throws FormatError naming the file and the field on a missing key, a wrong
+// type, a size that is not an integer or exceeds `limits`, another model_type or architecture,
+// or a feature the model does not implement (rope_scaling types other than default, linear and
+// llama3; mlp_bias; Qwen2's use_sliding_window; an activation other than silu).
 inline std::pair<models::LlamaConfig, bool> load_hf_llama_config(const std::filesystem::path& file,
                                                                  const LoadLimits& limits = {}) {
   const nlohmann::json json = detail::read_json(file, limits);
   if (!json.is_object()) detail::throw_format(file, "not a JSON object");
   const auto model_type = detail::config_value_or<std::string>(json, file, "model_type", "llama");
-  if (model_type != "llama") {
-    detail::throw_format(file, "model_type '", detail::printable(model_type), "' is not 'llama'");
+  const char* architecture = hf_architecture(model_type);
+  if (architecture == nullptr) {
+    detail::throw_format(file, "model_type '", detail::printable(model_type),
+                         "' is not supported (supported: llama, mistral, qwen2)");
   }
-  if (json.contains("rope_scaling") && !json["rope_scaling"].is_null()) {
-    detail::throw_format(file, "rope_scaling ", detail::excerpt(json["rope_scaling"]), " is not supported");
+  if (json.contains("architectures") && !json["architectures"].is_null()) {
+    const nlohmann::json& names = json["architectures"];
+    if (!names.is_array() || names.size() != 1 || !names[0].is_string() || names[0].get<std::string>() != architecture) {
+      detail::throw_format(file, "architectures ", detail::excerpt(names), " is not supported for model_type '",
+                           model_type, "' (expected [\"", architecture, "\"])");
+    }
+  }
+  const auto hidden_act = detail::config_value_or<std::string>(json, file, "hidden_act", "silu");
+  if (hidden_act != "silu") {
+    detail::throw_format(file, "hidden_act '", detail::printable(hidden_act), "' is not supported (only silu)");
+  }
+  if (detail::config_value_or<bool>(json, file, "mlp_bias", false)) {
+    detail::throw_format(file, "mlp_bias: true is not supported");
   }
   const auto dimension = [&](const char* key) {
     return detail::config_integer(json, file, key, 1, limits.max_dimension, "max_dimension");
@@ -84,6 +146,19 @@ inline std::pair<models::LlamaConfig, bool> load_hf_llama_config(const std::file
                                               "max_sequence_length");
   config.rope_theta = detail::config_value_or<double>(json, file, "rope_theta", 10000.0);
   config.norm_eps = detail::config_value_or<double>(json, file, "rms_norm_eps", 1e-6);
+  config.rope_scaling = detail::rope_scaling(json, file);
+  if (model_type == "qwen2") {
+    config.qkv_bias = true;
+    if (detail::config_value_or<bool>(json, file, "use_sliding_window", false)) {
+      detail::throw_format(file, "use_sliding_window: true is not supported (Qwen2's per-layer windows)");
+    }
+  } else {
+    config.qkv_bias = config.o_bias = detail::config_value_or<bool>(json, file, "attention_bias", false);
+  }
+  if (model_type == "mistral" && json.contains("sliding_window") && !json["sliding_window"].is_null()) {
+    config.sliding_window =
+        detail::config_integer(json, file, "sliding_window", 1, std::numeric_limits<int64_t>::max() / 2);
+  }
   if (json.contains("head_dim") && !json["head_dim"].is_null() &&
       dimension("head_dim") * config.n_heads != config.dim) {
     detail::throw_format(file, "head_dim * num_attention_heads must equal hidden_size");

@@ -1,6 +1,7 @@
-// Hugging Face Llama checkpoints: config.json plus model.safetensors, or shards listed in
-// model.safetensors.index.json, with the LlamaForCausalLM tensor names. Loads fp32, fp16 and bf16
-// weights into the reference model, and writes the same layout.
+// Hugging Face checkpoints of the Llama, Mistral and Qwen2 families: config.json plus
+// model.safetensors, or shards listed in model.safetensors.index.json, with the tensor names of
+// LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (the same names; Qwen2 adds q, k, v
+// biases). Loads fp32, fp16 and bf16 weights into the reference model, and writes the same layout.
 //
 // Hugging Face stores wq and wk with the two halves of every head rotated together ("rotate
 // half"); the reference model rotates consecutive pairs as llama2.c does, so the rows of wq and wk
@@ -33,6 +34,11 @@ namespace detail {
 inline at::Tensor unpermute_rotary(const at::Tensor& w, int64_t heads) {
   const int64_t rows = w.size(0), columns = w.size(1);
   return w.reshape({heads, 2, rows / heads / 2, columns}).transpose(1, 2).reshape({rows, columns});
+}
+
+// The same for a bias [heads * head_dim].
+inline at::Tensor unpermute_rotary_bias(const at::Tensor& b, int64_t heads) {
+  return unpermute_rotary(b.view({b.size(0), 1}), heads).view({b.size(0)});
 }
 
 // The inverse: consecutive pairs to rotate-half order.
@@ -134,6 +140,13 @@ inline HfLlamaCheckpoint load_hf_llama(const std::filesystem::path& folder,
         take(p + "mlp.gate_proj.weight", {c.hidden_dim, c.dim}),
         take(p + "mlp.down_proj.weight", {c.dim, c.hidden_dim}),
         take(p + "mlp.up_proj.weight", {c.hidden_dim, c.dim})});
+    models::LlamaLayerWeights& layer = w.layers.back();
+    if (c.qkv_bias) {
+      layer.bq = detail::unpermute_rotary_bias(take(p + "self_attn.q_proj.bias", {c.dim}), c.n_heads);
+      layer.bk = detail::unpermute_rotary_bias(take(p + "self_attn.k_proj.bias", {c.kv_dim()}), c.n_kv_heads);
+      layer.bv = take(p + "self_attn.v_proj.bias", {c.kv_dim()});
+    }
+    if (c.o_bias) layer.bo = take(p + "self_attn.o_proj.bias", {c.dim});
   }
   w.norm = take("model.norm.weight", {c.dim});
   w.output = checkpoint.tied_classifier && !tensors.count("lm_head.weight")
@@ -167,6 +180,13 @@ inline void save_hf_llama(const std::filesystem::path& folder, const models::Lla
     tensors[p + "mlp.gate_proj.weight"] = stored(l.w1);
     tensors[p + "mlp.down_proj.weight"] = stored(l.w2);
     tensors[p + "mlp.up_proj.weight"] = stored(l.w3);
+    if (c.qkv_bias) {
+      tensors[p + "self_attn.q_proj.bias"] = stored(detail::permute_rotary(l.bq.view({c.dim, 1}), c.n_heads).view({c.dim}));
+      tensors[p + "self_attn.k_proj.bias"] =
+          stored(detail::permute_rotary(l.bk.view({c.kv_dim(), 1}), c.n_kv_heads).view({c.kv_dim()}));
+      tensors[p + "self_attn.v_proj.bias"] = stored(l.bv);
+    }
+    if (c.o_bias) tensors[p + "self_attn.o_proj.bias"] = stored(l.bo);
   }
   tensors["model.norm.weight"] = stored(w.norm);
   if (!tied) tensors["lm_head.weight"] = stored(w.output);
@@ -174,9 +194,19 @@ inline void save_hf_llama(const std::filesystem::path& folder, const models::Lla
   meta.emplace("format", "pt");
   save_safetensors(folder / "model.safetensors", tensors, meta);
 
+  // The family whose layout the config has: q, k, v biases alone are Qwen2's; a sliding window
+  // Mistral's; anything else Llama's (attention_bias for biases on q, k, v and o together).
+  if (c.o_bias && !c.qkv_bias) {
+    throw std::invalid_argument("save_hf_llama: an o_proj bias without q, k, v biases has no Hugging Face family");
+  }
+  const bool qwen2 = c.qkv_bias && !c.o_bias;
+  if (qwen2 && c.sliding_window > 0) {
+    throw std::invalid_argument("save_hf_llama: q, k, v biases with a sliding window have no Hugging Face family");
+  }
+  const std::string model_type = qwen2 ? "qwen2" : c.sliding_window > 0 ? "mistral" : "llama";
   nlohmann::json config = {
-      {"architectures", {"LlamaForCausalLM"}},
-      {"model_type", "llama"},
+      {"architectures", {hf_architecture(model_type)}},
+      {"model_type", model_type},
       {"hidden_size", c.dim},
       {"intermediate_size", c.hidden_dim},
       {"num_hidden_layers", c.n_layers},
@@ -189,6 +219,18 @@ inline void save_hf_llama(const std::filesystem::path& folder, const models::Lla
       {"hidden_act", "silu"},
       {"tie_word_embeddings", tied},
       {"torch_dtype", storage == at::kHalf ? "float16" : storage == at::kBFloat16 ? "bfloat16" : "float32"}};
+  if (model_type == "llama") config["attention_bias"] = c.qkv_bias;
+  if (model_type == "mistral") config["sliding_window"] = c.sliding_window;
+  const models::RopeScaling& r = c.rope_scaling;
+  if (r.type == models::RopeScaling::Type::linear) {
+    config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", r.factor}};
+  } else if (r.type == models::RopeScaling::Type::llama3) {
+    config["rope_scaling"] = {{"rope_type", "llama3"},
+                              {"factor", r.factor},
+                              {"low_freq_factor", r.low_freq_factor},
+                              {"high_freq_factor", r.high_freq_factor},
+                              {"original_max_position_embeddings", r.original_max_position_embeddings}};
+  }
   config.update(extra_config);
   detail::write_atomically(folder / "config.json", [&](std::ofstream& out) { out << config.dump(2) << "\n"; });
 }

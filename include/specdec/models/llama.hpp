@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numbers>
 #include <optional>
 #include <ostream>
 #include <span>
@@ -42,6 +43,12 @@ struct LlamaLayerWeights {
   at::Tensor w1;              // [hidden_dim, dim]  gate
   at::Tensor w2;              // [dim, hidden_dim]  down
   at::Tensor w3;              // [hidden_dim, dim]  up
+  // Biases, undefined where the family has none: q, k, v all three with config.qkv_bias (Qwen2),
+  // o with config.o_bias.
+  at::Tensor bq;              // [dim]
+  at::Tensor bk;              // [kv_dim]
+  at::Tensor bv;              // [kv_dim]
+  at::Tensor bo;              // [dim]
 };
 
 struct LlamaWeights {
@@ -76,6 +83,13 @@ struct LlamaWeights {
           normal({config.hidden_dim, config.dim}, 1.0 / std::sqrt(d)),
           normal({config.dim, config.hidden_dim}, residual / std::sqrt(h)),
           normal({config.hidden_dim, config.dim}, 1.0 / std::sqrt(d))});
+      LlamaLayerWeights& layer = w.layers.back();
+      if (config.qkv_bias) {
+        layer.bq = normal({config.dim}, 0.5);
+        layer.bk = normal({config.kv_dim()}, 0.5);
+        layer.bv = normal({config.kv_dim()}, 0.5);
+      }
+      if (config.o_bias) layer.bo = normal({config.dim}, 0.1);
     }
     w.norm = ones(config.dim);
     // Logits with a standard deviation of about 4: peaked but not one-hot distributions.
@@ -101,9 +115,7 @@ class LlamaModel {
     config_.validate();
     check_weights();
     const auto options = weights_.token_embedding.options();
-    const at::Tensor inv_freq = at::pow(
-        config_.rope_theta,
-        -at::arange(0, config_.head_dim(), 2, at::kDouble) / static_cast<double>(config_.head_dim()));
+    const at::Tensor inv_freq = rope_inverse_frequencies(config_);
     const at::Tensor angles =
         at::outer(at::arange(config_.max_seq_len, at::kDouble), inv_freq);  // [max_seq, hd/2]
     rope_cos_ = angles.cos().to(options);
@@ -116,7 +128,8 @@ class LlamaModel {
     // ones, so the weights are held once.
     const int64_t dim = config_.dim, kv_dim = config_.kv_dim(), hidden = config_.hidden_dim;
     for (LlamaLayerWeights& w : weights_.layers) {
-      FusedLayer fused{at::cat({w.wq, w.wk, w.wv}, 0), at::cat({w.w1, w.w3}, 0)};
+      FusedLayer fused{at::cat({w.wq, w.wk, w.wv}, 0), at::cat({w.w1, w.w3}, 0),
+                       config_.qkv_bias ? at::cat({w.bq, w.bk, w.bv}, 0) : at::Tensor()};
       w.wq = fused.wqkv.narrow(0, 0, dim);
       w.wk = fused.wqkv.narrow(0, dim, kv_dim);
       w.wv = fused.wqkv.narrow(0, dim + kv_dim, kv_dim);
@@ -124,6 +137,31 @@ class LlamaModel {
       w.w3 = fused.w13.narrow(0, hidden, hidden);
       fused_.push_back(std::move(fused));
     }
+  }
+
+  // The rotary inverse frequencies theta^(-2i / head_dim), i < head_dim / 2 (float64), scaled
+  // as config.rope_scaling says. linear divides every frequency by the factor. llama3 (Llama
+  // 3.1/3.2) divides those whose wavelength 2 pi / f exceeds original / low_freq_factor, keeps
+  // those below original / high_freq_factor, and in between blends the two with weight
+  // s = (original / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor):
+  // (1 - s) f / factor + s f.
+  static at::Tensor rope_inverse_frequencies(const LlamaConfig& config) {
+    const double head_dim = static_cast<double>(config.head_dim());
+    const at::Tensor f = at::pow(config.rope_theta, -at::arange(0, config.head_dim(), 2, at::kDouble) / head_dim);
+    const RopeScaling& r = config.rope_scaling;
+    switch (r.type) {
+      case RopeScaling::Type::none: return f;
+      case RopeScaling::Type::linear: return f / r.factor;
+      case RopeScaling::Type::llama3: {
+        const double original = static_cast<double>(r.original_max_position_embeddings);
+        const at::Tensor wavelength = 2 * std::numbers::pi / f;
+        const at::Tensor s = (original / wavelength - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+        const at::Tensor blended = (1 - s) * f / r.factor + s * f;
+        return at::where(wavelength > original / r.low_freq_factor, f / r.factor,
+                         at::where(wavelength < original / r.high_freq_factor, f, blended));
+      }
+    }
+    return f;
   }
 
   [[nodiscard]] const LlamaConfig& config() const noexcept { return config_; }
@@ -165,6 +203,10 @@ class LlamaModel {
     const int64_t count = ids.size(1);
     const at::Tensor positions =
         at::arange(past, past + count, at::TensorOptions().dtype(at::kLong).device(device()));
+    if (windowed(past + count)) {  // some query's window starts after position 0: a bias over every key
+      const at::Tensor keys = at::arange(past + count, positions.options()).view({1, past + count});
+      return run(ids, cache, positions, window_bias(keys <= positions.view({count, 1}), positions.view({count, 1}), keys));
+    }
     // Causal: new token i sees every cached position and new tokens 0..i.
     at::Tensor mask;
     if (count > 1) {
@@ -188,7 +230,15 @@ class LlamaModel {
         visible.size(1) != count || visible.scalar_type() != at::kBool) {
       detail::throw_invalid_message("visible must be bool [", count, ", ", count, "]");
     }
-    return run(ids, cache, depth.to(device()) + cache.length(), new_token_bias(visible.to(device())));
+    const int64_t past = cache.length();
+    const at::Tensor positions = depth.to(device()) + past;
+    if (windowed(past + count)) {
+      // Every key column's position: the cached ones in order, then the new tokens' own.
+      const at::Tensor keys = at::cat({at::arange(past, positions.options()), positions}).view({1, past + count});
+      const at::Tensor seen = at::cat({at::ones({count, past}, visible.options().device(device())), visible.to(device())}, 1);
+      return run(ids, cache, positions, window_bias(seen, positions.view({count, 1}), keys));
+    }
+    return run(ids, cache, positions, new_token_bias(visible.to(device())));
   }
 
   // TreeTarget: the draft tree given by parent indices (see concepts.hpp), through
@@ -230,10 +280,26 @@ class LlamaModel {
     const auto long_options = at::TensorOptions().dtype(at::kLong).device(device());
     const at::Tensor positions = lengths.view({batch, 1}) + at::arange(count, long_options).view({1, count});
     const int64_t keys = cache.length() + count;
-    const at::Tensor visible = at::arange(keys, long_options).view({1, 1, keys}) <= positions.unsqueeze(2);
+    const at::Tensor key_positions = at::arange(keys, long_options).view({1, 1, keys});
+    at::Tensor visible = key_positions <= positions.unsqueeze(2);
+    if (config_.sliding_window > 0) visible = visible.logical_and(key_positions > positions.unsqueeze(2) - config_.sliding_window);
     const int64_t group = config_.n_heads / config_.n_kv_heads;
     const at::Tensor bias = new_token_bias(visible).repeat({1, group, 1}).unsqueeze(1);
     return run(ids, cache, positions, bias);
+  }
+
+  // Whether a sliding window hides some key of a sequence of `keys` positions.
+  [[nodiscard]] bool windowed(int64_t keys) const noexcept {
+    return config_.sliding_window > 0 && keys > config_.sliding_window;
+  }
+
+  // The bias [1, 1, group * T, keys] of a sliding window: query t (at position query[t], [T, 1])
+  // sees key j (at position keys[0][j], [1, keys]) where `seen` [T, keys] allows it and
+  // query[t] - sliding_window < keys[0][j].
+  at::Tensor window_bias(const at::Tensor& seen, const at::Tensor& query, const at::Tensor& keys) const {
+    const at::Tensor visible = seen.logical_and(keys > query - config_.sliding_window);
+    const int64_t group = config_.n_heads / config_.n_kv_heads;
+    return new_token_bias(visible).repeat({group, 1}).view({1, 1, group * query.size(0), keys.size(1)});
   }
 
   // An additive bias [T, T] over the new tokens: 0 where visible, -inf elsewhere. Cached positions
@@ -307,7 +373,7 @@ class LlamaModel {
       const FusedLayer& fused = fused_[static_cast<size_t>(layer)];
       const at::Tensor h = rms_norm(x, w.attention_norm, config_.norm_eps);
       // q and k rotate together: [B, T, heads + kv_heads, hd].
-      const at::Tensor qkv = at::linear(h, fused.wqkv);
+      const at::Tensor qkv = at::linear(h, fused.wqkv, fused.bqkv);
       const at::Tensor qk =
           rotate_heads(qkv.narrow(-1, 0, q_width + kv_width).reshape({batch, count, heads + kv_heads, head_dim}));
       const at::Tensor q = qk.narrow(2, 0, heads);
@@ -328,7 +394,7 @@ class LlamaModel {
                                       .view({batch, heads, count, head_dim})
                                       .transpose(1, 2)
                                       .reshape({batch, count, config_.dim});
-      x = x + at::linear(attended, w.wo);
+      x = x + at::linear(attended, w.wo, w.bo);
       const at::Tensor f = rms_norm(x, w.ffn_norm, config_.norm_eps);
       const at::Tensor gate_up = at::linear(f, fused.w13);
       const int64_t hidden = config_.hidden_dim;
@@ -374,6 +440,17 @@ class LlamaModel {
       expect(l.w1, prefix + "w1", {c.hidden_dim, c.dim});
       expect(l.w2, prefix + "w2", {c.dim, c.hidden_dim});
       expect(l.w3, prefix + "w3", {c.hidden_dim, c.dim});
+      const auto expect_bias = [&](const at::Tensor& t, const std::string& name, bool present, int64_t size) {
+        if (present) {
+          expect(t, prefix + name, {size});
+        } else if (t.defined()) {
+          detail::throw_invalid_message("LlamaWeights::", prefix, name, " is given but the config has no such bias");
+        }
+      };
+      expect_bias(l.bq, "bq", c.qkv_bias, c.dim);
+      expect_bias(l.bk, "bk", c.qkv_bias, c.kv_dim());
+      expect_bias(l.bv, "bv", c.qkv_bias, c.kv_dim());
+      expect_bias(l.bo, "bo", c.o_bias, c.dim);
     }
     expect(weights_.norm, "norm", {c.dim});
     expect(weights_.output, "output", {c.vocab_size, c.dim});
@@ -382,6 +459,7 @@ class LlamaModel {
   struct FusedLayer {
     at::Tensor wqkv;  // [dim + 2 kv_dim, dim]: wq, wk, wv
     at::Tensor w13;   // [2 hidden_dim, dim]: w1 (gate), w3 (up)
+    at::Tensor bqkv;  // [dim + 2 kv_dim]: bq, bk, bv (undefined without qkv_bias)
   };
 
   LlamaConfig config_;

@@ -11,6 +11,34 @@
 
 namespace specdec::models {
 
+// Rotary-embedding frequency scaling for contexts longer than the model was trained on.
+struct RopeScaling {
+  enum class Type { none, linear, llama3 };
+  Type type = Type::none;
+  double factor = 1.0;                        // linear, llama3: frequencies divided by this (>= 1)
+  double low_freq_factor = 1.0;               // llama3: wavelengths above original / low are scaled
+  double high_freq_factor = 4.0;              // llama3: wavelengths below original / high are kept
+  int64_t original_max_position_embeddings = 8192;  // llama3: the pre-training context
+
+  void validate() const {
+    if (type == Type::none) return;
+    if (!(factor >= 1.0)) detail::throw_invalid("RopeScaling::factor", "be >= 1", factor);
+    if (type == Type::llama3) {
+      if (!(low_freq_factor > 0.0)) detail::throw_invalid("RopeScaling::low_freq_factor", "be > 0", low_freq_factor);
+      if (!(high_freq_factor > low_freq_factor)) {
+        detail::throw_invalid("RopeScaling::high_freq_factor", "be > low_freq_factor", high_freq_factor);
+      }
+      if (original_max_position_embeddings < 1) {
+        detail::throw_invalid("RopeScaling::original_max_position_embeddings", "be >= 1",
+                              original_max_position_embeddings);
+      }
+    }
+  }
+  friend std::ostream& operator<<(std::ostream& out, Type type) {
+    return out << (type == Type::none ? "none" : type == Type::linear ? "linear" : "llama3");
+  }
+};
+
 struct LlamaConfig {
   int64_t dim = 64;             // model width
   int64_t hidden_dim = 172;     // feed-forward width
@@ -21,6 +49,11 @@ struct LlamaConfig {
   int64_t max_seq_len = 512;    // most positions; also the StaticKVCache capacity by default
   double rope_theta = 10000.0;  // rotary embedding base
   double norm_eps = 1e-5;       // RMSNorm epsilon
+  RopeScaling rope_scaling;     // none: the frequencies rope_theta gives (Llama 3.1/3.2: llama3)
+  int64_t sliding_window = 0;   // > 0: position i attends to positions (i - sliding_window, i]
+                                // only (Mistral); 0: to every earlier position
+  bool qkv_bias = false;        // q, k and v projections have biases (Qwen2, Llama attention_bias)
+  bool o_bias = false;          // the output projection has a bias (Llama attention_bias)
 
   [[nodiscard]] int64_t head_dim() const noexcept { return dim / n_heads; }
   [[nodiscard]] int64_t kv_dim() const noexcept { return head_dim() * n_kv_heads; }
@@ -48,13 +81,16 @@ struct LlamaConfig {
     }
     if (!(rope_theta > 0.0)) detail::throw_invalid("LlamaConfig::rope_theta", "be > 0", rope_theta);
     if (!(norm_eps > 0.0)) detail::throw_invalid("LlamaConfig::norm_eps", "be > 0", norm_eps);
+    if (sliding_window < 0) detail::throw_invalid("LlamaConfig::sliding_window", "be >= 0", sliding_window);
+    rope_scaling.validate();
   }
 
   friend std::ostream& operator<<(std::ostream& out, const LlamaConfig& c) {
     return out << "LlamaConfig{dim=" << c.dim << ", hidden_dim=" << c.hidden_dim
                << ", n_layers=" << c.n_layers << ", n_heads=" << c.n_heads
                << ", n_kv_heads=" << c.n_kv_heads << ", vocab_size=" << c.vocab_size
-               << ", max_seq_len=" << c.max_seq_len << "}";
+               << ", max_seq_len=" << c.max_seq_len << ", rope_scaling=" << c.rope_scaling.type
+               << ", sliding_window=" << c.sliding_window << ", qkv_bias=" << c.qkv_bias << "}";
   }
 };
 
