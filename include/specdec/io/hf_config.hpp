@@ -80,10 +80,8 @@ inline models::RopeScaling rope_scaling(const nlohmann::json& config, const std:
     scaling.factor = number("factor");
     scaling.low_freq_factor = number("low_freq_factor");
     scaling.high_freq_factor = number("high_freq_factor");
-    if (!r.contains("original_max_position_embeddings") || !r["original_max_position_embeddings"].is_number_integer()) {
-      throw_format(path, "rope_scaling.original_max_position_embeddings must be an integer");
-    }
-    scaling.original_max_position_embeddings = r["original_max_position_embeddings"].get<int64_t>();
+    scaling.original_max_position_embeddings = config_integer(r, path, "original_max_position_embeddings", 1,
+                                                              std::numeric_limits<int64_t>::max() / 2);
   } else {
     throw_format(path, "rope_scaling.rope_type '", printable(type), "' is not supported (supported: default, linear, llama3)");
   }
