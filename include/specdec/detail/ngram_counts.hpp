@@ -222,12 +222,7 @@ class CompactNGramCounts {
     }
     check_tokens("context", context, vocab_);
     check_tokens("follower", std::span<const int64_t>(&follower, 1), vocab_);
-    const Key key = pack(context);
-    const ContextCounts* c = contexts_.find(key);
-    if (c == nullptr) return 0;
-    if (!c->several()) return c->token() == follower ? c->best_count : 0;
-    const uint32_t* f = followers_.find(follower_key(key, static_cast<uint32_t>(follower)));
-    return f == nullptr ? 0 : *f;
+    return stored_count(pack(context), static_cast<uint32_t>(follower));
   }
 
   void update(std::span<const int64_t> tokens, std::span<const int64_t> next) {
@@ -250,16 +245,16 @@ class CompactNGramCounts {
   void initialize(std::span<const int64_t> tokens) {
     check_tokens("tokens", tokens, vocab_);
     constexpr size_t kAhead = 8;
-    const auto contexts_at = [&](size_t i, auto&& f) {
+    const auto contexts_at = [&](size_t i, auto&& f) {  // f(key) for each context ending before i
       const auto longest = std::min<int64_t>(n_ - 1, static_cast<int64_t>(i));
       for (int64_t length = min_context_; length <= longest; ++length) {
-        f(pack(tokens.subspan(i - static_cast<size_t>(length), static_cast<size_t>(length))), length);
+        f(pack(tokens.subspan(i - static_cast<size_t>(length), static_cast<size_t>(length))));
       }
     };
     if (contexts_.size() == 0 && tokens.size() >= kReserveFrom) {
       DistinctKeys contexts, ngrams;
       for (size_t i = 1; i < tokens.size(); ++i) {
-        contexts_at(i, [&](const Key& key, int64_t) {
+        contexts_at(i, [&](const Key& key) {
           contexts.add(key);
           ngrams.add(follower_key(key, static_cast<uint32_t>(tokens[i])));
         });
@@ -271,12 +266,12 @@ class CompactNGramCounts {
     }
     for (size_t i = 1; i < tokens.size(); ++i) {
       if (i + kAhead < tokens.size()) {
-        contexts_at(i + kAhead, [&](const Key& key, int64_t) {
+        contexts_at(i + kAhead, [&](const Key& key) {
           contexts_.prefetch(key);
           followers_.prefetch(follower_key(key, static_cast<uint32_t>(tokens[i + kAhead])));
         });
       }
-      contexts_at(i, [&](const Key& key, int64_t) { add(key, static_cast<uint32_t>(tokens[i]), 1); });
+      contexts_at(i, [&](const Key& key) { add(key, static_cast<uint32_t>(tokens[i]), 1); });
     }
   }
 
@@ -386,16 +381,17 @@ class CompactNGramCounts {
     put_key_token(key, follower, bits_ * static_cast<int>(length));
     return key;
   }
-  [[nodiscard]] Key context_of(const Key& ngram) const noexcept {
-    const int64_t length = key_length(ngram) - 1;
-    Key key{};
-    set_key_length(key, length);
+  // The key of the first `length` tokens of `key`.
+  [[nodiscard]] Key prefix(const Key& key, int64_t length) const noexcept {
+    Key result{};
+    set_key_length(result, length);
     for (int64_t i = 0; i < length; ++i) {
       const int shift = bits_ * static_cast<int>(i);
-      put_key_token(key, key_token(ngram, shift, bits_), shift);
+      put_key_token(result, key_token(key, shift, bits_), shift);
     }
-    return key;
+    return result;
   }
+  [[nodiscard]] Key context_of(const Key& ngram) const noexcept { return prefix(ngram, key_length(ngram) - 1); }
   [[nodiscard]] uint32_t follower_of(const Key& ngram) const noexcept {
     return static_cast<uint32_t>(key_token(ngram, bits_ * static_cast<int>(key_length(ngram) - 1), bits_));
   }
@@ -404,15 +400,10 @@ class CompactNGramCounts {
   [[nodiscard]] bool valid_key(const Key& key, int64_t extra) const noexcept {
     const int64_t length = key_length(key);
     if (length - extra < min_context_ || length - extra > n_ - 1) return false;
-    Key rebuilt{};
-    set_key_length(rebuilt, length);
     for (int64_t i = 0; i < length; ++i) {
-      const int shift = bits_ * static_cast<int>(i);
-      const uint64_t token = key_token(key, shift, bits_);
-      if (token >= static_cast<uint64_t>(vocab_)) return false;
-      put_key_token(rebuilt, token, shift);
+      if (key_token(key, bits_ * static_cast<int>(i), bits_) >= static_cast<uint64_t>(vocab_)) return false;
     }
-    return rebuilt == key;
+    return prefix(key, length) == key;  // no stray bits beyond the tokens
   }
 
   [[nodiscard]] uint32_t stored_count(const Key& context, uint32_t follower) const noexcept {

@@ -46,6 +46,9 @@ inline at::Tensor permute_rotary(const at::Tensor& w, int64_t heads) {
   const int64_t rows = w.size(0), columns = w.size(1);
   return w.reshape({heads, rows / heads / 2, 2, columns}).transpose(1, 2).reshape({rows, columns});
 }
+inline at::Tensor permute_rotary_bias(const at::Tensor& b, int64_t heads) {
+  return permute_rotary(b.view({b.size(0), 1}), heads).view({b.size(0)});
+}
 
 // Whether `path` lies under `root` (both canonical).
 inline bool is_under(const std::filesystem::path& root, const std::filesystem::path& path) {
@@ -181,9 +184,8 @@ inline void save_hf_llama(const std::filesystem::path& folder, const models::Lla
     tensors[p + "mlp.down_proj.weight"] = stored(l.w2);
     tensors[p + "mlp.up_proj.weight"] = stored(l.w3);
     if (c.qkv_bias) {
-      tensors[p + "self_attn.q_proj.bias"] = stored(detail::permute_rotary(l.bq.view({c.dim, 1}), c.n_heads).view({c.dim}));
-      tensors[p + "self_attn.k_proj.bias"] =
-          stored(detail::permute_rotary(l.bk.view({c.kv_dim(), 1}), c.n_kv_heads).view({c.kv_dim()}));
+      tensors[p + "self_attn.q_proj.bias"] = stored(detail::permute_rotary_bias(l.bq, c.n_heads));
+      tensors[p + "self_attn.k_proj.bias"] = stored(detail::permute_rotary_bias(l.bk, c.n_kv_heads));
       tensors[p + "self_attn.v_proj.bias"] = stored(l.bv);
     }
     if (c.o_bias) tensors[p + "self_attn.o_proj.bias"] = stored(l.bo);

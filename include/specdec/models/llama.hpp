@@ -118,10 +118,12 @@ class LlamaModel {
     const at::Tensor inv_freq = rope_inverse_frequencies(config_);
     const at::Tensor angles =
         at::outer(at::arange(config_.max_seq_len, at::kDouble), inv_freq);  // [max_seq, hd/2]
-    rope_cos_ = angles.cos().to(options);
-    rope_sin_ = angles.sin().to(options);
+    // One table of rotations: e^(i angle) where the dtype has a complex type, cos and sin otherwise.
     if (complex_rope()) {
       rope_ = at::polar(at::ones_like(angles), angles).to(device()).to(at::toComplexType(dtype()));
+    } else {
+      rope_cos_ = angles.cos().to(options);
+      rope_sin_ = angles.sin().to(options);
     }
     // The projections that read the same input, concatenated once: q|k|v and gate|up, so a layer
     // makes two products where it made five. The layer's own tensors become views of the fused
@@ -133,6 +135,11 @@ class LlamaModel {
       w.wq = fused.wqkv.narrow(0, 0, dim);
       w.wk = fused.wqkv.narrow(0, dim, kv_dim);
       w.wv = fused.wqkv.narrow(0, dim + kv_dim, kv_dim);
+      if (config_.qkv_bias) {
+        w.bq = fused.bqkv.narrow(0, 0, dim);
+        w.bk = fused.bqkv.narrow(0, dim, kv_dim);
+        w.bv = fused.bqkv.narrow(0, dim + kv_dim, kv_dim);
+      }
       w.w1 = fused.w13.narrow(0, 0, hidden);
       w.w3 = fused.w13.narrow(0, hidden, hidden);
       fused_.push_back(std::move(fused));
@@ -465,9 +472,9 @@ class LlamaModel {
   LlamaConfig config_;
   LlamaWeights weights_;
   std::vector<FusedLayer> fused_;
-  at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2]
+  at::Tensor rope_;      // complex e^(i angle) [max_seq_len, head_dim / 2] (complex_rope())
+  at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2] (otherwise)
   at::Tensor rope_sin_;
-  at::Tensor rope_;      // complex e^(i angle) [max_seq_len, head_dim / 2] (complex_rope() only)
 };
 
 // The config and weights of the model's first `n_layers` layers with the same embedding, final
