@@ -72,3 +72,10 @@ specdec_cli_case(prompt_longer_than_context 2 "--prompt of [0-9]+ bytes is at le
 specdec_cli_case(demo_gamma_text 2 "--gamma: '4x' is not an integer" ${D} --gamma 4x)
 specdec_cli_case(demo_unknown_flag 2 "--nope" ${D} --nope)
 specdec_cli_case(threads_zero 2 "--threads: 0 is outside \\[1, 1024\\]" ${G} --threads 0)
+
+# Tokenizers: --chat needs a chat format; a tokenizer.json must be one and fit the model.
+specdec_cli_case(chat_without_format 2 "--chat needs a tokenizer.json" ${G} --chat)
+specdec_cli_case(tokenizer_json_not_a_tokenizer 2 "hf_tokenizer_fixtures.json: model must be an object" ${G}
+  --tokenizer "${PROJECT_SOURCE_DIR}/tests/data/hf_tokenizer_fixtures.json")
+specdec_cli_case(tokenizer_folder_without_file 2 "tokenizer.json: no such file" ${G}
+  --tokenizer "${PROJECT_SOURCE_DIR}/tests")

@@ -2,8 +2,10 @@
 //
 // By default it runs the bundled pair (models/bundled: a byte-level target and a drafter trained
 // on Python sources); --target/--drafter take a llama2.c checkpoint file or a Hugging Face Llama
-// folder, and --tokenizer a llama2.c tokenizer file.
+// folder, and --tokenizer a llama2.c tokenizer file or a Hugging Face tokenizer.json (by default
+// the target folder's tokenizer.json, where it has one).
 #include <specdec/io/checkpoint.hpp>
+#include <specdec/io/hf_tokenizer.hpp>
 #include <specdec/io/tokenizer.hpp>
 #include <specdec/models/llama.hpp>
 #include <specdec/specdec.hpp>
@@ -42,6 +44,7 @@ struct Arguments {
   std::string target = SPECDEC_BUNDLED_MODELS_DIR "/target";
   std::string drafter = SPECDEC_BUNDLED_MODELS_DIR "/drafter";
   std::string tokenizer;
+  bool chat = false;
   std::string mode = "speculative";
   std::string prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n";
   int64_t gamma = 4;
@@ -195,7 +198,11 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--target", a.target, "target: llama2.c .bin file or Hugging Face Llama folder (default: the bundled target)")
       ->group(models);
   app.add_option("--drafter", a.drafter, "drafter, same formats (default: the bundled drafter)")->group(models);
-  app.add_option("--tokenizer", a.tokenizer, "llama2.c tokenizer file; without it the models are byte-level")
+  app.add_option("--tokenizer", a.tokenizer,
+                 "llama2.c tokenizer file, or tokenizer.json or its folder (default: the target folder's "
+                 "tokenizer.json; without one the models are byte-level)")
+      ->group(models);
+  app.add_flag("--chat", a.chat, "wrap the prompt in the tokenizer's chat format (Llama 3, ChatML, Zephyr, [INST])")
       ->group(models);
   app.add_option("--device", a.device, "cpu (default) or cuda[:N]: where the models run")->group(models);
   app.add_option("--dtype", a.dtype, "float32 (default), float16 or bfloat16 (norms, softmax and verification stay float32)")
@@ -338,7 +345,7 @@ Arguments parse(int argc, char** argv) {
   if (!a.dev_file.empty()) require_file("--dev-file", a.dev_file);
   if (!a.batch_file.empty()) require_file("--batch-file", a.batch_file);
   if (!a.storage.empty()) require_file("--storage", a.storage);
-  if (!a.tokenizer.empty()) require_file("--tokenizer", a.tokenizer);
+  if (!a.tokenizer.empty() && !std::filesystem::is_directory(a.tokenizer)) require_file("--tokenizer", a.tokenizer);
   if (!a.save_storage.empty()) io::detail::require_writable_path(a.save_storage, "--save-storage");
   if (!has_matrix_products(parse_dtype(a.dtype), parse_device(a.device))) {
     throw std::invalid_argument("--dtype " + a.dtype + " on " + a.device + ": this libtorch " + TORCH_VERSION +
@@ -357,25 +364,59 @@ Processor make_processor(const Arguments& a) {
   return MultinomialProcessor(a.temperature);
 }
 
-// Text of tokens, through the llama2.c tokenizer or as bytes.
+// Text of tokens: through a Hugging Face tokenizer.json (with its folder's BOS, EOS and chat
+// settings), a llama2.c tokenizer, or as bytes.
 class Text {
  public:
-  explicit Text(const std::string& tokenizer_path, int64_t vocab) {
-    if (!tokenizer_path.empty()) tokenizer_ = io::Llama2cTokenizer::load(tokenizer_path, vocab);
-    else if (vocab != io::ByteTokenizer::vocab_size()) {
+  Text(const Arguments& a, int64_t vocab) : chat_(a.chat) {
+    std::filesystem::path hf;
+    if (!a.tokenizer.empty()) {
+      const std::filesystem::path path(a.tokenizer);
+      if (std::filesystem::is_directory(path) || path.extension() == ".json") hf = path;
+      else tokenizer_ = io::Llama2cTokenizer::load(path, vocab);
+    } else if (std::filesystem::is_directory(a.target) && std::filesystem::exists(std::filesystem::path(a.target) / "tokenizer.json")) {
+      hf = a.target;
+    }
+    if (!hf.empty()) {
+      hf_ = io::HfTokenizer::load(hf);
+      if (hf_->vocab_size() > vocab) {
+        throw std::invalid_argument(hf_->file().string() + " has ids up to " + std::to_string(hf_->vocab_size() - 1) +
+                                    ", beyond the model's vocabulary of " + std::to_string(vocab));
+      }
+      const auto folder = std::filesystem::is_directory(hf) ? hf : hf.parent_path();
+      settings_ = io::read_text_settings(folder, *hf_);
+    }
+    if (!tokenizer_ && !hf_ && vocab != io::ByteTokenizer::vocab_size()) {
       throw std::invalid_argument("a model with vocabulary " + std::to_string(vocab) +
                                   " needs --tokenizer (byte-level models have 256 tokens)");
     }
+    if (chat_ && !(hf_ && settings_.chat)) {
+      throw std::invalid_argument("--chat needs a tokenizer.json whose tokens or tokenizer_config.json's chat_template "
+                                  "name a known chat format (Llama 3, ChatML, Zephyr, [INST])");
+    }
   }
-  [[nodiscard]] bool llama2c() const { return tokenizer_.has_value(); }
+  // The end-of-sequence ids the tokenizer's folder gives (llama2.c: 2; bytes: none).
+  [[nodiscard]] std::vector<int64_t> eos() const {
+    if (hf_) return settings_.eos_token_ids;
+    if (tokenizer_) return {io::Llama2cTokenizer::kEos};
+    return {};
+  }
   // The fewest tokens a text of `bytes` bytes encodes to (BOS aside).
   [[nodiscard]] int64_t min_tokens(int64_t bytes) const {
-    return tokenizer_ ? bytes / tokenizer_->max_token_length() : bytes;
+    return hf_ ? bytes / hf_->max_token_bytes() : tokenizer_ ? bytes / tokenizer_->max_token_length() : bytes;
   }
+  // A prompt: BOS as the tokenizer's settings say, in the chat format under --chat.
   [[nodiscard]] std::vector<int64_t> encode(const std::string& text) const {
+    if (hf_) return io::encode_prompt(*hf_, settings_, chat_ ? io::apply_chat_template(*settings_.chat, text) : text);
     return tokenizer_ ? tokenizer_->encode(text) : bytes_.encode(text);
   }
+  // Text inside a sequence (a stop string): no BOS, no chat format.
+  [[nodiscard]] std::vector<int64_t> encode_inner(const std::string& text) const {
+    if (hf_) return hf_->encode(text, false);
+    return tokenizer_ ? tokenizer_->encode(text, false) : bytes_.encode(text);
+  }
   [[nodiscard]] std::string piece(int64_t previous, int64_t token) const {
+    if (hf_) return hf_->decode_piece(previous, token);
     return tokenizer_ ? tokenizer_->decode_piece(previous, token) : bytes_.decode_piece(previous, token);
   }
   // The text of `tokens` following the token `previous`.
@@ -386,6 +427,9 @@ class Text {
   }
 
  private:
+  bool chat_ = false;
+  std::optional<io::HfTokenizer> hf_;
+  io::HfTextSettings settings_;
   std::optional<io::Llama2cTokenizer> tokenizer_;
   io::ByteTokenizer bytes_;
 };
@@ -631,7 +675,7 @@ int run(const Arguments& a) {
   const io::LoadLimits limits{.max_sequence_length = a.max_seq_len};
   const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights, limits);
   Model target(target_checkpoint.config, target_checkpoint.weights);
-  const Text text(a.tokenizer, target.vocab_size());
+  const Text text(a, target.vocab_size());
   std::optional<Model> drafter;
   // The length check before encoding: a text encodes to at least min_tokens of its bytes.
   const int64_t least = text.min_tokens(static_cast<int64_t>(a.prompt.size()));
@@ -645,10 +689,10 @@ int run(const Arguments& a) {
   std::vector<std::vector<int64_t>> stops;
   for (const std::string& stop : a.stops) {
     if (stop.empty()) throw std::invalid_argument("--stop must not be empty");
-    stops.push_back(text.encode(stop));
+    stops.push_back(text.encode_inner(stop));
   }
   std::vector<int64_t> eos = a.eos;
-  if (eos.empty() && text.llama2c()) eos.push_back(io::Llama2cTokenizer::kEos);
+  if (eos.empty()) eos = text.eos();
   if (a.mode == "beam") return run_beam(a, target, text, prompt, eos);
   if (a.mode == "stand") return run_stand(a, target, text, prompt, eos, make_processor(a));
   if (a.mode == "speculative") {

@@ -1,12 +1,14 @@
 // libFuzzer target for every loader of untrusted files and the tokenizer's encoder. The first
 // input byte picks the loader (0 llama2.c, 1 tokenizer file, 2 safetensors, 3 config.json,
 // 4 n-gram storage, 5 one-level n-gram storage, 6 STAND memory, 7 text to encode, 8 any JSON
-// through the bounded parser), the rest is the file or text. A loader may only reject a file with io::FormatError (or
+// through the bounded parser, 9 tokenizer.json, 10 text to encode with a byte-level tokenizer.json),
+// the rest is the file or text. A loader may only reject a file with io::FormatError (or
 // std::invalid_argument for a well-formed but unusable model); any other exception, crash or
 // sanitizer report is a bug.
 // Only the parsers, which need no libtorch (clang cannot compile libtorch 1.13's operator
 // headers as C++20), are fuzzed: they hold every check of the untrusted bytes.
 #include <specdec/io/hf_config.hpp>
+#include <specdec/io/hf_tokenizer.hpp>
 #include <specdec/io/llama2c_format.hpp>
 #include <specdec/io/safetensors_format.hpp>
 #include <specdec/io/tokenizer.hpp>
@@ -66,11 +68,17 @@ const specdec::io::Llama2cTokenizer& tokenizer() {
   return loaded;
 }
 
+// tests/data/byte_tokenizer: 256 byte-level tokens, GPT-2's pre-tokenizer regex.
+const specdec::io::HfTokenizer& hf_tokenizer() {
+  static const specdec::io::HfTokenizer loaded = specdec::io::HfTokenizer::load(SPECDEC_BYTE_TOKENIZER_DIR);
+  return loaded;
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
-  const uint8_t which = data[0] % 9;
+  const uint8_t which = data[0] % 11;
   ++data;
   --size;
   const std::filesystem::path folder = scratch();
@@ -117,6 +125,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         (void)specdec::io::detail::parse_json_bounded(std::string_view(reinterpret_cast<const char*>(data), size),
                                                       "fuzz.json");
         break;
+      case 9: {
+        write(folder / "tokenizer.json", data, size);
+        const auto loaded = specdec::io::HfTokenizer::load(folder / "tokenizer.json");
+        try {
+          (void)loaded.decode(loaded.encode("Hello, world! 123 \xc3\xa9\xe2\x9c\x93 <s>"));
+        } catch (const std::runtime_error&) {
+          // a file's own pattern may exhaust PCRE2's match limit: refused while encoding
+        }
+        break;
+      }
+      case 10: {
+        // Every valid UTF-8 text is encodable and decodes back; anything else is refused.
+        const std::string_view text(reinterpret_cast<const char*>(data), size);
+        const std::vector<int64_t> tokens = hf_tokenizer().encode(text);
+        if (hf_tokenizer().decode(tokens) != text) __builtin_trap();
+        break;
+      }
     }
   } catch (const specdec::io::FormatError&) {
   } catch (const std::invalid_argument&) {

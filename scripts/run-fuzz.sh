@@ -11,7 +11,8 @@ CC=clang CXX=clang++ cmake -S "$root" -B "$root/build-fuzz" -G Ninja -DCMAKE_BUI
 cmake --build "$root/build-fuzz" --target fuzz_loaders
 
 # Seeds: the first byte picks the parser (0 llama2.c, 1 tokenizer, 2 safetensors, 3 config.json,
-# 4 n-gram storage, 5 one-level n-gram storage, 6 STAND memory, 7 text to encode, 8 JSON).
+# 4 n-gram storage, 5 one-level n-gram storage, 6 STAND memory, 7 text to encode, 8 JSON,
+# 9 tokenizer.json, 10 text for a tokenizer.json).
 corpus="$(mktemp -d)"
 trap 'rm -rf "$corpus"' EXIT
 printf '\003{"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": true}' > "$corpus/config"
@@ -27,6 +28,8 @@ u64() { u32 "$1"; u32 0; }
 { printf '\005SDNGRAM\0'; u32 1; u32 1; u32 3; u32 0; u64 256; u64 0; u64 0; } > "$corpus/one_level"
 { printf '\006SDPNGRAM'; u32 1; u32 3; u64 256; u64 0; } > "$corpus/memory"
 printf '\007def f(x):\n    return x * 2  # caf\xc3\xa9 \xe2\x9c\x93 \xff' > "$corpus/text"
+{ printf '\011'; cat "$root/tests/data/byte_tokenizer/tokenizer.json"; } > "$corpus/tokenizer_json"
+printf '\012Hello,  world!\n\tcaf\xc3\xa9 \xf0\x9f\xa4\x96 12345' > "$corpus/hf_text"
 # Inputs that once found a bug (fuzz/regressions) stay in the corpus.
 cp "$root"/fuzz/regressions/* "$corpus/"
 if [ -f "$models/stories260K/tok512.bin" ]; then

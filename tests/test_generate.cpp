@@ -358,7 +358,9 @@ TEST(Threads, OneSettingForTorchAndTheLoadedBlas) {
   EXPECT_EQ(thread_settings().torch, 1);
   expect_invalid([] { (void)set_threads(0); }, {"threads", "0"});
   (void)set_threads(before.torch);
-  if (before.blas) EXPECT_EQ(*thread_settings().blas, before.torch);
+  if (before.blas) {
+    EXPECT_EQ(*thread_settings().blas, before.torch);
+  }
 }
 
 TEST(SpeculativeGenerate, DrafterOnCpuTargetOnCuda) {
