@@ -79,3 +79,17 @@ specdec_cli_case(tokenizer_json_not_a_tokenizer 2 "hf_tokenizer_fixtures.json: m
   --tokenizer "${PROJECT_SOURCE_DIR}/tests/data/hf_tokenizer_fixtures.json")
 specdec_cli_case(tokenizer_folder_without_file 2 "tokenizer.json: no such file" ${G}
   --tokenizer "${PROJECT_SOURCE_DIR}/tests")
+
+# Remote verification: the flags that go with --verifier, and a server that is not there.
+if(SPECDEC_HAVE_REMOTE)
+  specdec_cli_case(verifier_mode 2 "--verifier applies to --mode speculative or autoregressive, not --mode ngram"
+    ${G} --verifier 127.0.0.1:1 --mode ngram)
+  specdec_cli_case(verifier_compare 2 "--compare does not apply to --verifier: the target is on the server"
+    ${G} --verifier 127.0.0.1:1 --compare)
+  specdec_cli_case(verifier_without_port 2 "--verifier must be HOST:PORT, got localhost" ${G} --verifier localhost)
+  specdec_cli_case(latency_without_verifier 2 "apply to --verifier" ${G} --added-latency-ms 5)
+  specdec_cli_case(verifier_unreachable 1 "Open failed \\(UNAVAILABLE\\)" ${G} --verifier 127.0.0.1:1)
+  set(V $<TARGET_FILE:specdec-verifier>)
+  specdec_cli_case(verifier_public_without_token 2 "is not loopback: a token is required" ${V} --address 0.0.0.0:0)
+  specdec_cli_case(verifier_bad_gamma 2 "--max-gamma: -1 is outside" ${V} --max-gamma -1)
+endif()

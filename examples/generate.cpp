@@ -10,6 +10,9 @@
 #include <specdec/models/llama.hpp>
 #include <specdec/specdec.hpp>
 #include <specdec/text/prompts.hpp>
+#ifdef SPECDEC_HAVE_REMOTE
+#include <specdec/remote/client.hpp>
+#endif
 
 #include <torch/version.h>
 #include <unistd.h>
@@ -20,6 +23,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <iomanip>
@@ -82,6 +86,9 @@ struct Arguments {
   int64_t max_seq_len = io::LoadLimits{}.max_sequence_length;
   int threads = 1;
   bool compare = false, trace = false, json = false;
+  std::string verifier, verifier_token_file;
+  double added_latency_ms = 0;
+  bool half_q = false;
 };
 
 // --device: "cpu", "cuda" or "cuda:N", with a CUDA device present.
@@ -295,6 +302,18 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--length-penalty", a.length_penalty, "beam score = log-probability / length^A (default 1)")
       ->check(cli::real(-100.0, 100.0))->group(beam);
 
+  const std::string remote = "Remote verification (the target on a specdec-verifier; speculative, autoregressive)";
+  app.add_option("--verifier", a.verifier, "HOST:PORT of a specdec-verifier: --drafter drafts here, the server verifies")
+      ->group(remote);
+  app.add_option("--verifier-token-file", a.verifier_token_file,
+                 "the server's shared secret, first line (default: $SPECDEC_VERIFIER_TOKEN)")
+      ->group(remote);
+  app.add_option("--added-latency-ms", a.added_latency_ms,
+                 "simulate a slower link: sleep this long before each call (default 0)")
+      ->check(cli::real(0.0, 60000.0))->group(remote);
+  app.add_flag("--half-q", a.half_q, "send dense drafter distributions as float16 (half the bytes, see README)")
+      ->group(remote);
+
   const std::string output = "Output";
   app.add_option("--batch-file", a.batch_file,
                  "generate for every line of FILE as one batch (speculative, autoregressive, ngram); \\n in a line "
@@ -338,6 +357,26 @@ Arguments parse(int argc, char** argv) {
   }
   if (a.calibrate && app.count("--threshold") > 0) {
     throw std::invalid_argument("--threshold and --calibrate exclude each other: --calibrate chooses the threshold");
+  }
+  if (a.verifier.empty() && (app.count("--verifier-token-file") > 0 || app.count("--added-latency-ms") > 0 ||
+                             app.count("--half-q") > 0)) {
+    throw std::invalid_argument("--verifier-token-file, --added-latency-ms and --half-q apply to --verifier");
+  }
+  if (!a.verifier.empty()) {
+#ifndef SPECDEC_HAVE_REMOTE
+    throw std::invalid_argument("--verifier: this specdec-generate was built without gRPC");
+#endif
+    if (a.mode != "speculative" && a.mode != "autoregressive") {
+      throw std::invalid_argument("--verifier applies to --mode speculative or autoregressive, not --mode " + a.mode);
+    }
+    for (const char* flag : {"--compare", "--batch-file", "--calibrate", "--target", "--device", "--dtype"}) {
+      if (app.count(flag) > 0) {
+        throw std::invalid_argument(std::string(flag) + " does not apply to --verifier: the target is on the server");
+      }
+    }
+    if (a.verifier.find(':') == std::string::npos) {
+      throw std::invalid_argument("--verifier must be HOST:PORT, got " + a.verifier);
+    }
   }
   if (!a.batch_file.empty() && a.trace) {
     throw std::invalid_argument("--trace does not apply to --batch-file");
@@ -433,6 +472,36 @@ class Text {
   std::optional<io::Llama2cTokenizer> tokenizer_;
   io::ByteTokenizer bytes_;
 };
+
+// The prompt, stop sequences and end tokens of a run, through its tokenizer.
+struct Request {
+  std::vector<int64_t> prompt;
+  std::vector<std::vector<int64_t>> stops;
+  std::vector<int64_t> eos;
+};
+Request encode_request(const Arguments& a, const Text& text) {
+  Request request{.prompt = text.encode(a.prompt), .eos = a.eos};
+  if (request.prompt.empty()) throw std::invalid_argument("--prompt must not be empty");
+  for (const std::string& stop : a.stops) {
+    if (stop.empty()) throw std::invalid_argument("--stop must not be empty");
+    request.stops.push_back(text.encode_inner(stop));
+  }
+  if (request.eos.empty()) request.eos = text.eos();
+  return request;
+}
+
+// The speculative options the flags give.
+SpeculativeOptions make_speculative_options(const Arguments& a, const std::vector<int64_t>& eos,
+                                            const std::vector<std::vector<int64_t>>& stops) {
+  return {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .stop_sequences = stops, .seed = a.seed,
+          .gamma = a.gamma,
+          .gamma_policy = a.gamma_policy == "egag" ? GammaPolicy::egag
+                          : a.gamma_policy == "schedule" ? GammaPolicy::schedule : GammaPolicy::fixed,
+          .gamma_min = a.gamma_min, .gamma_max = a.gamma_max, .egag_ema_beta = a.egag_beta, .p_min = a.p_min,
+          .entropy_gate = a.entropy_gate,
+          .verification = a.verify == "threshold" ? Verification::threshold : Verification::rejection,
+          .threshold = a.threshold};
+}
 
 struct Colors {
   const char* accepted = "";
@@ -669,7 +738,99 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const Text
   return 0;
 }
 
+#ifdef SPECDEC_HAVE_REMOTE
+// --verifier: the drafter (and the tokenizer of its folder) here, the target on the server.
+int run_remote(const Arguments& a) {
+  const ThreadSettings threads = set_threads(a.threads);
+  const io::LlamaCheckpoint checkpoint = io::load_llama(a.drafter, at::kFloat, {.max_sequence_length = a.max_seq_len});
+  Model drafter(checkpoint.config, checkpoint.weights);
+  Arguments text_arguments = a;
+  text_arguments.target = a.drafter;  // a tokenizer.json beside the drafter
+  const Text text(text_arguments, drafter.vocab_size());
+  const Request request = encode_request(a, text);
+  const std::vector<int64_t>& prompt = request.prompt;
+  const std::vector<std::vector<int64_t>>& stops = request.stops;
+  const std::vector<int64_t>& eos = request.eos;
+  std::string token;
+  if (!a.verifier_token_file.empty()) {
+    std::ifstream in(a.verifier_token_file);
+    if (!in || !std::getline(in, token) || token.empty()) {
+      throw std::invalid_argument("--verifier-token-file " + a.verifier_token_file + " holds no token on its first line");
+    }
+  } else if (const char* env = std::getenv("SPECDEC_VERIFIER_TOKEN")) {
+    token = env;
+  }
+  remote::RemoteVerifier verifier(
+      a.verifier, {.token = token,
+                   .added_latency = std::chrono::microseconds(static_cast<int64_t>(a.added_latency_ms * 1000)),
+                   .half_precision_q = a.half_q});
+  const Processor processor = make_processor(a);
+  SpeculativeOptions options = make_speculative_options(a, eos, stops);
+  int64_t previous = prompt.back();
+  options.on_step = [&](const StepInfo& step) {
+    if (a.json) return;
+    for (const int64_t t : step.emitted) std::cout << text.piece(previous, t), previous = t;
+    if (a.trace) {
+      std::cout << std::fixed << std::setprecision(2) << "[k=" << step.drafts.size() << " accepted=" << step.accepted
+                << " rtt_ms=" << step.rtt_seconds * 1e3 << " prefill_ms=" << step.prefill_seconds * 1e3 << "]"
+                << std::defaultfloat;
+    }
+    std::cout << std::flush;
+  };
+  if (!a.json) {
+    std::cout << "verifier: " << a.verifier << "\ndrafter:  " << a.drafter << " (" << drafter.config()
+              << "; threads: " << threads << ")\n";
+    std::visit([&](const auto& p) { std::cout << "mode: " << a.mode << " (remote), " << p << ", gamma " << a.gamma; }, processor);
+    std::cout << "\n\n" << a.prompt << std::flush;
+  }
+  GenerationResult result;
+  try {
+    result = std::visit(
+        [&](const auto& p) {
+          if (a.mode == "autoregressive") {
+            NoDrafts none;
+            return remote::remote_generate(none, verifier, prompt, options, p);
+          }
+          ModelDraftSource drafts(drafter);
+          return remote::remote_generate(drafts, verifier, prompt, options, p);
+        },
+        processor);
+  } catch (const remote::RemoteError& e) {
+    std::cout << std::endl;
+    std::cerr << "specdec-generate: " << e.what() << "\nspecdec-generate: " << e.partial().tokens.size()
+              << " tokens were generated before the failure: " << text.decode(prompt.back(), e.partial().tokens) << "\n";
+    return 1;
+  }
+  const GenerationStats& s = result.stats;
+  if (a.json) {
+    std::ostringstream reason;
+    reason << result.stop_reason;
+    nlohmann::json stats = stats_json(s);
+    stats["rtt_seconds"] = s.rtt_seconds;
+    stats["prefill_seconds"] = s.prefill_seconds;
+    std::cout << nlohmann::json{{"mode", a.mode}, {"verifier", a.verifier}, {"gamma", a.gamma},
+                                {"text", text.decode(prompt.back(), result.tokens)},
+                                {"stop_reason", reason.str()}, {"stats", stats}}.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << std::fixed << std::setprecision(2) << "\n\n"
+            << s.generated << " tokens in " << s.total_seconds << " s: " << s.generated / s.total_seconds
+            << " tokens/s; " << s.target_calls << " round trips (" << s.tokens_per_target_call()
+            << " tokens each, " << (s.target_calls > 0 ? s.rtt_seconds * 1e3 / static_cast<double>(s.target_calls) : 0.0)
+            << " ms each, of which the server's forward " << (s.target_calls > 0 ? s.prefill_seconds * 1e3 / static_cast<double>(s.target_calls) : 0.0)
+            << " ms), stopped by " << result.stop_reason;
+  if (a.mode != "autoregressive") {
+    std::cout << ", " << s.drafter_calls << " drafter calls, acceptance rate " << s.acceptance_rate();
+  }
+  std::cout << "\n";
+  return 0;
+}
+#endif
+
 int run(const Arguments& a) {
+#ifdef SPECDEC_HAVE_REMOTE
+  if (!a.verifier.empty()) return run_remote(a);
+#endif
   const ThreadSettings threads = set_threads(a.threads);
   const auto weights = at::TensorOptions().dtype(parse_dtype(a.dtype)).device(parse_device(a.device));
   const io::LoadLimits limits{.max_sequence_length = a.max_seq_len};
@@ -684,15 +845,10 @@ int run(const Arguments& a) {
                                 std::to_string(least) + " tokens, more than the target's max_sequence_length " +
                                 std::to_string(target.max_sequence_length()));
   }
-  const std::vector<int64_t> prompt = text.encode(a.prompt);
-  if (prompt.empty()) throw std::invalid_argument("--prompt must not be empty");
-  std::vector<std::vector<int64_t>> stops;
-  for (const std::string& stop : a.stops) {
-    if (stop.empty()) throw std::invalid_argument("--stop must not be empty");
-    stops.push_back(text.encode_inner(stop));
-  }
-  std::vector<int64_t> eos = a.eos;
-  if (eos.empty()) eos = text.eos();
+  const Request request = encode_request(a, text);
+  const std::vector<int64_t>& prompt = request.prompt;
+  const std::vector<std::vector<int64_t>>& stops = request.stops;
+  const std::vector<int64_t>& eos = request.eos;
   if (a.mode == "beam") return run_beam(a, target, text, prompt, eos);
   if (a.mode == "stand") return run_stand(a, target, text, prompt, eos, make_processor(a));
   if (a.mode == "speculative") {
@@ -703,15 +859,7 @@ int run(const Arguments& a) {
   if (!a.batch_file.empty()) {
     return run_batch_file(a, target, drafter ? &*drafter : nullptr, text, eos, stops, processor);
   }
-  SpeculativeOptions speculative_options{
-      .max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .stop_sequences = stops, .seed = a.seed,
-      .gamma = a.gamma,
-      .gamma_policy = a.gamma_policy == "egag" ? GammaPolicy::egag
-                      : a.gamma_policy == "schedule" ? GammaPolicy::schedule : GammaPolicy::fixed,
-      .gamma_min = a.gamma_min, .gamma_max = a.gamma_max, .egag_ema_beta = a.egag_beta, .p_min = a.p_min,
-      .entropy_gate = a.entropy_gate,
-      .verification = a.verify == "threshold" ? Verification::threshold : Verification::rejection,
-      .threshold = a.threshold};
+  SpeculativeOptions speculative_options = make_speculative_options(a, eos, stops);
   std::optional<CalibrationResult> calibration;
   if (a.calibrate) {
     calibration = calibrate(a, *drafter, target, text, prompt, speculative_options, processor);

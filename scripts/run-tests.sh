@@ -18,7 +18,11 @@ jobs="$(nproc)"
 
 cmake -S "$root" -B "$root/build-sanitize" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
   -DSPECDEC_SANITIZE=ON -DSPECDEC_BUILD_TESTS=ON -DSPECDEC_BUILD_EXAMPLES=ON
-cmake --build "$root/build-sanitize" -j "$jobs" --target specdec_tests specdec-generate specdec-demo
+sanitized=(specdec_tests specdec-generate specdec-demo)
+if grep -q "specdec-verifier" "$root/build-sanitize/build.ninja"; then
+  sanitized+=(specdec-verifier)  # the server's command-line cases run under the sanitizers too
+fi
+cmake --build "$root/build-sanitize" -j "$jobs" --target "${sanitized[@]}"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 "$root/build-sanitize/tests/specdec_tests" --gtest_brief=1
 # The command-line cases of bad input (label cli) on the sanitizer build too: undefined behaviour

@@ -39,6 +39,9 @@ struct StepInfo {
   double target_seconds = 0;             // wall time of the step's target forwards
   double drafter_seconds = 0;            // wall time of the step's drafting
   int64_t row = 0;                       // batch generation: the prompt's index; 0 otherwise
+  double rtt_seconds = 0;                // remote verification: the step's round trip (0 locally)
+  double prefill_seconds = 0;            // remote verification: the server's target forward
+                                         // within that round trip (0 locally)
 };
 
 // What a step callback tells the generation loop.

@@ -22,6 +22,8 @@ struct GenerationStats {
   double total_seconds = 0;   // wall time of the whole call
   double target_seconds = 0;  // wall time inside target forward calls
   double drafter_seconds = 0; // wall time inside drafter forward calls
+  double rtt_seconds = 0;     // remote verification: round trips, over all steps (0 locally)
+  double prefill_seconds = 0; // remote verification: the server's target forwards within them
 
   // Adds another generation's counters and times: totals over several calls.
   GenerationStats& operator+=(const GenerationStats& other) noexcept {
@@ -35,6 +37,8 @@ struct GenerationStats {
     total_seconds += other.total_seconds;
     target_seconds += other.target_seconds;
     drafter_seconds += other.drafter_seconds;
+    rtt_seconds += other.rtt_seconds;
+    prefill_seconds += other.prefill_seconds;
     return *this;
   }
 

@@ -51,6 +51,8 @@ struct EmittedStep {
   double entropy = std::numeric_limits<double>::quiet_NaN();
   std::optional<int64_t> verified;   // draft tokens the target scored (stats.drafted); default
                                      // drafts.size() (a tree verifies more than it reports)
+  double rtt_seconds = 0;            // remote verification: StepInfo::rtt_seconds
+  double prefill_seconds = 0;        // remote verification: StepInfo::prefill_seconds
 };
 
 // The sequence being generated (prompt plus output, in a vector the caller owns: a session's
@@ -109,6 +111,8 @@ class GenerationState {
     ++stats_.steps;
     stats_.drafted += step.verified.value_or(reported);
     stats_.accepted += step.accepted;
+    stats_.rtt_seconds += step.rtt_seconds;
+    stats_.prefill_seconds += step.prefill_seconds;
     after();
     if (on_step_) {
       const StepAction action = on_step_(StepInfo{
@@ -122,7 +126,9 @@ class GenerationState {
           .entropy = step.entropy,
           .target_seconds = stats_.target_seconds - reported_target_seconds_,
           .drafter_seconds = stats_.drafter_seconds - reported_drafter_seconds_,
-          .row = row_});
+          .row = row_,
+          .rtt_seconds = step.rtt_seconds,
+          .prefill_seconds = step.prefill_seconds});
       if (action == StepAction::stop && !reason_) reason_ = StopReason::callback;
     }
     reported_target_seconds_ = stats_.target_seconds;

@@ -1,0 +1,107 @@
+// specdec-verifier: serves a target model for remote verification (include/specdec/remote).
+//
+//   specdec-verifier --target models/bundled/target                  # 127.0.0.1:50051
+//   SPECDEC_VERIFIER_TOKEN=... specdec-verifier --target DIR --address 0.0.0.0:50051
+//
+// Clients: specdec-generate --verifier HOST:PORT, or remote_generate in your own program. It prints
+// "listening on HOST:PORT" once it serves and stops cleanly on SIGINT or SIGTERM.
+#include <specdec/io/checkpoint.hpp>
+#include <specdec/models/llama.hpp>
+#include <specdec/remote/server.hpp>
+#include <specdec/threads.hpp>
+
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "support/cli.hpp"
+
+#ifndef SPECDEC_BUNDLED_MODELS_DIR
+#define SPECDEC_BUNDLED_MODELS_DIR "models/bundled"
+#endif
+
+namespace {
+
+using Model = specdec::models::LlamaModel<specdec::StaticKVCache>;
+
+// The shared secret: --token-file's first line, else $SPECDEC_VERIFIER_TOKEN (never a flag's
+// value, which other users could read in the process list).
+std::string read_token(const std::string& file) {
+  if (file.empty()) {
+    const char* env = std::getenv("SPECDEC_VERIFIER_TOKEN");
+    return env == nullptr ? std::string() : std::string(env);
+  }
+  std::ifstream in(file);
+  if (!in) throw std::invalid_argument("--token-file " + file + " cannot be read");
+  std::string token;
+  std::getline(in, token);
+  while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
+  if (token.empty()) throw std::invalid_argument("--token-file " + file + " holds no token on its first line");
+  return token;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::string target = SPECDEC_BUNDLED_MODELS_DIR "/target";
+    std::string token_file;
+    specdec::remote::ServerOptions options;
+    int threads = 1;
+    int64_t idle_seconds = 60;
+    CLI::App app("Serves a target model for remote speculative decoding.", "specdec-verifier");
+    app.add_option("--target", target, "llama2.c file or Hugging Face folder (default: the bundled target)");
+    app.add_option("--address", options.address,
+                   "host:port to listen on (default 127.0.0.1:50051; port 0 picks one; any non-loopback "
+                   "address needs a token)");
+    app.add_option("--token-file", token_file, "the shared secret, first line (default: $SPECDEC_VERIFIER_TOKEN)");
+    app.add_option("--max-sessions", options.limits.max_sessions, "open sessions at once (default 64)")
+        ->check(cli::integer<int64_t>(1, 1 << 20));
+    app.add_option("--max-tokens", options.limits.max_tokens_per_session,
+                   "tokens per session (default 65536, and the target's context)")
+        ->check(cli::integer<int64_t>(2, int64_t{1} << 40));
+    app.add_option("--max-gamma", options.limits.max_gamma, "drafts per request (default 64)")
+        ->check(cli::integer<int64_t>(0, 4096));
+    app.add_option("--max-request-bytes", options.limits.max_request_bytes, "bytes per request (default 64 MiB)")
+        ->check(cli::integer<int64_t>(1024, (int64_t{1} << 31) - 1));
+    app.add_option("--idle-timeout", idle_seconds, "seconds before an unused session is freed (default 60)")
+        ->check(cli::integer<int64_t>(1, int64_t{1} << 30));
+    app.add_option("--threads", threads, "CPU threads of libtorch and BLAS (default 1)")->check(cli::integer<int>(1, 1024));
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::Success&) {
+      std::cout << app.help();
+      return 0;
+    }
+    options.limits.idle_timeout = std::chrono::seconds(idle_seconds);
+    options.token = read_token(token_file);
+
+    // SIGINT and SIGTERM are taken by sigwait below, in this thread only.
+    sigset_t signals;
+    sigemptyset(&signals);
+    sigaddset(&signals, SIGINT);
+    sigaddset(&signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+    (void)specdec::set_threads(threads);
+    const specdec::io::LlamaCheckpoint checkpoint = specdec::io::load_llama(target);
+    Model model(checkpoint.config, checkpoint.weights);
+    specdec::remote::VerifierServer<Model> server(model, options);
+    const std::string host = options.address.substr(0, options.address.rfind(':'));
+    std::cout << "listening on " << host << ":" << server.port() << " (target " << target << ", "
+              << (options.token.empty() ? "no token" : "token required") << ")" << std::endl;
+    int signal = 0;
+    sigwait(&signals, &signal);
+    std::cout << "stopping (signal " << signal << ")" << std::endl;
+    server.shutdown();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "specdec-verifier: " << e.what() << " (see --help)\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "specdec-verifier: " << e.what() << "\n";
+    return 2;
+  }
+}

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# remote.sh VERIFIER GENERATE CASE: runs specdec-verifier on a free loopback port and
+# specdec-generate against it.
+#   ok:   a traced remote generation ends normally, with per-step k, accepted, rtt_ms, prefill_ms;
+#   kill: the server is killed (SIGKILL) mid-generation; the client must exit with status 1,
+#         name the failed call and print the tokens generated before it.
+set -u
+verifier="$1"
+generate="$2"
+case="$3"
+work="$(mktemp -d)"
+server=""
+cleanup() {
+  if [ -n "$server" ]; then kill -9 "$server" 2>/dev/null; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+"$verifier" --address 127.0.0.1:0 > "$work/server.log" 2>&1 &
+server=$!
+port=""
+for _ in $(seq 1 300); do
+  port="$(sed -n 's/^listening on 127.0.0.1:\([0-9]*\).*/\1/p' "$work/server.log")"
+  if [ -n "$port" ]; then break; fi
+  if ! kill -0 "$server" 2>/dev/null; then echo "the server exited:"; cat "$work/server.log"; exit 1; fi
+  sleep 0.1
+done
+if [ -z "$port" ]; then echo "the server did not start:"; cat "$work/server.log"; exit 1; fi
+
+if [ "$case" = "ok" ]; then
+  output="$("$generate" --verifier "127.0.0.1:$port" --prompt "def add(a, b):" --max-new-tokens 60 --trace 2>&1)"
+  status=$?
+  printf '%s\n' "$output" | tail -n 4
+  [ "$status" -eq 0 ] || { echo "exit status $status"; exit 1; }
+  printf '%s\n' "$output" | grep -Eq '\[k=[0-9]+ accepted=[0-9]+ rtt_ms=[0-9.]+ prefill_ms=[0-9.]+\]' || exit 1
+  printf '%s\n' "$output" | grep -Eq '60 tokens in .* round trips' || exit 1
+  kill -TERM "$server"
+  wait "$server"
+  server=""
+  grep -q "stopping" "$work/server.log" || { echo "the server did not stop on SIGTERM"; cat "$work/server.log"; exit 1; }
+  exit 0
+fi
+
+# kill: a slow client (20 ms added per call), the server killed after a second.
+"$generate" --verifier "127.0.0.1:$port" --max-new-tokens 400 --added-latency-ms 20 > "$work/client.out" 2> "$work/client.err" &
+client=$!
+sleep 1
+kill -9 "$server"
+wait "$server" 2>/dev/null
+server=""
+wait "$client"
+status=$?
+cat "$work/client.err"
+[ "$status" -eq 1 ] || { echo "client exit status $status, expected 1"; exit 1; }
+grep -Eq 'Verify failed \((UNAVAILABLE|CANCELLED|INTERNAL)\)' "$work/client.err" || exit 1
+grep -Eq '[1-9][0-9]* tokens were generated before the failure' "$work/client.err" || exit 1

@@ -1,0 +1,341 @@
+// Remote verification over gRPC on loopback, server and clients in this process: greedy output
+// equal to local autoregressive decoding, sampled output distributed as the target's (with a check
+// that the test catches a wrong q), reproducibility, every bad request refused with its status and
+// the server serving on, idle sessions freed, a server stopped mid-generation, and 16 concurrent
+// clients.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "specdec/io/checkpoint.hpp"
+#include "specdec/models/llama.hpp"
+#include "specdec/remote/client.hpp"
+#include "specdec/remote/server.hpp"
+#include "specdec/specdec.hpp"
+#include "support/markov_fixtures.hpp"
+#include "support/statistics.hpp"
+#include "support/toy_models.hpp"
+
+namespace {
+
+using namespace specdec;
+using remote::RemoteError;
+using remote::RemoteVerifier;
+using remote::VerifierServer;
+using Model = models::LlamaModel<StaticKVCache>;
+using Ids = std::vector<int64_t>;
+
+Model bundled(const char* which) {
+  const auto checkpoint = io::load_llama(std::string(SPECDEC_BUNDLED_MODELS_DIR) + "/" + which);
+  return Model(checkpoint.config, checkpoint.weights);
+}
+
+Ids bytes(const std::string& text) { return Ids(text.begin(), text.end()); }
+
+std::string local(int port) { return "127.0.0.1:" + std::to_string(port); }
+
+remote::ServerOptions loopback(remote::ServerLimits limits = {}) {
+  return {.address = "127.0.0.1:0", .limits = limits};
+}
+
+TEST(Remote, GreedyOutputEqualsLocalAutoregressiveDecoding) {
+  Model target = bundled("target");
+  Model drafter = bundled("drafter");
+  Model reference = bundled("target");
+  VerifierServer server(target, loopback());
+  RemoteVerifier verifier(local(server.port()));
+  const Ids prompt = bytes("def fibonacci(n):\n    ");
+  const Ids expected = autoregressive_generate(reference, prompt, {.max_new_tokens = 80}).tokens;
+  ModelDraftSource drafts(drafter);
+  std::vector<StepInfo> steps;
+  const GenerationResult result = remote::remote_generate(
+      drafts, verifier, prompt, {.max_new_tokens = 80, .on_step = [&](const StepInfo& s) { steps.push_back(s); }, .gamma = 4});
+  EXPECT_EQ(result.tokens, expected);
+  EXPECT_GT(result.stats.accepted, 0);
+  EXPECT_GT(result.stats.rtt_seconds, 0);
+  EXPECT_GT(result.stats.prefill_seconds, 0);
+  EXPECT_LE(result.stats.prefill_seconds, result.stats.rtt_seconds);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_GT(steps.back().rtt_seconds, 0);
+  EXPECT_EQ(result.stats.target_calls, result.stats.steps);  // one round trip per step
+  // Autoregressive over the wire (no drafts) and threshold verification under greedy decoding.
+  NoDrafts none;
+  EXPECT_EQ(remote::remote_generate(none, verifier, prompt, {.max_new_tokens = 30}).tokens,
+            Ids(expected.begin(), expected.begin() + 30));
+  ModelDraftSource again(drafter);
+  EXPECT_EQ(remote::remote_generate(again, verifier, prompt,
+                                    {.max_new_tokens = 80, .gamma = 4, .verification = Verification::threshold,
+                                     .threshold = 0.25})
+                .tokens,
+            expected);
+  EXPECT_EQ(server.sessions(), 0);  // every generation closed its session
+}
+
+// Two tokens after prompt {0} from the Markov pair, sampled remotely, against the target's exact
+// distribution (chi-square at a tail of 1e-6). `wrong_q` sends the drafts with a uniform q
+// instead of the drafter's: verification is then biased, which the test must catch.
+struct UniformQ {
+  ModelDraftSource<test::MarkovModel> inner;
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
+    Drafts drafts = inner.draft(request, processor, gen);
+    if (drafts.probs.defined()) drafts.probs = at::full_like(drafts.probs, 1.0 / static_cast<double>(drafts.probs.size(1)));
+    return drafts;
+  }
+  void verified(const VerifiedDrafts& v) { inner.verified(v); }
+};
+
+bool remote_samples_pass(RemoteVerifier& verifier, bool wrong_q, const MultinomialProcessor& processor) {
+  test::MarkovModel drafter(test::markov_drafter_rows());
+  const at::Tensor p = test::markov_target_rows();
+  constexpr int64_t kSamples = 2000;
+  std::map<std::pair<int64_t, int64_t>, int64_t> observed;
+  for (int64_t i = 0; i < kSamples; ++i) {
+    const SpeculativeOptions options{.max_new_tokens = 2, .seed = static_cast<uint64_t>(i), .gamma = 2, .first_target = false};
+    Ids tokens;
+    if (wrong_q) {
+      UniformQ source{ModelDraftSource<test::MarkovModel>(drafter)};
+      tokens = remote::remote_generate(source, verifier, Ids{0}, options, processor).tokens;
+    } else {
+      ModelDraftSource<test::MarkovModel> source(drafter);
+      tokens = remote::remote_generate(source, verifier, Ids{0}, options, processor).tokens;
+    }
+    ++observed[{tokens[0], tokens[1]}];
+  }
+  std::map<std::pair<int64_t, int64_t>, double> expected;
+  for (int64_t a = 0; a < 4; ++a) {
+    for (int64_t b = 0; b < 4; ++b) expected[{a, b}] = p[0][a].item<double>() * p[a][b].item<double>();
+  }
+  const test::ChiSquare fit = test::chi_square(observed, expected, kSamples);
+  return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
+}
+
+TEST(Remote, SampledOutputIsDistributedAsTheTarget) {
+  test::MarkovModel target(test::markov_target_rows());
+  VerifierServer server(target, loopback());
+  RemoteVerifier verifier(local(server.port()));
+  EXPECT_TRUE(remote_samples_pass(verifier, /*wrong_q=*/false, MultinomialProcessor(1.0)));
+  // Power: the same harness fails when verification gets a q the drafts were not drawn from.
+  EXPECT_FALSE(remote_samples_pass(verifier, /*wrong_q=*/true, MultinomialProcessor(1.0)));
+}
+
+TEST(Remote, ASeedReproducesARunInEveryEncoding) {
+  Model target = bundled("target");
+  Model drafter = bundled("drafter");
+  VerifierServer server(target, loopback());
+  const Ids prompt = bytes("import os\n");
+  for (const bool half : {false, true}) {
+    RemoteVerifier verifier(local(server.port()), {.half_precision_q = half});
+    const auto run = [&](const auto& processor, uint64_t seed) {
+      ModelDraftSource drafts(drafter);
+      return remote::remote_generate(drafts, verifier, prompt, {.max_new_tokens = 40, .seed = seed, .gamma = 4}, processor).tokens;
+    };
+    EXPECT_EQ(run(MultinomialProcessor(0.8), 7), run(MultinomialProcessor(0.8), 7));  // dense q
+    EXPECT_EQ(run(TopKProcessor(5, 0.8), 7), run(TopKProcessor(5, 0.8), 7));          // sparse q
+    EXPECT_NE(run(MultinomialProcessor(1.5), 7), run(MultinomialProcessor(1.5), 8));
+  }
+}
+
+// A raw client: requests as a misbehaving one would send them.
+class RawClient {
+ public:
+  RawClient(int port, std::string token = "")
+      : stub_(remote::wire::Verifier::NewStub(grpc::CreateChannel(local(port), grpc::InsecureChannelCredentials()))),
+        token_(std::move(token)) {}
+  grpc::Status open(const Ids& prompt, remote::wire::OpenReply* reply, remote::wire::Sampling::Kind kind = remote::wire::Sampling::GREEDY) {
+    remote::wire::OpenRequest request;
+    request.mutable_sampling()->set_kind(kind);
+    request.mutable_sampling()->set_temperature(1.0);
+    request.mutable_prompt()->Add(prompt.begin(), prompt.end());
+    grpc::ClientContext context;
+    authorize(context);
+    return stub_->Open(&context, request, reply);
+  }
+  grpc::Status verify(const remote::wire::VerifyRequest& request, remote::wire::VerifyReply* reply = nullptr) {
+    remote::wire::VerifyReply ignored;
+    grpc::ClientContext context;
+    authorize(context);
+    return stub_->Verify(&context, request, reply != nullptr ? reply : &ignored);
+  }
+
+ private:
+  void authorize(grpc::ClientContext& context) const {
+    if (!token_.empty()) context.AddMetadata("authorization", "Bearer " + token_);
+  }
+  std::unique_ptr<remote::wire::Verifier::Stub> stub_;
+  std::string token_;
+};
+
+void expect_status(const grpc::Status& status, grpc::StatusCode code, const std::string& words) {
+  EXPECT_EQ(status.error_code(), code) << status.error_message();
+  EXPECT_NE(status.error_message().find(words), std::string::npos) << status.error_message();
+}
+
+TEST(Remote, BadRequestsGetTheirStatusAndTheServerGoesOn) {
+  Model target = bundled("target");
+  Model drafter = bundled("drafter");
+  VerifierServer server(target, loopback({.max_sessions = 3, .max_gamma = 8}));
+  RawClient raw(server.port());
+  remote::wire::OpenReply opened;
+  expect_status(raw.open({}, &opened), grpc::StatusCode::INVALID_ARGUMENT, "prompt must not be empty");
+  expect_status(raw.open({1, 300}, &opened), grpc::StatusCode::INVALID_ARGUMENT, "prompt[1] = 300 is outside the vocabulary");
+  ASSERT_TRUE(raw.open(bytes("x = "), &opened).ok());
+  EXPECT_EQ(opened.vocab_size(), 256);
+
+  remote::wire::VerifyRequest request;
+  request.set_session(opened.session());
+  request.set_length(4);
+  request.set_last_token(' ');
+  for (int i = 0; i < 9; ++i) request.add_drafts('1');
+  expect_status(raw.verify(request), grpc::StatusCode::INVALID_ARGUMENT, "more than max_gamma = 8");
+  request.clear_drafts();
+  request.add_drafts(256);
+  expect_status(raw.verify(request), grpc::StatusCode::INVALID_ARGUMENT, "drafts[0] = 256 is outside the vocabulary");
+  request.clear_drafts();
+  request.add_drafts('1');
+  request.set_last_token('y');
+  expect_status(raw.verify(request), grpc::StatusCode::FAILED_PRECONDITION, "client and server hold different sequences");
+  request.set_last_token(' ');
+  request.set_length(99);
+  expect_status(raw.verify(request), grpc::StatusCode::FAILED_PRECONDITION, "is not a length of the session");
+  request.set_length(4);
+  request.mutable_q()->set_encoding(remote::wire::DraftProbs::DENSE_F32);
+  expect_status(raw.verify(request), grpc::StatusCode::INVALID_ARGUMENT, "q must have encoding NONE");
+  request.clear_q();
+  request.set_session("no-such-session");
+  expect_status(raw.verify(request), grpc::StatusCode::NOT_FOUND, "no session");
+  request.set_session(opened.session());
+  remote::wire::VerifyReply reply;
+  ASSERT_TRUE(raw.verify(request, &reply).ok());  // the session survived every bad request
+  EXPECT_EQ(reply.length(), 4 + reply.accepted() + 1);
+
+  // Sampled sessions need q, of the right size, in which each draft is possible.
+  remote::wire::OpenReply sampled;
+  ASSERT_TRUE(raw.open(bytes("y = "), &sampled, remote::wire::Sampling::MULTINOMIAL).ok());
+  remote::wire::VerifyRequest with_q;
+  with_q.set_session(sampled.session());
+  with_q.set_length(4);
+  with_q.set_last_token(' ');
+  with_q.add_drafts('1');
+  with_q.mutable_q()->set_encoding(remote::wire::DraftProbs::DENSE_F32);
+  for (int i = 0; i < 10; ++i) with_q.mutable_q()->add_values(0.1f);
+  expect_status(raw.verify(with_q), grpc::StatusCode::INVALID_ARGUMENT, "expected drafts (1) x vocab (256)");
+  with_q.mutable_q()->set_encoding(remote::wire::DraftProbs::SPARSE);
+  with_q.mutable_q()->clear_values();
+  with_q.mutable_q()->add_row_lengths(1);
+  with_q.mutable_q()->add_indices('2');
+  with_q.mutable_q()->add_values(1.0f);
+  expect_status(raw.verify(with_q), grpc::StatusCode::INVALID_ARGUMENT, "has probability 0 under its q row");
+
+  // A third session fills the server; a fourth is refused.
+  remote::wire::OpenReply third;
+  ASSERT_TRUE(raw.open(bytes("z"), &third).ok());
+  expect_status(raw.open(bytes("w"), &opened), grpc::StatusCode::RESOURCE_EXHAUSTED, "max_sessions");
+  EXPECT_EQ(server.sessions(), 3);
+}
+
+TEST(Remote, TokensAreRequiredWhereSet) {
+  test::MarkovModel target(test::markov_target_rows());
+  EXPECT_THROW((void)VerifierServer<test::MarkovModel>(target, {.address = "0.0.0.0:0"}), std::invalid_argument);
+  VerifierServer server(target, {.address = "127.0.0.1:0", .token = "s3cret"});
+  remote::wire::OpenReply opened;
+  expect_status(RawClient(server.port()).open({0}, &opened), grpc::StatusCode::UNAUTHENTICATED, "token");
+  expect_status(RawClient(server.port(), "wrong!").open({0}, &opened), grpc::StatusCode::UNAUTHENTICATED, "token");
+  EXPECT_TRUE(RawClient(server.port(), "s3cret").open({0}, &opened).ok());
+  RemoteVerifier verifier(local(server.port()), {.token = "s3cret"});
+  test::MarkovModel drafter(test::markov_drafter_rows());
+  ModelDraftSource source(drafter);
+  EXPECT_EQ(remote::remote_generate(source, verifier, Ids{0}, {.max_new_tokens = 5}).tokens.size(), 5U);
+  RemoteVerifier anonymous(local(server.port()));
+  try {
+    (void)remote::remote_generate(source, anonymous, Ids{0}, {.max_new_tokens = 5});
+    ADD_FAILURE() << "generated without the token";
+  } catch (const RemoteError& e) {
+    EXPECT_EQ(e.code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+}
+
+TEST(Remote, IdleSessionsAreFreed) {
+  test::MarkovModel target(test::markov_target_rows());
+  VerifierServer server(target, loopback({.idle_timeout = std::chrono::milliseconds(100)}));
+  RawClient raw(server.port());
+  remote::wire::OpenReply opened;
+  ASSERT_TRUE(raw.open({0, 1}, &opened).ok());  // a client that disconnects without Close
+  EXPECT_EQ(server.sessions(), 1);
+  for (int i = 0; i < 100 && server.sessions() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(server.sessions(), 0);
+  remote::wire::VerifyRequest request;
+  request.set_session(opened.session());
+  request.set_length(2);
+  request.set_last_token(1);
+  expect_status(raw.verify(request), grpc::StatusCode::NOT_FOUND, "idle too long");
+}
+
+TEST(Remote, AServerStoppedMidGenerationLeavesTheTokensSoFar) {
+  Model target = bundled("target");
+  Model drafter = bundled("drafter");
+  Model reference = bundled("target");
+  const Ids prompt = bytes("class Stack:\n    ");
+  const Ids expected = autoregressive_generate(reference, prompt, {.max_new_tokens = 100}).tokens;
+  std::optional<VerifierServer<Model>> server;
+  server.emplace(target, loopback());
+  RemoteVerifier verifier(local(server->port()), {.timeout = std::chrono::milliseconds(5000)});
+  ModelDraftSource drafts(drafter);
+  int64_t steps = 0;
+  try {
+    (void)remote::remote_generate(drafts, verifier, prompt,
+                                  {.max_new_tokens = 100,
+                                   .on_step = [&](const StepInfo&) {
+                                     if (++steps == 3) server->shutdown();
+                                   },
+                                   .gamma = 4});
+    ADD_FAILURE() << "generation went on after the server stopped";
+  } catch (const RemoteError& e) {
+    EXPECT_NE(e.code(), grpc::StatusCode::OK);
+    EXPECT_NE(std::string(e.what()).find("Verify failed"), std::string::npos) << e.what();
+    const Ids& partial = e.partial().tokens;
+    ASSERT_GE(partial.size(), 3U);
+    EXPECT_EQ(partial, Ids(expected.begin(), expected.begin() + static_cast<std::ptrdiff_t>(partial.size())));
+    EXPECT_EQ(e.partial().stats.steps, 3);
+  }
+}
+
+TEST(Remote, SixteenConcurrentClientsEachGetTheirOwnOutput) {
+  Model target = bundled("target");
+  VerifierServer server(target, loopback());
+  constexpr int kClients = 16;
+  std::vector<Ids> prompts, expected(kClients), got(kClients);
+  {
+    Model reference = bundled("target");
+    for (int c = 0; c < kClients; ++c) {
+      prompts.push_back(bytes("def f" + std::to_string(c) + "(x):\n    return "));
+      expected[static_cast<size_t>(c)] = autoregressive_generate(reference, prompts.back(), {.max_new_tokens = 24}).tokens;
+    }
+  }
+  std::vector<std::thread> clients;
+  std::atomic<int> failures = 0;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      try {
+        Model drafter = bundled("drafter");
+        RemoteVerifier verifier(local(server.port()));
+        ModelDraftSource drafts(drafter);
+        got[static_cast<size_t>(c)] =
+            remote::remote_generate(drafts, verifier, prompts[static_cast<size_t>(c)], {.max_new_tokens = 24, .gamma = 4}).tokens;
+      } catch (const std::exception&) {
+        ++failures;
+      }
+    });
+  }
+  for (auto& client : clients) client.join();
+  EXPECT_EQ(failures.load(), 0);
+  for (int c = 0; c < kClients; ++c) EXPECT_EQ(got[static_cast<size_t>(c)], expected[static_cast<size_t>(c)]) << "client " << c;
+  EXPECT_EQ(server.sessions(), 0);
+}
+
+}  // namespace
