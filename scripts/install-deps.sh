@@ -3,7 +3,9 @@
 # (CPU), OpenBLAS (without it libtorch falls back to a reference BLAS about 25x slower),
 # GoogleTest, Google Benchmark, nlohmann-json (for the checkpoint loaders), CLI11 (the programs'
 # command lines), xxHash (checksums of saved storages, header-only), tsl-hopscotch-map (only for the
-# benchmark that compares it with the n-gram storages' own table; header-only), clang with its
+# benchmark that compares it with the n-gram storages' own table; header-only), PCRE2 and utf8proc
+# (tokenizer.json: pre-tokenizer regexes, UTF-8 and NFC), gRPC and protobuf with their compilers
+# (the remote verification service), clang with its
 # libFuzzer runtime (for the loaders' fuzz target) and libpython3.11-stdlib (the Python sources
 # the bundled models were trained and are evaluated on). Idempotent: installs only what is missing.
 set -euo pipefail

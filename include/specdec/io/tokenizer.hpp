@@ -15,7 +15,6 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
-#include <queue>
 #include <span>
 #include <string>
 #include <string_view>
@@ -23,6 +22,7 @@
 #include <vector>
 
 #include "specdec/io/binary_reader.hpp"
+#include "specdec/io/detail/bpe.hpp"
 #include "specdec/io/errors.hpp"
 
 namespace specdec::io {
@@ -116,7 +116,7 @@ class Llama2cTokenizer {
     }
     for (int64_t i = 0; i < vocab_size; ++i) {
       tokenizer.lookup_.emplace(tokenizer.pieces_[static_cast<size_t>(i)], i);  // first wins
-      const auto byte = byte_of(tokenizer.pieces_[static_cast<size_t>(i)]);
+      const auto byte = detail::byte_of(tokenizer.pieces_[static_cast<size_t>(i)]);
       if (byte && tokenizer.byte_tokens_[*byte] < 0) tokenizer.byte_tokens_[*byte] = i;
     }
     return tokenizer;
@@ -161,7 +161,7 @@ class Llama2cTokenizer {
   // The text of `token` following `previous` (-1 for none).
   [[nodiscard]] std::string decode_piece(int64_t previous, int64_t token) const {
     const std::string& text = pieces_[checked(token)];
-    if (const auto byte = byte_of(text)) return std::string(1, static_cast<char>(*byte));
+    if (const auto byte = detail::byte_of(text)) return std::string(1, static_cast<char>(*byte));
     if (previous == kBos && !text.empty() && text.front() == ' ') return text.substr(1);
     return text;
   }
@@ -177,49 +177,13 @@ class Llama2cTokenizer {
 
  private:
   // Merges tokens[first..] as SentencePiece BPE does: repeatedly the adjacent pair whose
-  // concatenation is the highest-scoring vocabulary entry, the leftmost on ties. A max-heap of
-  // candidate pairs over a linked list makes it O(n log n); a popped pair whose symbols have
-  // changed since it was pushed is stale and skipped.
+  // concatenation is the highest-scoring vocabulary entry, the leftmost on ties.
   void merge(std::vector<int64_t>& tokens, size_t first) const {
-    const size_t n = tokens.size();
-    if (n < first + 2) return;
-    std::vector<size_t> next(n), previous(n);
-    std::vector<bool> alive(n, true);
-    for (size_t i = 0; i < n; ++i) next[i] = i + 1, previous[i] = i == 0 ? n : i - 1;
-    struct Candidate {
-      float score;
-      size_t left, right;
-      int64_t left_token, right_token, merged;
-      bool operator<(const Candidate& other) const {  // the heap's top: highest score, then leftmost
-        return score != other.score ? score < other.score : left > other.left;
-      }
-    };
-    std::priority_queue<Candidate> heap;
-    const auto consider = [&](size_t left, size_t right) {
-      if (left < first || left >= n || right >= n) return;
-      const auto id = find(pieces_[static_cast<size_t>(tokens[left])] + pieces_[static_cast<size_t>(tokens[right])]);
-      if (id) heap.push({scores_[static_cast<size_t>(*id)], left, right, tokens[left], tokens[right], *id});
-    };
-    for (size_t i = first; i + 1 < n; ++i) consider(i, i + 1);
-    while (!heap.empty()) {
-      const Candidate c = heap.top();
-      heap.pop();
-      if (!alive[c.left] || !alive[c.right] || next[c.left] != c.right || tokens[c.left] != c.left_token ||
-          tokens[c.right] != c.right_token) {
-        continue;  // stale
-      }
-      tokens[c.left] = c.merged;
-      alive[c.right] = false;
-      next[c.left] = next[c.right];
-      if (next[c.right] < n) previous[next[c.right]] = c.left;
-      consider(previous[c.left], c.left);
-      consider(c.left, next[c.left]);
-    }
-    size_t kept = first;
-    for (size_t i = first; i < n; ++i) {
-      if (alive[i]) tokens[kept++] = tokens[i];
-    }
-    tokens.resize(kept);
+    detail::merge_pairs(tokens, first, [&](int64_t left, int64_t right) -> std::optional<detail::PairMerge> {
+      const auto id = find(pieces_[static_cast<size_t>(left)] + pieces_[static_cast<size_t>(right)]);
+      if (!id) return std::nullopt;
+      return detail::PairMerge{scores_[static_cast<size_t>(*id)], *id};
+    });
   }
 
   [[nodiscard]] std::optional<int64_t> find(std::string_view text) const {
@@ -233,19 +197,6 @@ class Llama2cTokenizer {
                                   std::to_string(token));
     }
     return static_cast<size_t>(token);
-  }
-
-  // The byte of a "<0xXX>" piece.
-  static std::optional<int> byte_of(const std::string& piece) {
-    if (piece.size() != 6 || piece.compare(0, 3, "<0x") != 0 || piece[5] != '>') return std::nullopt;
-    int value = 0;
-    for (size_t i = 3; i < 5; ++i) {
-      const char c = piece[i];
-      const int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-      if (digit < 0) return std::nullopt;
-      value = value * 16 + digit;
-    }
-    return value;
   }
 
   int64_t max_token_length_ = 1;

@@ -210,8 +210,12 @@ class VerifierService final : public wire::Verifier::Service {
       session.rollback(request->length());
       return {grpc::StatusCode::INTERNAL, e.what()};
     }
-    reply->set_accepted(step ? step->accepted : 0);
-    reply->set_token(step ? step->token : session.tokens().back());
+    if (!step) {  // every step reports to on_step; a generation without one did not run
+      session.rollback(request->length());
+      return {grpc::StatusCode::INTERNAL, "the step did not run"};
+    }
+    reply->set_accepted(step->accepted);
+    reply->set_token(step->token);
     reply->set_prefill_seconds(result.stats.target_seconds);
     reply->set_length(session.length());
     return grpc::Status::OK;
