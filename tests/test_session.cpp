@@ -120,6 +120,26 @@ TYPED_TEST(SessionTest, RollbackThenNewTokensMatchAFreshGeneration) {
             autoregressive_generate(m.target, changed, {.max_new_tokens = 10}).tokens);
 }
 
+// Between calls the cache holds every token but the last. A rollback by one token leaves the
+// cache covering the whole session: the next generation computes the last token again instead of
+// predicting from nothing, for the target's cache and the drafter's.
+TYPED_TEST(SessionTest, RollbackIntoTheCachedPrefixRecomputesTheLastToken) {
+  Models<TypeParam> m;
+  Session session(m.target);
+  ModelDraftSource drafts(m.drafter);
+  session.append(kFirstTurn);
+  (void)session.generate(drafts, {.max_new_tokens = 12, .gamma = 3});
+  ASSERT_EQ(session.cache().length(), session.length() - 1);
+  session.rollback(session.length() - 1);
+  EXPECT_EQ(session.cache().length(), session.length());
+  const std::vector<int64_t> kept(session.tokens().begin(), session.tokens().end());
+  EXPECT_EQ(session.generate(drafts, {.max_new_tokens = 10, .gamma = 3}).tokens,
+            autoregressive_generate(m.target, kept, {.max_new_tokens = 10}).tokens);
+  session.rollback(session.length() - 1);
+  const std::vector<int64_t> again(session.tokens().begin(), session.tokens().end());
+  EXPECT_EQ(session.generate({.max_new_tokens = 5}).tokens, autoregressive_generate(m.target, again, {.max_new_tokens = 5}).tokens);
+}
+
 TYPED_TEST(SessionTest, PrefillComputesTheTurnBeforeGeneration) {
   Models<TypeParam> m;
   Session session(m.target);

@@ -142,10 +142,12 @@ class ModelRunner {
   }
 
   // Before a generation over `sequence`: keeps the cached positions whose tokens still match it
-  // (what the last record() saw, up to the first difference) and drops the rest.
+  // (what the last record() saw, up to the first difference) and drops the rest. The last token
+  // is never kept: the next forward predicts from it (a session rolled back to a length its
+  // cache covers computes that token again).
   void resume(std::span<const int64_t> sequence) {
     size_t same = 0;
-    const size_t limit = std::min(history_.size(), sequence.size());
+    const size_t limit = std::min(history_.size(), sequence.empty() ? 0 : sequence.size() - 1);
     while (same < limit && history_[same] == sequence[same]) ++same;
     truncate(static_cast<int64_t>(same));
   }
