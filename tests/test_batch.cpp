@@ -200,6 +200,59 @@ TEST(BatchSampling, EveryRowIsDistributedAsTheTarget) {
   EXPECT_FALSE(rows_pass_chi_square(/*skip_sample_adjustment=*/true));
 }
 
+// Caches of separate sessions joined into one batch: each row's logits and cache equal what its
+// own cache gives for the same tokens, the split rows go on as working caches, and the parts are
+// left unchanged (what the verification server's batched forward relies on).
+TYPED_TEST(BatchLlama, JoinedCachesScoreEachRowAsItsOwnCache) {
+  const models::LlamaConfig config = test::small_llama_config();
+  models::LlamaModel<TypeParam> model(config, models::LlamaWeights::random(config, 33, at::kDouble));
+  const auto ids = [](const std::vector<int64_t>& tokens) {
+    return at::tensor(tokens, at::kLong).view({1, static_cast<int64_t>(tokens.size())});
+  };
+  // Cached prefixes of 5, 9 and 0 tokens; then 3, 1 and 4 new tokens (the widest row sets the width).
+  const std::vector<std::vector<int64_t>> prefixes = {{1, 2, 3, 4, 5}, {9, 8, 7, 6, 5, 4, 3, 2, 1}, {}};
+  const std::vector<std::vector<int64_t>> added = {{6, 7, 8}, {10}, {11, 12, 13, 14}};
+  std::vector<TypeParam> own, parts;
+  for (size_t r = 0; r < prefixes.size(); ++r) {
+    own.push_back(model.make_cache(1));
+    if (!prefixes[r].empty()) (void)model.forward(ids(prefixes[r]), own.back());
+    parts.push_back(model.make_cache(1));
+    if (!prefixes[r].empty()) (void)model.forward(ids(prefixes[r]), parts.back());
+  }
+  std::vector<const TypeParam*> pointers;
+  for (const auto& part : parts) pointers.push_back(&part);
+  TypeParam joined = TypeParam::join_rows(pointers);
+  EXPECT_EQ(std::vector<int64_t>(joined.row_lengths().begin(), joined.row_lengths().end()), (std::vector<int64_t>{5, 9, 0}));
+  at::Tensor padded = at::zeros({3, 4}, at::kLong);
+  for (size_t r = 0; r < added.size(); ++r) {
+    padded[static_cast<int64_t>(r)].narrow(0, 0, static_cast<int64_t>(added[r].size())).copy_(at::tensor(added[r], at::kLong));
+  }
+  const at::Tensor logits = model.forward(padded, joined);
+  for (size_t r = 0; r < added.size(); ++r) {
+    const auto row = static_cast<int64_t>(r);
+    const auto count = static_cast<int64_t>(added[r].size());
+    EXPECT_EQ(parts[r].length(), static_cast<int64_t>(prefixes[r].size())) << "a part changed, row " << r;
+    const at::Tensor expected = model.forward(ids(added[r]), own[r]);
+    EXPECT_TRUE(at::allclose(logits[row].narrow(0, 0, count), expected[0], 1e-9, 1e-9)) << "row " << r;
+    TypeParam split = joined.split_row(row);
+    ASSERT_EQ(split.length(), static_cast<int64_t>(prefixes[r].size()) + 4);
+    split.prune(4 - count);  // the padding after the row's own tokens
+    ASSERT_EQ(split.length(), own[r].length());
+    for (int64_t layer = 0; layer < config.n_layers; ++layer) {
+      EXPECT_TRUE(at::allclose(split.keys(layer), own[r].keys(layer), 1e-9, 1e-9)) << "row " << r << " layer " << layer;
+      EXPECT_TRUE(at::allclose(split.values(layer), own[r].values(layer), 1e-9, 1e-9)) << "row " << r << " layer " << layer;
+    }
+    // The split row is a working cache of its own: one more token scores as on the row's own cache.
+    EXPECT_TRUE(at::allclose(model.forward(ids({15}), split), model.forward(ids({15}), own[r]), 1e-9, 1e-9)) << "row " << r;
+  }
+  test::expect_invalid([&] { (void)TypeParam::join_rows(std::span<const TypeParam* const>()); }, {"join_rows", "none"});
+  TypeParam two = model.make_cache(2);
+  (void)model.forward(at::ones({2, 2}, at::kLong), two);
+  const std::vector<const TypeParam*> with_two = {pointers[0], &two};
+  test::expect_invalid([&] { (void)TypeParam::join_rows(with_two); }, {"caches[1]", "2 rows"});
+  test::expect_invalid([&] { (void)joined.split_row(3); }, {"split_row", "[0, 3)", "3"});
+}
+
 TEST(BatchInput, RejectsBadInputNamingTheRow) {
   PrefixHashModel target(40, 1);
   PrefixHashModel drafter(40, 1, 3);

@@ -61,6 +61,23 @@ concept BatchedKVCache =
       { c.device_row_lengths() } -> std::convertible_to<at::Tensor>;
     };
 
+// JoinableKVCache: a BatchedKVCache whose rows can come from separate caches and go back to
+// them, as a server needs to verify many sessions (each with a cache of its own) in one forward.
+//
+// A type C satisfies JoinableKVCache if it satisfies BatchedKVCache and, for `c` a const C:
+//   1. `C::join_rows(caches)`, caches a std::span<const C* const> of one-row caches (empty ones
+//      included), returns a cache of caches.size() rows in which row r holds exactly the
+//      positions of *caches[r] (rows may then be ragged). The caches are left unchanged.
+//   2. `c.split_row(r)` returns a one-row cache holding exactly row r's row_lengths()[r]
+//      positions; extending it never changes `c`'s other rows.
+// Not required: that the joined cache shares storage with its parts (a copy is allowed), nor that
+// a split row is independent of `c`'s storage.
+template <class C>
+concept JoinableKVCache = BatchedKVCache<C> && requires(const C& c, std::span<const C* const> caches, int64_t r) {
+  { C::join_rows(caches) } -> std::same_as<C>;
+  { c.split_row(r) } -> std::same_as<C>;
+};
+
 // CompactableKVCache: a KVCache that can keep a subset of its newest positions, as tree
 // verification needs (the accepted path of a draft tree, the other branches dropped).
 //

@@ -97,6 +97,38 @@ inline void write_rows(const at::Tensor& storage, const at::Tensor& added, const
   storage.scatter_(2, index, added);
 }
 
+// Checks join_rows()'s argument: at least one cache, none null, each of one row (or empty).
+// Returns the caches' lengths.
+template <class C>
+std::vector<int64_t> join_lengths(std::span<const C* const> caches) {
+  if (caches.empty()) throw std::invalid_argument("join_rows needs at least one cache, got none");
+  std::vector<int64_t> lengths;
+  for (size_t r = 0; r < caches.size(); ++r) {
+    if (caches[r] == nullptr) throw_invalid_message("join_rows: caches[", r, "] is null");
+    const auto rows = caches[r]->row_lengths().size();
+    if (rows > 1) throw_invalid_message("join_rows takes one-row caches, caches[", r, "] holds ", rows, " rows");
+    lengths.push_back(caches[r]->length());
+  }
+  return lengths;
+}
+
+// Checks that a part of a join matches the first part in everything but its positions.
+inline void check_joinable(size_t r, const at::Tensor& part, const at::Tensor& first) {
+  if (part.size(1) != first.size(1) || part.size(3) != first.size(3) || part.dtype() != first.dtype() ||
+      part.device() != first.device()) {
+    throw_invalid_message("join_rows: caches[", r, "] holds keys ", part.sizes(), " (", part.dtype(), ", ",
+                          part.device(), "), unlike the first cache's ", first.sizes(), " (", first.dtype(), ", ",
+                          first.device(), ")");
+  }
+}
+
+// Checks split_row()'s row index against a cache's row lengths.
+inline void check_split_row(int64_t r, std::span<const int64_t> rows) {
+  if (r < 0 || r >= static_cast<int64_t>(rows.size())) {
+    throw_invalid_message("split_row: row must be in [0, ", rows.size(), "), got ", r);
+  }
+}
+
 // The per-row lengths of a batched cache: row r holds its own first rows()[r] positions, at most
 // the longest (the cache's length()). Rows are ragged after prune_rows() leaves them unequal.
 class RowLengths {
@@ -202,6 +234,59 @@ class DynamicKVCache {
       keys_[layer] = keys_[layer].narrow(2, 0, length_).index_select(0, index);
       values_[layer] = values_[layer].narrow(2, 0, length_).index_select(0, index);
     }
+  }
+
+  // JoinableKVCache: one cache whose row r is caches[r] (one-row caches, empty ones included;
+  // same layers, heads, head_dim, dtype and device). Copies every cached position once; shorter
+  // rows are padded with zeros (never attended to).
+  static DynamicKVCache join_rows(std::span<const DynamicKVCache* const> caches) {
+    const std::vector<int64_t> lengths = detail::join_lengths(caches);
+    const auto batch = static_cast<int64_t>(caches.size());
+    const int64_t layers = caches.front()->num_layers();
+    const DynamicKVCache* shaped = nullptr;  // a part with positions gives the joined shape
+    for (size_t r = 0; r < caches.size(); ++r) {
+      if (caches[r]->num_layers() != layers) {
+        detail::throw_invalid_message("join_rows: caches[", r, "] has ", caches[r]->num_layers(),
+                                      " layers, caches[0] has ", layers);
+      }
+      if (shaped == nullptr && lengths[r] > 0) shaped = caches[r];
+    }
+    DynamicKVCache joined(layers);
+    if (shaped == nullptr) return joined;  // nothing cached: rows start at 0 on the first update
+    const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+    for (size_t layer = 0; layer < static_cast<size_t>(layers); ++layer) {
+      const at::Tensor& like = shaped->keys_[layer];
+      joined.keys_[layer] = at::zeros({batch, like.size(1), longest, like.size(3)}, like.options());
+      joined.values_[layer] = at::zeros_like(joined.keys_[layer]);
+      for (size_t r = 0; r < caches.size(); ++r) {
+        const int64_t length = lengths[r];
+        if (length == 0) continue;
+        detail::check_joinable(r, caches[r]->keys_[layer], like);
+        const auto row = static_cast<int64_t>(r);
+        joined.keys_[layer][row].narrow(1, 0, length).copy_(caches[r]->keys_[layer][0].narrow(1, 0, length));
+        joined.values_[layer][row].narrow(1, 0, length).copy_(caches[r]->values_[layer][0].narrow(1, 0, length));
+      }
+    }
+    joined.length_ = longest;
+    joined.rows_.ensure(batch, longest);
+    joined.rows_.set(lengths);
+    return joined;
+  }
+
+  // JoinableKVCache: a one-row cache of row r's positions, copied (it shares no storage with
+  // this cache, so keeping it keeps nothing else alive).
+  [[nodiscard]] DynamicKVCache split_row(int64_t r) const {
+    detail::check_split_row(r, rows_.rows());
+    DynamicKVCache row(num_layers());
+    const int64_t length = rows_.rows()[static_cast<size_t>(r)];
+    if (length == 0) return row;
+    for (size_t layer = 0; layer < keys_.size(); ++layer) {
+      row.keys_[layer] = keys_[layer].narrow(0, r, 1).narrow(2, 0, length).clone();
+      row.values_[layer] = values_[layer].narrow(0, r, 1).narrow(2, 0, length).clone();
+    }
+    row.length_ = length;
+    row.rows_.ensure(1, length);
+    return row;
   }
 
   // Appends this layer's keys and values [batch, kv_heads, T, head_dim] after the committed
@@ -381,6 +466,51 @@ class StaticKVCache {
     if (!rows_.rows().empty()) length_ = rows_.longest();
   }
 
+  // JoinableKVCache: one cache whose row r is caches[r] (one-row caches, empty ones included, of
+  // one shape, dtype and device), in new storage of the same capacity. Copies every cached
+  // position once; the positions between a shorter row's end and the longest are zeroed.
+  static StaticKVCache join_rows(std::span<const StaticKVCache* const> caches) {
+    const std::vector<int64_t> lengths = detail::join_lengths(caches);
+    const StaticKVCache& first = *caches.front();
+    StaticKVCacheShape shape = first.shape_;
+    shape.batch = static_cast<int64_t>(caches.size());
+    for (size_t r = 1; r < caches.size(); ++r) {
+      const StaticKVCacheShape& other = caches[r]->shape_;
+      if (other.num_layers != shape.num_layers || other.capacity != shape.capacity) {
+        detail::throw_invalid_message("join_rows: caches[", r, "] has ", other.num_layers, " layers and capacity ",
+                                      other.capacity, ", caches[0] has ", shape.num_layers, " and ", shape.capacity);
+      }
+      detail::check_joinable(r, caches[r]->storage_[0][0], first.storage_[0][0]);
+    }
+    StaticKVCache joined(shape, first.storage_.options());
+    const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+    for (size_t r = 0; r < caches.size(); ++r) {
+      const at::Tensor row = joined.storage_.narrow(2, static_cast<int64_t>(r), 1);
+      if (lengths[r] > 0) row.narrow(4, 0, lengths[r]).copy_(caches[r]->storage_.narrow(4, 0, lengths[r]));
+      if (lengths[r] < longest) row.narrow(4, lengths[r], longest - lengths[r]).zero_();
+    }
+    joined.length_ = longest;
+    joined.initialized_ = longest;
+    joined.rows_.add(longest);
+    joined.rows_.set(lengths);
+    return joined;
+  }
+
+  // JoinableKVCache: a one-row cache of row r's positions in new storage of the same capacity
+  // (it shares nothing with this cache, so keeping it keeps nothing else alive).
+  [[nodiscard]] StaticKVCache split_row(int64_t r) const {
+    detail::check_split_row(r, rows_.rows());
+    StaticKVCache row({.num_layers = shape_.num_layers, .batch = 1, .kv_heads = shape_.kv_heads,
+                       .capacity = shape_.capacity, .head_dim = shape_.head_dim},
+                      storage_.options());
+    const int64_t length = rows_.rows()[static_cast<size_t>(r)];
+    if (length > 0) row.storage_.narrow(4, 0, length).copy_(storage_.narrow(2, r, 1).narrow(4, 0, length));
+    row.length_ = length;
+    row.initialized_ = length;
+    row.rows_.add(length);
+    return row;
+  }
+
   // Writes this layer's keys and values [batch, kv_heads, T, head_dim] in place after the
   // committed positions. Returns views of the layer's keys and values for length() + T positions.
   // Throws std::length_error when length() + T exceeds capacity().
@@ -478,8 +608,8 @@ class StaticKVCache {
   detail::RowLengths rows_;
 };
 
-static_assert(CompactableKVCache<DynamicKVCache> && ReorderableKVCache<DynamicKVCache>);
-static_assert(CompactableKVCache<StaticKVCache> && ReorderableKVCache<StaticKVCache>);
+static_assert(CompactableKVCache<DynamicKVCache> && ReorderableKVCache<DynamicKVCache> && JoinableKVCache<DynamicKVCache>);
+static_assert(CompactableKVCache<StaticKVCache> && ReorderableKVCache<StaticKVCache> && JoinableKVCache<StaticKVCache>);
 
 // Drops the last n positions of any KVCache. Requires 0 <= n <= cache.length().
 template <KVCache C>

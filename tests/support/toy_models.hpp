@@ -86,6 +86,22 @@ class TokenCache {
     }
     return all.to(ids.device());
   }
+  // JoinableKVCache: row r holds caches[r]'s tokens; a split row holds row r's.
+  static TokenCache join_rows(std::span<const TokenCache* const> caches) {
+    TokenCache joined;
+    for (const TokenCache* cache : caches) {
+      if (cache->rows_.size() > 1) throw std::invalid_argument("TokenCache::join_rows: one-row caches only");
+      joined.rows_.push_back(cache->rows_.empty() ? std::vector<int64_t>{} : cache->rows_.front());
+    }
+    joined.update_lengths();
+    return joined;
+  }
+  [[nodiscard]] TokenCache split_row(int64_t r) const {
+    TokenCache row;
+    row.rows_.push_back(rows_.at(static_cast<size_t>(r)));
+    row.update_lengths();
+    return row;
+  }
   // The tokens of row r [1, its length].
   [[nodiscard]] at::Tensor row(int64_t r) const {
     return at::tensor(rows_.at(static_cast<size_t>(r)), at::kLong).view({1, -1});
@@ -99,7 +115,7 @@ class TokenCache {
   std::vector<std::vector<int64_t>> rows_;
   std::vector<int64_t> lengths_;
 };
-static_assert(ReorderableKVCache<TokenCache> && CompactableKVCache<TokenCache> && BatchedKVCache<TokenCache>);
+static_assert(ReorderableKVCache<TokenCache> && CompactableKVCache<TokenCache> && JoinableKVCache<TokenCache>);
 
 // A first-order Markov chain: the logits after token t are log_transitions[t]. Its sequence
 // probabilities are products of processor(log_transitions) entries.
