@@ -6,9 +6,16 @@
 // verification, and the same with threshold verification (lossy; tau 0.25), at temperature 1.
 // Counters: tokens/s, round trips per token, acceptance, the mean round trip and the server's
 // forward within it.
+//
+// BM_RemoteClients: 1, 4 or 16 clients generating at once against one server that verifies one
+// request per forward (max_batch 1) or batches the waiting ones into one forward (max_batch 16),
+// remote autoregressive (no drafts: the server does all the work) and speculative at gamma 4.
+// Counters: all clients' tokens per second of wall time, and verifications per target forward.
 #include <benchmark/benchmark.h>
 
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_support.hpp"
@@ -79,6 +86,71 @@ BENCHMARK(BM_Remote)
     ->ArgNames({"mode", "latency_ms"})
     ->Unit(benchmark::kMillisecond)
     ->Iterations(3);
+
+constexpr int kMaxClients = 16;
+
+// One drafter per client thread (a model's forward is not shared between threads).
+std::vector<std::unique_ptr<Model>>& drafters() {
+  static std::vector<std::unique_ptr<Model>> all = [] {
+    std::vector<std::unique_ptr<Model>> made;
+    for (int c = 0; c < kMaxClients; ++c) made.push_back(std::make_unique<Model>(load("drafter")));
+    return made;
+  }();
+  return all;
+}
+
+void BM_RemoteClients(benchmark::State& state) {
+  const auto mode = static_cast<Mode>(state.range(0));
+  const auto clients = static_cast<int>(state.range(1));
+  const int64_t max_batch = state.range(2);
+  Setup& s = setup();
+  auto& own_drafters = drafters();
+  remote::VerifierServer<Model> server{s.target, {.address = "127.0.0.1:0", .limits = {.max_batch = max_batch}}};
+  const std::string address = "127.0.0.1:" + std::to_string(server.port());
+  const MultinomialProcessor processor(1.0);
+  int64_t generated = 0;
+  double seconds = 0;
+  uint64_t seed = 0;
+  for (auto _ : state) {
+    std::vector<std::thread> threads;
+    std::vector<int64_t> counts(static_cast<size_t>(clients), 0);
+    double elapsed = 0;
+    {
+      specdec::detail::ScopedTimer timer(elapsed);
+      for (int c = 0; c < clients; ++c) {
+        threads.emplace_back([&, c, run_seed = seed + static_cast<uint64_t>(c)] {
+          remote::RemoteVerifier verifier(address);
+          const std::string text = "def handler_" + std::to_string(c) + "(request):\n    ";
+          const std::vector<int64_t> prompt(text.begin(), text.end());
+          const SpeculativeOptions options{.max_new_tokens = kNewTokens, .seed = run_seed, .gamma = 4};
+          if (mode == kAutoregressive) {
+            NoDrafts none;
+            counts[static_cast<size_t>(c)] = remote::remote_generate(none, verifier, prompt, options, processor).stats.generated;
+          } else {
+            ModelDraftSource drafts(*own_drafters[static_cast<size_t>(c)]);
+            counts[static_cast<size_t>(c)] = remote::remote_generate(drafts, verifier, prompt, options, processor).stats.generated;
+          }
+        });
+      }
+      for (auto& thread : threads) thread.join();
+    }
+    seed += static_cast<uint64_t>(clients);
+    for (const int64_t count : counts) generated += count;
+    seconds += elapsed;
+  }
+  const remote::ServerStats stats = server.stats();
+  state.counters["tokens_per_s"] = seconds > 0 ? static_cast<double>(generated) / seconds : 0.0;
+  state.counters["verifications_per_forward"] =
+      stats.forwards > 0 ? static_cast<double>(stats.verifications) / static_cast<double>(stats.forwards) : 0.0;
+  state.counters["largest_batch"] = static_cast<double>(stats.largest_batch);
+  state.SetLabel(mode == kAutoregressive ? "autoregressive" : "speculative");
+}
+BENCHMARK(BM_RemoteClients)
+    ->ArgsProduct({{kAutoregressive, kExact}, {1, 4, kMaxClients}, {1, 16}})
+    ->ArgNames({"mode", "clients", "max_batch"})
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(2)
+    ->UseRealTime();
 
 }  // namespace
 

@@ -68,6 +68,13 @@ int main(int argc, char** argv) {
         ->check(cli::integer<int64_t>(1024, (int64_t{1} << 31) - 1));
     app.add_option("--idle-timeout", idle_seconds, "seconds before an unused session is freed (default 60)")
         ->check(cli::integer<int64_t>(1, int64_t{1} << 30));
+    app.add_option("--max-batch", options.limits.max_batch,
+                   "verifications batched into one target forward (default 16; 1 verifies one at a time)")
+        ->check(cli::integer<int64_t>(1, 4096));
+    int64_t batch_delay_us = 0;
+    app.add_option("--batch-delay-us", batch_delay_us,
+                   "microseconds a forward waits for more verifications to batch (default 0: none)")
+        ->check(cli::integer<int64_t>(0, 1000000));
     app.add_option("--threads", threads, "CPU threads of libtorch and BLAS (default 1)")->check(cli::integer<int>(1, 1024));
     try {
       app.parse(argc, argv);
@@ -76,6 +83,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     options.limits.idle_timeout = std::chrono::seconds(idle_seconds);
+    options.limits.batch_delay = std::chrono::microseconds(batch_delay_us);
     options.token = read_token(token_file);
 
     // SIGINT and SIGTERM are taken by sigwait below, in this thread only.
@@ -94,8 +102,10 @@ int main(int argc, char** argv) {
               << (options.token.empty() ? "no token" : "token required") << ")" << std::endl;
     int signal = 0;
     sigwait(&signals, &signal);
-    std::cout << "stopping (signal " << signal << ")" << std::endl;
     server.shutdown();
+    const specdec::remote::ServerStats stats = server.stats();
+    std::cout << "stopping (signal " << signal << "): " << stats.verifications << " verifications in "
+              << stats.forwards << " target forwards, largest batch " << stats.largest_batch << std::endl;
     return 0;
   } catch (const CLI::ParseError& e) {
     std::cerr << "specdec-verifier: " << e.what() << " (see --help)\n";

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -90,38 +91,66 @@ struct UniformQ {
   void verified(const VerifiedDrafts& v) { inner.verified(v); }
 };
 
-bool remote_samples_pass(RemoteVerifier& verifier, bool wrong_q, const MultinomialProcessor& processor) {
+// Runs the samples from `clients` threads at once, each with its own connection (sample i on
+// thread i mod clients), so that a batching server verifies them in shared forwards.
+bool remote_samples_pass(int port, bool wrong_q, const MultinomialProcessor& processor, int clients = 1) {
   test::MarkovModel drafter(test::markov_drafter_rows());
   const at::Tensor p = test::markov_target_rows();
   constexpr int64_t kSamples = 2000;
   std::map<std::pair<int64_t, int64_t>, int64_t> observed;
-  for (int64_t i = 0; i < kSamples; ++i) {
-    const SpeculativeOptions options{.max_new_tokens = 2, .seed = static_cast<uint64_t>(i), .gamma = 2, .first_target = false};
-    Ids tokens;
-    if (wrong_q) {
-      UniformQ source{ModelDraftSource<test::MarkovModel>(drafter)};
-      tokens = remote::remote_generate(source, verifier, Ids{0}, options, processor).tokens;
-    } else {
-      ModelDraftSource<test::MarkovModel> source(drafter);
-      tokens = remote::remote_generate(source, verifier, Ids{0}, options, processor).tokens;
-    }
-    ++observed[{tokens[0], tokens[1]}];
+  std::mutex observed_mutex;
+  std::atomic<int> failures = 0;
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c) {
+    threads.emplace_back([&, c] {
+      try {
+        RemoteVerifier verifier(local(port));
+        for (int64_t i = c; i < kSamples; i += clients) {
+          const SpeculativeOptions options{.max_new_tokens = 2, .seed = static_cast<uint64_t>(i), .gamma = 2, .first_target = false};
+          Ids tokens;
+          if (wrong_q) {
+            UniformQ source{ModelDraftSource<test::MarkovModel>(drafter)};
+            tokens = remote::remote_generate(source, verifier, Ids{0}, options, processor).tokens;
+          } else {
+            ModelDraftSource<test::MarkovModel> source(drafter);
+            tokens = remote::remote_generate(source, verifier, Ids{0}, options, processor).tokens;
+          }
+          const std::lock_guard lock(observed_mutex);
+          ++observed[{tokens[0], tokens[1]}];
+        }
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << e.what();
+        ++failures;
+      }
+    });
   }
+  for (auto& thread : threads) thread.join();
   std::map<std::pair<int64_t, int64_t>, double> expected;
   for (int64_t a = 0; a < 4; ++a) {
     for (int64_t b = 0; b < 4; ++b) expected[{a, b}] = p[0][a].item<double>() * p[a][b].item<double>();
   }
   const test::ChiSquare fit = test::chi_square(observed, expected, kSamples);
-  return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
+  return failures == 0 && fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
 }
 
 TEST(Remote, SampledOutputIsDistributedAsTheTarget) {
   test::MarkovModel target(test::markov_target_rows());
   VerifierServer server(target, loopback());
-  RemoteVerifier verifier(local(server.port()));
-  EXPECT_TRUE(remote_samples_pass(verifier, /*wrong_q=*/false, MultinomialProcessor(1.0)));
+  EXPECT_TRUE(remote_samples_pass(server.port(), /*wrong_q=*/false, MultinomialProcessor(1.0)));
   // Power: the same harness fails when verification gets a q the drafts were not drawn from.
-  EXPECT_FALSE(remote_samples_pass(verifier, /*wrong_q=*/true, MultinomialProcessor(1.0)));
+  EXPECT_FALSE(remote_samples_pass(server.port(), /*wrong_q=*/true, MultinomialProcessor(1.0)));
+}
+
+// Four clients at once on a server that batches their verifications: every row of a shared
+// forward is verified exactly (and the wrong-q power check still fails).
+TEST(Remote, BatchedVerificationIsDistributedAsTheTarget) {
+  test::MarkovModel target(test::markov_target_rows());
+  VerifierServer server(target, loopback({.max_batch = 4, .batch_delay = std::chrono::milliseconds(20)}));
+  EXPECT_TRUE(remote_samples_pass(server.port(), /*wrong_q=*/false, MultinomialProcessor(1.0), /*clients=*/4));
+  EXPECT_FALSE(remote_samples_pass(server.port(), /*wrong_q=*/true, MultinomialProcessor(1.0), /*clients=*/4));
+  const remote::ServerStats stats = server.stats();
+  EXPECT_EQ(stats.largest_batch, 4);
+  EXPECT_LT(stats.forwards * 2, stats.verifications) << "most forwards should serve several clients";
 }
 
 TEST(Remote, ASeedReproducesARunInEveryEncoding) {
@@ -305,29 +334,43 @@ TEST(Remote, AServerStoppedMidGenerationLeavesTheTokensSoFar) {
   }
 }
 
+// Sixteen clients at once on a batching server. Even clients decode greedily and must get their
+// local autoregressive output; odd ones sample (top-k at temperature 2, a seed each) and must get exactly what the
+// same seeded run gets alone from a server that verifies one request per forward: a row's result
+// does not depend on the rows it was batched with.
 TEST(Remote, SixteenConcurrentClientsEachGetTheirOwnOutput) {
-  Model target = bundled("target");
-  VerifierServer server(target, loopback());
   constexpr int kClients = 16;
   std::vector<Ids> prompts, expected(kClients), got(kClients);
+  for (int c = 0; c < kClients; ++c) prompts.push_back(bytes("def f" + std::to_string(c) + "(x):\n    return "));
+  const auto run = [&](int c, int port) {
+    Model drafter = bundled("drafter");
+    RemoteVerifier verifier(local(port));
+    ModelDraftSource drafts(drafter);
+    const SpeculativeOptions options{.max_new_tokens = 24, .seed = static_cast<uint64_t>(100 + c), .gamma = 4};
+    const Ids& prompt = prompts[static_cast<size_t>(c)];
+    return c % 2 == 0 ? remote::remote_generate(drafts, verifier, prompt, options).tokens
+                      : remote::remote_generate(drafts, verifier, prompt, options, TopKProcessor(40, 2.0)).tokens;
+  };
   {
     Model reference = bundled("target");
+    VerifierServer alone(reference, loopback({.max_batch = 1}));
     for (int c = 0; c < kClients; ++c) {
-      prompts.push_back(bytes("def f" + std::to_string(c) + "(x):\n    return "));
-      expected[static_cast<size_t>(c)] = autoregressive_generate(reference, prompts.back(), {.max_new_tokens = 24}).tokens;
+      expected[static_cast<size_t>(c)] =
+          c % 2 == 0 ? autoregressive_generate(reference, prompts[static_cast<size_t>(c)], {.max_new_tokens = 24}).tokens
+                     : run(c, alone.port());
     }
+    EXPECT_EQ(alone.stats().largest_batch, 1);
   }
+  Model target = bundled("target");
+  VerifierServer server(target, loopback({.batch_delay = std::chrono::milliseconds(2)}));
   std::vector<std::thread> clients;
   std::atomic<int> failures = 0;
   for (int c = 0; c < kClients; ++c) {
     clients.emplace_back([&, c] {
       try {
-        Model drafter = bundled("drafter");
-        RemoteVerifier verifier(local(server.port()));
-        ModelDraftSource drafts(drafter);
-        got[static_cast<size_t>(c)] =
-            remote::remote_generate(drafts, verifier, prompts[static_cast<size_t>(c)], {.max_new_tokens = 24, .gamma = 4}).tokens;
-      } catch (const std::exception&) {
+        got[static_cast<size_t>(c)] = run(c, server.port());
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "client " << c << ": " << e.what();
         ++failures;
       }
     });
@@ -336,6 +379,48 @@ TEST(Remote, SixteenConcurrentClientsEachGetTheirOwnOutput) {
   EXPECT_EQ(failures.load(), 0);
   for (int c = 0; c < kClients; ++c) EXPECT_EQ(got[static_cast<size_t>(c)], expected[static_cast<size_t>(c)]) << "client " << c;
   EXPECT_EQ(server.sessions(), 0);
+  const remote::ServerStats stats = server.stats();
+  EXPECT_GE(stats.largest_batch, 4);
+  EXPECT_LT(stats.forwards, stats.verifications);
+}
+
+// A client that rolls back (asks for a shorter length than the session holds) and one that goes
+// on, verified in the same forward: the rolled-back row computes its last token again and both get
+// what they get alone.
+TEST(Remote, ARolledBackSessionIsBatchedWithOthers) {
+  Model target = bundled("target");
+  VerifierServer server(target, loopback({.max_batch = 2, .batch_delay = std::chrono::milliseconds(500)}));
+  RawClient raw(server.port());
+  remote::wire::OpenReply first, second;
+  const Ids prompt_a = bytes("for i in "), prompt_b = bytes("while x ");
+  ASSERT_TRUE(raw.open(prompt_a, &first).ok());
+  ASSERT_TRUE(raw.open(prompt_b, &second).ok());
+  const auto request = [](const std::string& session, const Ids& tokens, int64_t length) {
+    remote::wire::VerifyRequest r;
+    r.set_session(session);
+    r.set_length(length);
+    r.set_last_token(tokens[static_cast<size_t>(length - 1)]);
+    return r;
+  };
+  remote::wire::VerifyReply a1, b1;
+  std::thread other([&] { EXPECT_TRUE(raw.verify(request(second.session(), prompt_b, static_cast<int64_t>(prompt_b.size())), &b1).ok()); });
+  EXPECT_TRUE(raw.verify(request(first.session(), prompt_a, static_cast<int64_t>(prompt_a.size())), &a1).ok());
+  other.join();
+  EXPECT_EQ(server.stats().largest_batch, 2);
+  // Session a rolls back by one token (its cache covers all it keeps); b goes on after its token.
+  Ids b_tokens = prompt_b;
+  b_tokens.push_back(b1.token());
+  remote::wire::VerifyReply a2, b2;
+  std::thread again([&] { EXPECT_TRUE(raw.verify(request(second.session(), b_tokens, static_cast<int64_t>(b_tokens.size())), &b2).ok()); });
+  EXPECT_TRUE(raw.verify(request(first.session(), prompt_a, static_cast<int64_t>(prompt_a.size()) - 1), &a2).ok());
+  again.join();
+  EXPECT_EQ(server.stats().forwards, 2);
+  Model reference = bundled("target");
+  const Ids shorter(prompt_a.begin(), prompt_a.end() - 1);
+  EXPECT_EQ(a1.token(), autoregressive_generate(reference, prompt_a, {.max_new_tokens = 1}).tokens.front());
+  EXPECT_EQ(a2.token(), autoregressive_generate(reference, shorter, {.max_new_tokens = 1}).tokens.front());
+  EXPECT_EQ(b2.token(), autoregressive_generate(reference, b_tokens, {.max_new_tokens = 1}).tokens.front());
+  EXPECT_EQ(a2.length(), static_cast<int64_t>(shorter.size()) + 1);
 }
 
 }  // namespace

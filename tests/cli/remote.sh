@@ -3,7 +3,10 @@
 # specdec-generate against it.
 #   ok:   a traced remote generation ends normally, with per-step k, accepted, rtt_ms, prefill_ms;
 #   kill: the server is killed (SIGKILL) mid-generation; the client must exit with status 1,
-#         name the failed call and print the tokens generated before it.
+#         name the failed call and print the tokens generated before it;
+#   batch: three clients at once against a server that batches verifications (--max-batch,
+#          --batch-delay-us); each gets the output it gets alone, and the server reports on
+#          SIGTERM that forwards served several verifications.
 set -u
 verifier="$1"
 generate="$2"
@@ -15,7 +18,9 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-"$verifier" --address 127.0.0.1:0 > "$work/server.log" 2>&1 &
+server_flags=()
+if [ "$case" = "batch" ]; then server_flags=(--max-batch 8 --batch-delay-us 20000); fi
+"$verifier" --address 127.0.0.1:0 "${server_flags[@]}" > "$work/server.log" 2>&1 &
 server=$!
 port=""
 for _ in $(seq 1 300); do
@@ -33,10 +38,40 @@ if [ "$case" = "ok" ]; then
   [ "$status" -eq 0 ] || { echo "exit status $status"; exit 1; }
   printf '%s\n' "$output" | grep -Eq '\[k=[0-9]+ accepted=[0-9]+ rtt_ms=[0-9.]+ prefill_ms=[0-9.]+\]' || exit 1
   printf '%s\n' "$output" | grep -Eq '60 tokens in .* round trips' || exit 1
+  stop_server
+  exit 0
+fi
+
+stop_server() {
   kill -TERM "$server"
   wait "$server"
   server=""
   grep -q "stopping" "$work/server.log" || { echo "the server did not stop on SIGTERM"; cat "$work/server.log"; exit 1; }
+}
+
+if [ "$case" = "batch" ]; then
+  # The generated text: the lines after the "mode:" line up to the statistics.
+  body() { awk '/^mode:/ { on = 1; next } on && / tokens in [0-9.]+ s:/ { exit } on { print }' "$1"; }
+  prompts=("def add(a, b):" "class Queue:" "import sys")
+  for i in 0 1 2; do
+    "$generate" --prompt "${prompts[$i]}" --max-new-tokens 40 > "$work/alone.$i" 2>&1 || { cat "$work/alone.$i"; exit 1; }
+  done
+  pids=()
+  for i in 0 1 2; do
+    "$generate" --verifier "127.0.0.1:$port" --prompt "${prompts[$i]}" --max-new-tokens 40 > "$work/remote.$i" 2>&1 &
+    pids+=($!)
+  done
+  for i in 0 1 2; do
+    wait "${pids[$i]}" || { echo "client $i failed:"; cat "$work/remote.$i"; exit 1; }
+    [ -n "$(body "$work/alone.$i")" ] || { echo "no text in the local run:"; cat "$work/alone.$i"; exit 1; }
+    if [ "$(body "$work/remote.$i")" != "$(body "$work/alone.$i")" ]; then
+      echo "client $i differs from its local run:"; cat "$work/remote.$i" "$work/alone.$i"; exit 1
+    fi
+    printf 'client %d: %s\n' "$i" "$(grep -m1 'round trips' "$work/remote.$i")"
+  done
+  stop_server
+  tail -n 1 "$work/server.log"
+  grep -Eq 'largest batch [2-9]' "$work/server.log" || { echo "no forward served two clients"; exit 1; }
   exit 0
 fi
 

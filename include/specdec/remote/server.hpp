@@ -13,13 +13,22 @@
 // INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, RESOURCE_EXHAUSTED or UNAUTHENTICATED and a
 // message, while the server goes on serving the others.
 //
-// Concurrency: gRPC's thread pool serves requests concurrently; sessions are independent and one
-// target forward runs at a time (the model is shared). Verifications of concurrent sessions are
-// not yet batched into one forward.
+// Concurrency: gRPC's thread pool serves requests concurrently and sessions are independent. The
+// target runs one forward at a time, and the verifications waiting for it are batched: when the
+// model comes free, the next forward takes every waiting request (up to limits.max_batch), joins
+// their sessions' caches into one batched cache (JoinableKVCache), scores all their drafts in one
+// forward with each row at its own positions, verifies each row with its own session's processor,
+// mode and seed (one host copy for the whole batch), and splits each row's accepted prefix back
+// into its session. A request that finds the model idle runs alone at once: batching adds no
+// waiting, it only collects what queued up during the previous forward. A row's result is the one
+// it would get alone, up to the rounding of a batched product. Targets whose cache is not a
+// JoinableKVCache verify one request per forward.
 #pragma once
 
+#include <c10/core/InferenceMode.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -38,6 +47,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/draft_source.hpp"
+#include "specdec/kv_cache.hpp"
 #include "specdec/remote/protocol.hpp"
 #include "specdec/session.hpp"
 
@@ -49,6 +59,18 @@ struct ServerLimits {
   int64_t max_gamma = 64;                       // drafts in one request
   int64_t max_request_bytes = 64 << 20;         // one request on the wire
   std::chrono::milliseconds idle_timeout{60000};  // a session unused this long is freed
+  int64_t max_batch = 16;                       // verifications in one target forward (1: no batching)
+  // How long a forward waits for more verifications to join while fewer than max_batch are
+  // queued: 0 (the default) starts it at once; a few milliseconds trade latency for fuller batches.
+  std::chrono::microseconds batch_delay{0};
+};
+
+// What the server's forwards have done: verifications served, target forwards run for them and
+// the most verifications one forward served.
+struct ServerStats {
+  int64_t verifications = 0;
+  int64_t forwards = 0;
+  int64_t largest_batch = 0;
 };
 
 struct ServerOptions {
@@ -109,6 +131,7 @@ class VerifierService final : public wire::Verifier::Service {
     if (request->threshold() && !(std::isfinite(request->tau()) && request->tau() >= 0)) {
       return invalid("tau must be a finite number >= 0, got " + std::to_string(request->tau()));
     }
+    if (auto full = check_room()) return *full;  // before the prefill: a refused Open costs no forward
     auto state = std::make_shared<State>();
     try {
       state->processor = processor_of(request->sampling());
@@ -118,17 +141,21 @@ class VerifierService final : public wire::Verifier::Service {
     state->seed = request->seed();
     state->threshold = request->threshold();
     state->tau = request->tau();
-    {
-      const std::lock_guard model(model_mutex_);  // the cache is the target's to make
-      state->session.emplace(target_);
+    try {
+      // The cache is the target's to make, and the prompt is computed now (but for its last token,
+      // which the first Verify feeds): a Verify then computes only the step's new tokens, so
+      // batched rows stay of similar widths.
+      const std::lock_guard model(model_mutex_);
+      state->cache = std::make_unique<cache_type>(target_.make_cache(1));
+      state->session.emplace(target_, *state->cache);
+      state->session->append(prompt);
+      state->session->prefill();
+    } catch (const std::exception& e) {
+      return {grpc::StatusCode::INTERNAL, std::string("prefill of the prompt failed: ") + e.what()};
     }
-    state->session->append(prompt);
     state->last_used = std::chrono::steady_clock::now();
     const std::lock_guard lock(sessions_mutex_);
-    if (static_cast<int64_t>(sessions_.size()) >= options_.limits.max_sessions) {
-      return {grpc::StatusCode::RESOURCE_EXHAUSTED,
-              "the server holds " + std::to_string(sessions_.size()) + " sessions, its limit (max_sessions)"};
-    }
+    if (auto full = check_room_locked()) return *full;  // others may have opened meanwhile
     const std::string id = new_id();
     sessions_.emplace(id, std::move(state));
     reply->set_session(id);
@@ -172,51 +199,33 @@ class VerifierService final : public wire::Verifier::Service {
                                                         " tokens, more than its limit of " +
                                                         std::to_string(token_limit())};
     }
-    detail::ClientDrafts source;
+    Job job{.state = state.get(), .drafts = std::vector<int64_t>(drafts.begin(), drafts.end())};
     const bool greedy = std::holds_alternative<GreedyProcessor>(state->processor);
     const bool needs_q = k > 0 && !greedy && !state->threshold;
     if (!needs_q && request->q().encoding() != wire::DraftProbs::NONE) {
       return invalid("q must have encoding NONE under greedy decoding, threshold verification or without drafts");
     }
     try {
-      if (needs_q) source.probs = decode_q(request->q(), drafts, vocab);
+      if (needs_q) job.q = decode_q(request->q(), drafts, vocab);
     } catch (const std::invalid_argument& e) {
       return invalid(e.what());
     }
-    if (k > 0) source.tokens = at::tensor(std::vector<int64_t>(drafts.begin(), drafts.end()), at::kLong);
-
     session.rollback(request->length());
     session.append(append);
-    std::optional<StepInfo> step;
-    SpeculativeOptions options{.max_new_tokens = k + 1,
-                               .seed = step_seed(state->seed, state->steps++),
-                               .gamma = std::max<int64_t>(k, 1),
-                               .first_target = false,
-                               .verification = state->threshold ? Verification::threshold : Verification::rejection,
-                               .threshold = state->threshold ? state->tau : 0.25};
-    options.on_step = [&](const StepInfo& info) {
-      step = info;
-      return StepAction::stop;
-    };
-    GenerationResult result;
-    try {
-      const std::lock_guard model(model_mutex_);
-      result = std::visit([&](const auto& processor) { return session.generate(source, options, processor); },
-                          state->processor);
-    } catch (const std::invalid_argument& e) {
+    job.options = SpeculativeOptions{.max_new_tokens = k + 1,
+                                     .seed = step_seed(state->seed, state->steps++),
+                                     .gamma = std::max<int64_t>(k, 1),
+                                     .first_target = false,
+                                     .verification = state->threshold ? Verification::threshold : Verification::rejection,
+                                     .threshold = state->threshold ? state->tau : 0.25};
+    const grpc::Status status = schedule(job);
+    if (!status.ok()) {
       session.rollback(request->length());
-      return invalid(e.what());
-    } catch (const std::exception& e) {
-      session.rollback(request->length());
-      return {grpc::StatusCode::INTERNAL, e.what()};
+      return status;
     }
-    if (!step) {  // every step reports to on_step; a generation without one did not run
-      session.rollback(request->length());
-      return {grpc::StatusCode::INTERNAL, "the step did not run"};
-    }
-    reply->set_accepted(step->accepted);
-    reply->set_token(step->token);
-    reply->set_prefill_seconds(result.stats.target_seconds);
+    reply->set_accepted(job.accepted);
+    reply->set_token(job.token);
+    reply->set_prefill_seconds(job.seconds);
     reply->set_length(session.length());
     return grpc::Status::OK;
   }
@@ -253,9 +262,18 @@ class VerifierService final : public wire::Verifier::Service {
 
   [[nodiscard]] const ServerOptions& options() const noexcept { return options_; }
 
+  [[nodiscard]] ServerStats stats() const {
+    const std::lock_guard lock(queue_mutex_);
+    return stats_;
+  }
+
  private:
+  using cache_type = typename T::cache_type;
+  static constexpr bool kJoinable = JoinableKVCache<cache_type>;
+
   struct State {
     std::mutex mutex;
+    std::unique_ptr<cache_type> cache;  // the session's cache (declared first: the session uses it)
     std::optional<Session<T>> session;
     AnyProcessor processor;
     uint64_t seed = 0;
@@ -265,7 +283,186 @@ class VerifierService final : public wire::Verifier::Service {
     std::chrono::steady_clock::time_point last_used;
   };
 
+  // One verification: the session (whose tokens already hold the request's context), the drafts,
+  // their q and the step's options; then the outcome, written by the forward that served it.
+  struct Job {
+    State* state = nullptr;
+    std::vector<int64_t> drafts;
+    at::Tensor q;  // [k, vocab] float, or undefined when verification needs none
+    SpeculativeOptions options;
+    int64_t accepted = 0, token = 0;
+    double seconds = 0;  // the target forward's time
+    grpc::Status status;
+    bool done = false;
+  };
+
   static grpc::Status invalid(const std::string& message) { return {grpc::StatusCode::INVALID_ARGUMENT, message}; }
+
+  // Queues `job` and returns when a forward has served it. The first waiting thread that finds
+  // the model free runs the next forward for everything queued (up to max_batch), its own job
+  // among them or not; the others wait for theirs.
+  grpc::Status schedule(Job& job) {
+    std::unique_lock lock(queue_mutex_);
+    queue_.push_back(&job);
+    arrived_.notify_one();
+    while (!job.done) {
+      if (leading_) {
+        served_.wait(lock);
+        continue;
+      }
+      leading_ = true;
+      const size_t limit = kJoinable ? static_cast<size_t>(options_.limits.max_batch) : 1;
+      if (options_.limits.batch_delay.count() > 0 && queue_.size() < limit) {
+        arrived_.wait_for(lock, options_.limits.batch_delay, [&] { return queue_.size() >= limit; });
+      }
+      const auto take = static_cast<std::ptrdiff_t>(std::min(queue_.size(), limit));
+      std::vector<Job*> batch(queue_.begin(), queue_.begin() + take);
+      queue_.erase(queue_.begin(), queue_.begin() + take);
+      lock.unlock();
+      run(batch);
+      lock.lock();
+      stats_.verifications += static_cast<int64_t>(batch.size());
+      ++stats_.forwards;
+      stats_.largest_batch = std::max(stats_.largest_batch, static_cast<int64_t>(batch.size()));
+      for (Job* served : batch) served->done = true;
+      leading_ = false;
+      served_.notify_all();
+    }
+    return job.status;
+  }
+
+  // Serves `batch` with one target forward; every job gets its status (nothing throws).
+  void run(std::span<Job* const> batch) noexcept {
+    try {
+      const std::lock_guard model(model_mutex_);
+      if (batch.size() == 1) {
+        run_alone(*batch.front());
+      } else if constexpr (kJoinable) {
+        run_joined(batch);
+      }
+    } catch (const std::invalid_argument& e) {
+      for (Job* job : batch) job->status = invalid(e.what());
+    } catch (const std::exception& e) {
+      for (Job* job : batch) job->status = {grpc::StatusCode::INTERNAL, e.what()};
+    }
+  }
+
+  // One session's step through the step core, with the client's drafts as its draft source.
+  void run_alone(Job& job) {
+    detail::ClientDrafts source;
+    if (!job.drafts.empty()) source.tokens = at::tensor(job.drafts, at::kLong);
+    source.probs = job.q;
+    std::optional<StepInfo> step;
+    job.options.on_step = [&](const StepInfo& info) {
+      step = info;
+      return StepAction::stop;
+    };
+    Session<T>& session = *job.state->session;
+    const GenerationResult result =
+        std::visit([&](const auto& processor) { return session.generate(source, job.options, processor); },
+                   job.state->processor);
+    if (!step) {  // every step reports to on_step; a generation without one did not run
+      job.status = {grpc::StatusCode::INTERNAL, "the step did not run"};
+      return;
+    }
+    job.accepted = step->accepted;
+    job.token = step->token;
+    job.seconds = result.stats.target_seconds;
+  }
+
+  // Many sessions' steps in one forward: their caches joined into one batched cache, each row fed
+  // its uncached tokens and drafts (right-padded to the widest row), each row verified by the step
+  // core's verify_chain with its own processor, mode and generator, one host copy for all rows,
+  // and each row's accepted prefix split back into its session's cache.
+  void run_joined(std::span<Job* const> batch)
+    requires kJoinable
+  {
+    const c10::InferenceMode inference;
+    const auto b = static_cast<int64_t>(batch.size());
+    const at::Device device = target_.device();
+    std::vector<const cache_type*> parts;
+    std::vector<int64_t> cached, uncached;
+    int64_t width = 0;
+    for (Job* job : batch) {
+      State& state = *job->state;
+      const int64_t length = state.session->length();
+      // The session's last token is never cached between steps; after a rollback it may be.
+      const int64_t keep = std::min<int64_t>(state.cache->length(), length - 1);
+      prune_cache(*state.cache, state.cache->length() - keep);
+      parts.push_back(state.cache.get());
+      cached.push_back(keep);
+      uncached.push_back(length - keep);
+      width = std::max(width, uncached.back() + static_cast<int64_t>(job->drafts.size()));
+    }
+    std::vector<int64_t> ids(static_cast<size_t>(b * width), 0);
+    for (int64_t r = 0; r < b; ++r) {
+      const Job& job = *batch[static_cast<size_t>(r)];
+      const auto tokens = job.state->session->tokens().subspan(static_cast<size_t>(cached[static_cast<size_t>(r)]));
+      const auto row = ids.begin() + r * width;
+      std::copy(job.drafts.begin(), job.drafts.end(), std::copy(tokens.begin(), tokens.end(), row));
+    }
+    cache_type joined = cache_type::join_rows(parts);
+    double seconds = 0;
+    at::Tensor logits;
+    {
+      specdec::detail::ScopedTimer timer(seconds);
+      at::NoGradGuard no_grad;
+      logits = target_.forward(specdec::detail::to_device<int64_t>(ids, {b, width}, device), joined);
+    }
+    specdec::detail::check_model_logits(logits, b, width, target_.vocab_size(), "target", ".forward");
+    std::vector<specdec::detail::PendingStep> pending;
+    std::vector<at::Tensor> rows, packed;
+    for (int64_t r = 0; r < b; ++r) {
+      Job& job = *batch[static_cast<size_t>(r)];
+      const auto k = static_cast<int64_t>(job.drafts.size());
+      rows.push_back(logits[r].narrow(0, uncached[static_cast<size_t>(r)] - 1, k + 1));
+      const at::Tensor draft_ids = specdec::detail::to_device<int64_t>(job.drafts, {k}, device);
+      const at::Tensor q = job.q.defined() ? job.q.to(device) : at::Tensor();
+      at::Generator gen = specdec::detail::make_generator(job.options.seed, device);
+      pending.push_back(std::visit(
+          [&](const auto& processor) {
+            return specdec::detail::verify_chain(rows.back(), q, draft_ids, processor, gen, job.options,
+                                                 job.state->threshold);
+          },
+          job.state->processor));
+      packed.push_back(pending.back().packed);
+    }
+    const at::Tensor host = specdec::detail::to_host(at::cat(packed));
+    const int64_t* values = host.data_ptr<int64_t>();
+    for (int64_t r = 0; r < b; ++r) {
+      Job& job = *batch[static_cast<size_t>(r)];
+      State& state = *job.state;
+      const specdec::detail::PendingStep& step = pending[static_cast<size_t>(r)];
+      try {
+        const VerifiedStep verified = specdec::detail::read_step(step, values, rows[static_cast<size_t>(r)]);
+        const int64_t length = state.session->length();
+        cache_type row = joined.split_row(r);
+        prune_cache(row, row.length() - (length + verified.accepted));
+        *state.cache = std::move(row);
+        std::vector<int64_t> emitted(job.drafts.begin(), job.drafts.begin() + verified.accepted);
+        emitted.push_back(verified.token);
+        state.session->append(emitted);
+        state.session->rollback(state.session->length());  // records what the cache now holds
+        job.accepted = verified.accepted;
+        job.token = verified.token;
+        job.seconds = seconds;
+      } catch (const std::invalid_argument& e) {
+        job.status = invalid(e.what());
+      }
+      values += 3 + step.gamma;
+    }
+  }
+
+  // RESOURCE_EXHAUSTED when the server holds max_sessions sessions.
+  std::optional<grpc::Status> check_room() const {
+    const std::lock_guard lock(sessions_mutex_);
+    return check_room_locked();
+  }
+  std::optional<grpc::Status> check_room_locked() const {
+    if (static_cast<int64_t>(sessions_.size()) < options_.limits.max_sessions) return std::nullopt;
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        "the server holds " + std::to_string(sessions_.size()) + " sessions, its limit (max_sessions)");
+  }
 
   static std::string printable(const std::string& text) { return text.size() > 64 ? text.substr(0, 64) + "..." : text; }
 
@@ -315,6 +512,11 @@ class VerifierService final : public wire::Verifier::Service {
   std::map<std::string, std::shared_ptr<State>> sessions_;
   std::mutex model_mutex_;
   std::mt19937_64 random_{std::random_device{}()};
+  mutable std::mutex queue_mutex_;  // guards queue_, leading_ and stats_
+  std::condition_variable served_, arrived_;
+  std::vector<Job*> queue_;
+  bool leading_ = false;
+  ServerStats stats_;
 };
 
 // A running server: the service on options.address, and a thread that frees idle sessions.
@@ -346,6 +548,7 @@ class VerifierServer {
 
   [[nodiscard]] int port() const noexcept { return port_; }
   [[nodiscard]] int64_t sessions() const { return service_.sessions(); }
+  [[nodiscard]] ServerStats stats() const { return service_.stats(); }
 
   // Stops accepting requests, cancels those in flight and stops the reaper. Idempotent.
   void shutdown() {
@@ -370,9 +573,11 @@ class VerifierServer {
     }
     const ServerLimits& l = options.limits;
     if (l.max_sessions < 1 || l.max_tokens_per_session < 2 || l.max_gamma < 0 || l.max_request_bytes < 1024 ||
-        l.max_request_bytes > (int64_t{1} << 31) - 1 || l.idle_timeout.count() < 1) {
+        l.max_request_bytes > (int64_t{1} << 31) - 1 || l.idle_timeout.count() < 1 || l.max_batch < 1 ||
+        l.batch_delay.count() < 0 || l.batch_delay > std::chrono::seconds(1)) {
       throw std::invalid_argument("limits: max_sessions >= 1, max_tokens_per_session >= 2, max_gamma >= 0, "
-                                  "max_request_bytes in [1024, 2^31), idle_timeout >= 1 ms");
+                                  "max_request_bytes in [1024, 2^31), idle_timeout >= 1 ms, max_batch >= 1, "
+                                  "batch_delay in [0, 1 s]");
     }
     return options;
   }
