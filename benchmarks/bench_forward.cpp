@@ -4,11 +4,19 @@
 // max(weight bytes / copy bandwidth, multiply-add FLOPs / large-GEMM throughput), and their ratio.
 // The floor's two rates come from a 1024^3 fp32 matrix product and a 256 MiB tensor copy, so a
 // performance claim compares with what this machine does, not with a datasheet.
+//
+// BM_SmallLinear: the small-M products the forward is made of, by three routes, to choose the
+// forward's: one layer's four weight products of the bundled target (fused q|k|v, o, fused
+// gate|up, down) for M = 1..16 rows, as at::linear (the forward today), as at::mm with the weight
+// transposed once beforehand, and through oneDNN (at::mkldnn_linear, weights converted to oneDNN's
+// layout once; inputs converted and outputs converted back in every call, as a forward would).
+// CPU only; skipped where this libtorch has no oneDNN.
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 #include <vector>
 
 #include "bench_support.hpp"
@@ -150,8 +158,62 @@ void BM_Prefill(benchmark::State& state) {
   state.counters["prefill_tokens_per_second"] = static_cast<double>(kContext * runs) / seconds;
 }
 
+enum LinearRoute : int64_t { kLinear = 0, kPretransposed = 1, kOneDnn = 2 };
+
+void BM_SmallLinear(benchmark::State& state) {
+  const int64_t rows = state.range(0);
+  const auto route = static_cast<LinearRoute>(state.range(1));
+  if (!bench::device().is_cpu()) {
+    state.SkipWithError("CPU products only");
+    return;
+  }
+  if (route == kOneDnn && !at::hasMKLDNN()) {
+    state.SkipWithError("this libtorch was built without oneDNN (MKLDNN)");
+    return;
+  }
+  const models::LlamaConfig& c = target().config();
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {c.dim + 2 * c.kv_dim(), c.dim}, {c.dim, c.dim}, {2 * c.hidden_dim, c.dim}, {c.dim, c.hidden_dim}};
+  c10::InferenceMode inference;
+  std::vector<at::Tensor> weights, transposed, onednn, inputs;
+  double flops = 0;
+  for (const auto& [out, in] : shapes) {
+    weights.push_back(at::randn({out, in}));
+    transposed.push_back(weights.back().t().contiguous());
+    if (route == kOneDnn) onednn.push_back(weights.back().to_mkldnn());
+    inputs.push_back(at::randn({rows, in}));
+    flops += 2.0 * static_cast<double>(rows * out * in);
+  }
+  const at::Tensor no_bias;
+  double seconds = 0;
+  int64_t runs = 0;
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      at::Tensor y;
+      if (route == kLinear) {
+        y = at::linear(inputs[i], weights[i]);
+      } else if (route == kPretransposed) {
+        y = at::mm(inputs[i], transposed[i]);
+      } else {
+        y = at::mkldnn_linear(inputs[i].to_mkldnn(), onednn[i], no_bias).to_dense();
+      }
+      benchmark::DoNotOptimize(y.data_ptr());
+    }
+    seconds += seconds_since(start);
+    ++runs;
+  }
+  state.counters["layer_products_us"] = 1e6 * seconds / static_cast<double>(runs);
+  state.counters["gflops"] = flops * static_cast<double>(runs) / seconds / 1e9;
+  state.SetLabel(route == kLinear ? "linear" : route == kPretransposed ? "mm_pretransposed" : "onednn");
+}
+
 }  // namespace
 
+BENCHMARK(BM_SmallLinear)
+    ->ArgsProduct({{1, 2, 3, 5, 9, 16}, {kLinear, kPretransposed, kOneDnn}})
+    ->ArgNames({"rows", "route"})
+    ->MinTime(0.3);
 BENCHMARK(BM_Forward)->Arg(1)->Arg(2)->Arg(3)->Arg(5)->Arg(9)->Unit(benchmark::kMillisecond)->MinTime(0.5);
 BENCHMARK(BM_Prefill)->Unit(benchmark::kMillisecond)->MinTime(0.5);
 

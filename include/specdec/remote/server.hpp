@@ -20,9 +20,10 @@
 // forward with each row at its own positions, verifies each row with its own session's processor,
 // mode and seed (one host copy for the whole batch), and splits each row's accepted prefix back
 // into its session. A request that finds the model idle runs alone at once: batching adds no
-// waiting, it only collects what queued up during the previous forward. A row's result is the one
-// it would get alone, up to the rounding of a batched product. Targets whose cache is not a
-// JoinableKVCache verify one request per forward.
+// waiting (unless limits.batch_delay asks a forward to wait for more), it only collects what
+// queued up during the previous forward. A batched forward pays two copies of its sessions' cached
+// positions (join and split). A row's result is the one it would get alone, up to the rounding of
+// a batched product. Targets whose cache is not a JoinableKVCache verify one request per forward.
 #pragma once
 
 #include <c10/core/InferenceMode.h>
