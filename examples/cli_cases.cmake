@@ -90,6 +90,22 @@ if(SPECDEC_HAVE_REMOTE)
   specdec_cli_case(latency_without_verifier 2 "apply to --verifier" ${G} --added-latency-ms 5)
   specdec_cli_case(verifier_unreachable 1 "Open failed \\(UNAVAILABLE\\)" ${G} --verifier 127.0.0.1:1)
   set(V $<TARGET_FILE:specdec-verifier>)
-  specdec_cli_case(verifier_public_without_token 2 "is not loopback: a token is required" ${V} --address 0.0.0.0:0)
+  specdec_cli_case(verifier_public_without_token 2 "is not loopback: a token or TLS with client certificates"
+    ${V} --address 0.0.0.0:0)
   specdec_cli_case(verifier_bad_gamma 2 "--max-gamma: -1 is outside" ${V} --max-gamma -1)
+  specdec_cli_case(verifier_bad_batch 2 "--max-batch: 0 is outside" ${V} --max-batch 0)
+  # TLS: unreadable and non-PEM files, a certificate without its key, TLS without client
+  # certificates off loopback, and the client's TLS flags.
+  set(TLS "${PROJECT_SOURCE_DIR}/tests/data/tls")
+  specdec_cli_case(verifier_tls_missing_file 2 "--tls-cert /nonexistent/server.pem cannot be read"
+    ${V} --tls-cert /nonexistent/server.pem)
+  specdec_cli_case(verifier_tls_not_pem 2 "holds no PEM block"
+    ${V} --tls-client-ca "${PROJECT_SOURCE_DIR}/tests/data/byte_tokenizer/tokenizer.json")
+  specdec_cli_case(verifier_tls_without_key 2 "needs both certificate_chain and private_key"
+    ${V} --tls-cert "${TLS}/server.pem")
+  specdec_cli_case(verifier_public_tls_without_client_ca 2 "is not loopback: a token or TLS with client certificates"
+    ${V} --address 0.0.0.0:0 --tls-cert "${TLS}/server.pem" --tls-key "${TLS}/server.key")
+  specdec_cli_case(tls_without_verifier 2 "apply to --verifier" ${G} --verifier-tls-ca "${TLS}/ca.pem")
+  specdec_cli_case(verifier_tls_key_alone 2 "a client certificate needs both certificate_chain and private_key"
+    ${G} --verifier 127.0.0.1:1 --verifier-tls-ca "${TLS}/ca.pem" --verifier-tls-key "${TLS}/client.key")
 endif()

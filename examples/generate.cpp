@@ -87,6 +87,7 @@ struct Arguments {
   int threads = 1;
   bool compare = false, trace = false, json = false;
   std::string verifier, verifier_token_file;
+  std::string verifier_tls_ca, verifier_tls_cert, verifier_tls_key;
   double added_latency_ms = 0;
   bool half_q = false;
 };
@@ -308,6 +309,12 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--verifier-token-file", a.verifier_token_file,
                  "the server's shared secret, first line (default: $SPECDEC_VERIFIER_TOKEN)")
       ->group(remote);
+  app.add_option("--verifier-tls-ca", a.verifier_tls_ca, "connect over TLS, trusting the CAs in this PEM file")
+      ->group(remote);
+  app.add_option("--verifier-tls-cert", a.verifier_tls_cert,
+                 "this client's certificate (PEM), for servers that require one (with --verifier-tls-key)")
+      ->group(remote);
+  app.add_option("--verifier-tls-key", a.verifier_tls_key, "the private key of --verifier-tls-cert (PEM)")->group(remote);
   app.add_option("--added-latency-ms", a.added_latency_ms,
                  "simulate a slower link: sleep this long before each call (default 0)")
       ->check(cli::real(0.0, 60000.0))->group(remote);
@@ -359,8 +366,11 @@ Arguments parse(int argc, char** argv) {
     throw std::invalid_argument("--threshold and --calibrate exclude each other: --calibrate chooses the threshold");
   }
   if (a.verifier.empty() && (app.count("--verifier-token-file") > 0 || app.count("--added-latency-ms") > 0 ||
-                             app.count("--half-q") > 0)) {
-    throw std::invalid_argument("--verifier-token-file, --added-latency-ms and --half-q apply to --verifier");
+                             app.count("--half-q") > 0 || app.count("--verifier-tls-ca") > 0 ||
+                             app.count("--verifier-tls-cert") > 0 || app.count("--verifier-tls-key") > 0)) {
+    throw std::invalid_argument(
+        "--verifier-token-file, --verifier-tls-ca, --verifier-tls-cert, --verifier-tls-key, --added-latency-ms and "
+        "--half-q apply to --verifier");
   }
   if (!a.verifier.empty()) {
 #ifndef SPECDEC_HAVE_REMOTE
@@ -760,10 +770,14 @@ int run_remote(const Arguments& a) {
   } else if (const char* env = std::getenv("SPECDEC_VERIFIER_TOKEN")) {
     token = env;
   }
+  const auto pem = [](const std::string& file, const char* flag) { return file.empty() ? std::string() : remote::read_pem(file, flag); };
   remote::RemoteVerifier verifier(
       a.verifier, {.token = token,
                    .added_latency = std::chrono::microseconds(static_cast<int64_t>(a.added_latency_ms * 1000)),
-                   .half_precision_q = a.half_q});
+                   .half_precision_q = a.half_q,
+                   .tls = {.certificate_chain = pem(a.verifier_tls_cert, "--verifier-tls-cert"),
+                           .private_key = pem(a.verifier_tls_key, "--verifier-tls-key"),
+                           .trusted_ca = pem(a.verifier_tls_ca, "--verifier-tls-ca")}});
   const Processor processor = make_processor(a);
   SpeculativeOptions options = make_speculative_options(a, eos, stops);
   int64_t previous = prompt.back();

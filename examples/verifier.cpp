@@ -2,6 +2,7 @@
 //
 //   specdec-verifier --target models/bundled/target                  # 127.0.0.1:50051
 //   SPECDEC_VERIFIER_TOKEN=... specdec-verifier --target DIR --address 0.0.0.0:50051
+//   specdec-verifier --address 0.0.0.0:50051 --tls-cert server.pem --tls-key server.key --tls-client-ca ca.pem
 //
 // Clients: specdec-generate --verifier HOST:PORT, or remote_generate in your own program. It prints
 // "listening on HOST:PORT" once it serves and stops cleanly on SIGINT or SIGTERM.
@@ -57,6 +58,12 @@ int main(int argc, char** argv) {
                    "host:port to listen on (default 127.0.0.1:50051; port 0 picks one; any non-loopback "
                    "address needs a token)");
     app.add_option("--token-file", token_file, "the shared secret, first line (default: $SPECDEC_VERIFIER_TOKEN)");
+    std::string tls_cert, tls_key, tls_client_ca;
+    app.add_option("--tls-cert", tls_cert, "serve over TLS with this certificate chain (PEM; with --tls-key)");
+    app.add_option("--tls-key", tls_key, "the private key of --tls-cert (PEM)");
+    app.add_option("--tls-client-ca", tls_client_ca,
+                   "require every client to present a certificate signed by a CA in this PEM file (with --tls-cert; "
+                   "stands in for the token on a non-loopback address)");
     app.add_option("--max-sessions", options.limits.max_sessions, "open sessions at once (default 64)")
         ->check(cli::integer<int64_t>(1, 1 << 20));
     app.add_option("--max-tokens", options.limits.max_tokens_per_session,
@@ -85,6 +92,12 @@ int main(int argc, char** argv) {
     options.limits.idle_timeout = std::chrono::seconds(idle_seconds);
     options.limits.batch_delay = std::chrono::microseconds(batch_delay_us);
     options.token = read_token(token_file);
+    const auto pem = [](const std::string& file, const char* flag) {
+      return file.empty() ? std::string() : specdec::remote::read_pem(file, flag);
+    };
+    options.tls = {.certificate_chain = pem(tls_cert, "--tls-cert"),
+                   .private_key = pem(tls_key, "--tls-key"),
+                   .trusted_ca = pem(tls_client_ca, "--tls-client-ca")};
 
     // SIGINT and SIGTERM are taken by sigwait below, in this thread only.
     sigset_t signals;
@@ -99,7 +112,11 @@ int main(int argc, char** argv) {
     specdec::remote::VerifierServer<Model> server(model, options);
     const std::string host = options.address.substr(0, options.address.rfind(':'));
     std::cout << "listening on " << host << ":" << server.port() << " (target " << target << ", "
-              << (options.token.empty() ? "no token" : "token required") << ")" << std::endl;
+              << (options.token.empty() ? "no token" : "token required") << ", "
+              << (!options.tls.enabled()           ? "plaintext"
+                  : options.tls.trusted_ca.empty() ? "TLS"
+                                                   : "TLS with client certificates")
+              << ")" << std::endl;
     int signal = 0;
     sigwait(&signals, &signal);
     server.shutdown();

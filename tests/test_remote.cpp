@@ -289,6 +289,69 @@ TEST(Remote, TokensAreRequiredWhereSet) {
   }
 }
 
+std::string tls_file(const char* name) {
+  return remote::read_pem(std::string(SPECDEC_TEST_DATA_DIR) + "/tls/" + name, "test file");
+}
+
+// TLS with client certificates (tests/data/tls, made by scripts/make-test-certificates.sh): a
+// client with a certificate from the trusted CA generates; one without a certificate, one with a
+// certificate from another CA, a plaintext one and one that does not trust the server's CA cannot
+// connect. TLS with client certificates stands in for the token off loopback; TLS alone does not.
+TEST(Remote, TlsWithClientCertificates) {
+  const remote::TlsOptions server_tls{.certificate_chain = tls_file("server.pem"),
+                                      .private_key = tls_file("server.key"),
+                                      .trusted_ca = tls_file("ca.pem")};
+  test::MarkovModel target(test::markov_target_rows());
+  const auto refused = [&](remote::ServerOptions options, const std::string& words) {
+    try {
+      VerifierServer<test::MarkovModel> server(target, std::move(options));
+      ADD_FAILURE() << "the server started";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  refused({.address = "0.0.0.0:0", .tls = {.certificate_chain = server_tls.certificate_chain, .private_key = server_tls.private_key}},
+          "a token or TLS with client certificates");
+  refused({.address = "127.0.0.1:0", .tls = {.certificate_chain = server_tls.certificate_chain}}, "needs both");
+
+  VerifierServer server(target, {.address = "127.0.0.1:0", .tls = server_tls});
+  test::MarkovModel drafter(test::markov_drafter_rows());
+  test::MarkovModel reference(test::markov_target_rows());
+  const Ids expected = autoregressive_generate(reference, Ids{0}, {.max_new_tokens = 8}).tokens;
+  const remote::TlsOptions client_tls{.certificate_chain = tls_file("client.pem"),
+                                      .private_key = tls_file("client.key"),
+                                      .trusted_ca = tls_file("ca.pem")};
+  {
+    RemoteVerifier verifier(local(server.port()), {.tls = client_tls});
+    ModelDraftSource source(drafter);
+    EXPECT_EQ(remote::remote_generate(source, verifier, Ids{0}, {.max_new_tokens = 8}).tokens, expected);
+  }
+  const std::vector<std::pair<const char*, remote::TlsOptions>> strangers = {
+      {"no client certificate", {.trusted_ca = tls_file("ca.pem")}},
+      {"a certificate from another CA",
+       {.certificate_chain = tls_file("stranger.pem"), .private_key = tls_file("stranger.key"), .trusted_ca = tls_file("ca.pem")}},
+      {"plaintext", {}},
+      {"a client that does not trust the server's CA",
+       {.certificate_chain = client_tls.certificate_chain, .private_key = client_tls.private_key, .trusted_ca = tls_file("other-ca.pem")}},
+  };
+  for (const auto& [who, tls] : strangers) {
+    RemoteVerifier verifier(local(server.port()), {.timeout = std::chrono::milliseconds(3000), .tls = tls});
+    ModelDraftSource source(drafter);
+    try {
+      (void)remote::remote_generate(source, verifier, Ids{0}, {.max_new_tokens = 8});
+      ADD_FAILURE() << who << " generated";
+    } catch (const RemoteError& e) {
+      EXPECT_EQ(e.code(), grpc::StatusCode::UNAVAILABLE) << who << ": " << e.what();
+    }
+  }
+  EXPECT_EQ(server.sessions(), 0);
+  EXPECT_THROW((void)RemoteVerifier(local(server.port()), {.tls = {.certificate_chain = client_tls.certificate_chain, .trusted_ca = client_tls.trusted_ca}}),
+               std::invalid_argument);
+  EXPECT_THROW((void)tls_file("missing.pem"), std::invalid_argument);
+  EXPECT_THROW((void)remote::read_pem(std::string(SPECDEC_TEST_DATA_DIR) + "/byte_tokenizer/tokenizer.json", "key"),
+               std::invalid_argument);
+}
+
 TEST(Remote, IdleSessionsAreFreed) {
   test::MarkovModel target(test::markov_target_rows());
   VerifierServer server(target, loopback({.idle_timeout = std::chrono::milliseconds(100)}));

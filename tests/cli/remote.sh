@@ -6,7 +6,9 @@
 #         name the failed call and print the tokens generated before it;
 #   batch: three clients at once against a server that batches verifications (--max-batch,
 #          --batch-delay-us); each gets the output it gets alone, and the server reports on
-#          SIGTERM that forwards served several verifications.
+#          SIGTERM that forwards served several verifications;
+#   tls:   the server requires TLS client certificates (tests/data/tls); a client with one
+#          generates, a client without one exits with status 1 and the failed call.
 set -u
 verifier="$1"
 generate="$2"
@@ -19,7 +21,11 @@ cleanup() {
 }
 trap cleanup EXIT
 server_flags=()
+tls="$(cd "$(dirname "$0")/../data/tls" && pwd)"
 if [ "$case" = "batch" ]; then server_flags=(--max-batch 8 --batch-delay-us 20000); fi
+if [ "$case" = "tls" ]; then
+  server_flags=(--tls-cert "$tls/server.pem" --tls-key "$tls/server.key" --tls-client-ca "$tls/ca.pem")
+fi
 "$verifier" --address 127.0.0.1:0 "${server_flags[@]}" > "$work/server.log" 2>&1 &
 server=$!
 port=""
@@ -49,6 +55,20 @@ stop_server() {
   grep -q "stopping" "$work/server.log" || { echo "the server did not stop on SIGTERM"; cat "$work/server.log"; exit 1; }
 }
 
+if [ "$case" = "tls" ]; then
+  grep -q "TLS with client certificates" "$work/server.log" || { cat "$work/server.log"; exit 1; }
+  "$generate" --verifier "127.0.0.1:$port" --verifier-tls-ca "$tls/ca.pem" --verifier-tls-cert "$tls/client.pem" \
+    --verifier-tls-key "$tls/client.key" --max-new-tokens 20 > "$work/client.out" 2>&1 || { cat "$work/client.out"; exit 1; }
+  grep -m1 'round trips' "$work/client.out" || { cat "$work/client.out"; exit 1; }
+  "$generate" --verifier "127.0.0.1:$port" --verifier-tls-ca "$tls/ca.pem" --max-new-tokens 20 > "$work/refused.out" 2>&1
+  status=$?
+  grep -m1 'failed' "$work/refused.out"
+  [ "$status" -eq 1 ] || { echo "a client without a certificate: exit status $status, expected 1"; cat "$work/refused.out"; exit 1; }
+  grep -Eq 'Open failed \(UNAVAILABLE\)' "$work/refused.out" || { cat "$work/refused.out"; exit 1; }
+  stop_server
+  exit 0
+fi
+
 if [ "$case" = "batch" ]; then
   # The generated text: the lines after the "mode:" line up to the statistics.
   body() { awk '/^mode:/ { on = 1; next } on && / tokens in [0-9.]+ s:/ { exit } on { print }' "$1"; }
@@ -75,10 +95,16 @@ if [ "$case" = "batch" ]; then
   exit 0
 fi
 
-# kill: a slow client (20 ms added per call), the server killed after a second.
+# kill: a slow client (20 ms added per call), the server killed once the client has streamed some
+# tokens (polled, not a fixed sleep: a loaded machine may take seconds to load the drafter).
 "$generate" --verifier "127.0.0.1:$port" --max-new-tokens 400 --added-latency-ms 20 > "$work/client.out" 2> "$work/client.err" &
 client=$!
-sleep 1
+header=""
+for _ in $(seq 1 600); do
+  if [ -z "$header" ] && grep -q "^mode:" "$work/client.out"; then header="$(wc -c < "$work/client.out")"; fi
+  if [ -n "$header" ] && [ "$(wc -c < "$work/client.out")" -gt $((header + 8)) ]; then break; fi
+  sleep 0.1
+done
 kill -9 "$server"
 wait "$server" 2>/dev/null
 server=""

@@ -50,6 +50,12 @@ struct RemoteOptions {
   std::chrono::microseconds added_latency{0};   // a simulation of a slower link: sleeps this long
                                                 // before each call (benchmarks, not deployments)
   bool half_precision_q = false;                // send dense q rows as float16 (see above)
+  // TLS: trusted_ca (the CAs that sign the server's certificate) connects over TLS; with
+  // certificate_chain and private_key the client also presents its own certificate (servers that
+  // require client certificates). Empty: plaintext.
+  TlsOptions tls;
+  std::string tls_server_name;                  // the name the server's certificate must carry,
+                                                // when not the address's host
 };
 
 // A call that failed: the server's status code and message. From remote_generate, it carries the
@@ -82,9 +88,22 @@ class RemoteVerifier {
       : address_(address), options_(std::move(options)) {
     if (options_.timeout.count() <= 0) throw std::invalid_argument("timeout must be positive");
     if (options_.added_latency.count() < 0) throw std::invalid_argument("added_latency must be >= 0");
+    const TlsOptions& tls = options_.tls;
+    if (tls.enabled() && tls.trusted_ca.empty()) {
+      throw std::invalid_argument("tls: trusted_ca (the CA of the server's certificate) is required for TLS");
+    }
+    if (tls.certificate_chain.empty() != tls.private_key.empty()) {
+      throw std::invalid_argument("tls: a client certificate needs both certificate_chain and private_key");
+    }
     grpc::ChannelArguments arguments;
     arguments.SetMaxReceiveMessageSize(64 << 20);
-    stub_ = wire::Verifier::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), arguments));
+    if (!options_.tls_server_name.empty()) arguments.SetSslTargetNameOverride(options_.tls_server_name);
+    const auto credentials =
+        tls.enabled() ? grpc::SslCredentials({.pem_root_certs = tls.trusted_ca,
+                                              .pem_private_key = tls.private_key,
+                                              .pem_cert_chain = tls.certificate_chain})
+                      : grpc::InsecureChannelCredentials();
+    stub_ = wire::Verifier::NewStub(grpc::CreateCustomChannel(address, credentials, arguments));
   }
 
   [[nodiscard]] const std::string& address() const noexcept { return address_; }

@@ -1,6 +1,6 @@
 // What client and server of the remote verification service share: the processors as the wire
 // describes them, the drafter's distributions q in the wire's encodings, the per-step seed and
-// the authorization header. Link specdec::remote (gRPC, protobuf and the generated code of
+// the authorization header and TLS material. Link specdec::remote (gRPC, protobuf and the generated code of
 // proto/specdec/remote/v1/verifier.proto).
 #pragma once
 
@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -182,6 +184,31 @@ inline uint64_t step_seed(uint64_t seed, uint64_t step) noexcept {
 }
 
 // The metadata key and value prefix of the shared secret.
+// TLS material, PEM text (not file names; read_pem reads a file): a side's own certificate chain
+// and private key, and the certificates it trusts to sign the other side's.
+struct TlsOptions {
+  std::string certificate_chain;  // this side's certificate, then its intermediates
+  std::string private_key;        // the key of that certificate
+  std::string trusted_ca;         // server: CAs that sign client certificates (required of every
+                                  // client when set); client: CAs that sign the server's
+  [[nodiscard]] bool enabled() const noexcept {
+    return !certificate_chain.empty() || !private_key.empty() || !trusted_ca.empty();
+  }
+};
+
+// The contents of a PEM file. Throws std::invalid_argument naming `what` and the file when it
+// cannot be read or holds no PEM block.
+inline std::string read_pem(const std::string& file, const char* what) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw std::invalid_argument(std::string(what) + " " + file + " cannot be read");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text.size() > (size_t{1} << 20)) throw std::invalid_argument(std::string(what) + " " + file + " is larger than 1 MiB");
+  if (text.find("-----BEGIN ") == std::string::npos) {
+    throw std::invalid_argument(std::string(what) + " " + file + " holds no PEM block (-----BEGIN ...)");
+  }
+  return text;
+}
+
 inline constexpr std::string_view kAuthorization = "authorization";
 inline constexpr std::string_view kBearer = "Bearer ";
 

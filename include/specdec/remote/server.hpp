@@ -6,10 +6,11 @@
 // seeded from the client's seed and the step's index: a run is reproducible.
 //
 // Safety: the server listens on loopback unless told otherwise, and any other address needs a
-// shared-secret token, which every request must then carry ("authorization: Bearer TOKEN"; the
-// token travels in clear: put a TLS-terminating proxy in front on an untrusted network). Sessions,
-// tokens per session, drafts per request and request bytes are bounded (ServerLimits), a session
-// idle for limits.idle_timeout is freed, and every bad request is answered with
+// shared-secret token, which every request must then carry ("authorization: Bearer TOKEN"), or
+// TLS with client certificates (ServerOptions::tls with trusted_ca: a client without a
+// certificate signed by those CAs cannot connect). Without TLS the token travels in clear.
+// Sessions, tokens per session, drafts per request and request bytes are bounded (ServerLimits),
+// a session idle for limits.idle_timeout is freed, and every bad request is answered with
 // INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, RESOURCE_EXHAUSTED or UNAUTHENTICATED and a
 // message, while the server goes on serving the others.
 //
@@ -76,8 +77,12 @@ struct ServerStats {
 
 struct ServerOptions {
   std::string address = "127.0.0.1:50051";  // host:port; port 0 picks a free one (VerifierServer::port)
-  std::string token;                        // shared secret; required on a non-loopback address
+  std::string token;                        // shared secret; a non-loopback address needs it or
+                                            // TLS with client certificates
   ServerLimits limits;
+  // TLS: certificate_chain and private_key serve over TLS; trusted_ca then also requires every
+  // client to present a certificate signed by one of those CAs. Empty: plaintext.
+  TlsOptions tls;
 };
 
 // Whether `address` (host:port) names the loopback interface: localhost, 127.0.0.0/8 or [::1].
@@ -528,11 +533,14 @@ class VerifierServer {
   // bad limits, std::runtime_error when the address cannot be bound.
   VerifierServer(T& target, ServerOptions options) : service_(target, check(std::move(options))) {
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(service_.options().address, grpc::InsecureServerCredentials(), &port_);
+    builder.AddListeningPort(service_.options().address, credentials(service_.options().tls), &port_);
     builder.RegisterService(&service_);
     builder.SetMaxReceiveMessageSize(static_cast<int>(service_.options().limits.max_request_bytes));
     server_ = builder.BuildAndStart();
-    if (!server_ || port_ == 0) throw std::runtime_error("cannot listen on " + service_.options().address);
+    if (!server_ || port_ == 0) {
+      throw std::runtime_error("cannot listen on " + service_.options().address +
+                               (service_.options().tls.enabled() ? " (or the TLS certificate and key are not valid)" : ""));
+    }
     reaper_ = std::thread([this] {
       const auto period = std::max(std::chrono::milliseconds(10),
                                    std::min(std::chrono::milliseconds(1000), service_.options().limits.idle_timeout / 4));
@@ -568,9 +576,14 @@ class VerifierServer {
 
  private:
   static ServerOptions check(ServerOptions options) {
-    if (!is_loopback(options.address) && options.token.empty()) {
+    const TlsOptions& tls = options.tls;
+    if (tls.enabled() && (tls.certificate_chain.empty() || tls.private_key.empty())) {
+      throw std::invalid_argument("tls: serving over TLS needs both certificate_chain and private_key");
+    }
+    if (!is_loopback(options.address) && options.token.empty() && tls.trusted_ca.empty()) {
       throw std::invalid_argument("address " + options.address +
-                                  " is not loopback: a token is required to serve on it");
+                                  " is not loopback: a token or TLS with client certificates (tls.trusted_ca) is "
+                                  "required to serve on it");
     }
     const ServerLimits& l = options.limits;
     if (l.max_sessions < 1 || l.max_tokens_per_session < 2 || l.max_gamma < 0 || l.max_request_bytes < 1024 ||
@@ -581,6 +594,17 @@ class VerifierServer {
                                   "batch_delay in [0, 1 s]");
     }
     return options;
+  }
+
+  // Plaintext, TLS, or TLS that requires and verifies client certificates.
+  static std::shared_ptr<grpc::ServerCredentials> credentials(const TlsOptions& tls) {
+    if (!tls.enabled()) return grpc::InsecureServerCredentials();
+    grpc::SslServerCredentialsOptions ssl(tls.trusted_ca.empty()
+                                              ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                              : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    ssl.pem_root_certs = tls.trusted_ca;
+    ssl.pem_key_cert_pairs.push_back({tls.private_key, tls.certificate_chain});
+    return grpc::SslServerCredentials(ssl);
   }
 
   VerifierService<T> service_;
