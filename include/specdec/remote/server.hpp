@@ -408,12 +408,13 @@ class VerifierService final : public wire::Verifier::Service {
       std::copy(job.drafts.begin(), job.drafts.end(), std::copy(tokens.begin(), tokens.end(), row));
     }
     cache_type joined = cache_type::join_rows(parts);
+    const at::Tensor input = specdec::detail::to_device<int64_t>(ids, {b, width}, device);
     double seconds = 0;
     at::Tensor logits;
     {
       specdec::detail::ScopedTimer timer(seconds);
       at::NoGradGuard no_grad;
-      logits = target_.forward(specdec::detail::to_device<int64_t>(ids, {b, width}, device), joined);
+      logits = target_.forward(input, joined);
     }
     specdec::detail::check_model_logits(logits, b, width, target_.vocab_size(), "target", ".forward");
     std::vector<specdec::detail::PendingStep> pending;
@@ -421,8 +422,9 @@ class VerifierService final : public wire::Verifier::Service {
     for (int64_t r = 0; r < b; ++r) {
       Job& job = *batch[static_cast<size_t>(r)];
       const auto k = static_cast<int64_t>(job.drafts.size());
-      rows.push_back(logits[r].narrow(0, uncached[static_cast<size_t>(r)] - 1, k + 1));
-      const at::Tensor draft_ids = specdec::detail::to_device<int64_t>(job.drafts, {k}, device);
+      const int64_t fed = uncached[static_cast<size_t>(r)];
+      rows.push_back(logits[r].narrow(0, fed - 1, k + 1));
+      const at::Tensor draft_ids = input[r].narrow(0, fed, k);  // the drafts, uploaded with the input
       const at::Tensor q = job.q.defined() ? job.q.to(device) : at::Tensor();
       at::Generator gen = specdec::detail::make_generator(job.options.seed, device);
       pending.push_back(std::visit(
