@@ -144,6 +144,32 @@ TEST(StaticKVCache, WritesInPlaceWithoutAllocating) {
   EXPECT_EQ(cache.length(), 2);
 }
 
+// update_stacked writes keys and values given as one tensor where update takes two: same
+// storage, same views, same checks.
+TEST(StaticKVCache, StackedUpdateEqualsUpdate) {
+  StaticKVCache stacked = make_cache<StaticKVCache>();
+  StaticKVCache separate = make_cache<StaticKVCache>();
+  append(stacked, 2);
+  append(separate, 2);
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    const at::Tensor keys = entries(layer, 2, 3, 5.0), values = entries(layer, 2, 3, 7.0);
+    const auto [k, v] = stacked.update_stacked(layer, at::stack({keys, values}));
+    const auto [k_ref, v_ref] = separate.update(layer, keys, values);
+    EXPECT_TRUE(at::equal(k, k_ref) && at::equal(v, v_ref)) << layer;
+  }
+  stacked.commit(3);
+  separate.commit(3);
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    EXPECT_TRUE(at::equal(stacked.keys(layer), separate.keys(layer)) && at::equal(stacked.values(layer), separate.values(layer)));
+    EXPECT_FALSE(at::equal(stacked.keys(layer), stacked.values(layer)));  // keys and values landed apart
+  }
+  EXPECT_THROW((void)stacked.update_stacked(0, entries(0, 0, 1)), std::invalid_argument);
+  EXPECT_THROW((void)stacked.update_stacked(kLayers, at::stack({entries(0, 0, 1), entries(0, 0, 1)})), std::invalid_argument);
+  EXPECT_THROW((void)stacked.update_stacked(0, at::stack({entries(0, 0, kCapacity), entries(0, 0, kCapacity)})),
+               std::length_error);
+  EXPECT_EQ(stacked.length(), 5);
+}
+
 TEST(StaticKVCache, ThrowsWhenCapacityIsExceeded) {
   StaticKVCache cache = make_cache<StaticKVCache>();
   append(cache, kCapacity - 1);

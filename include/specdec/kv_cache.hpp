@@ -518,17 +518,8 @@ class StaticKVCache {
                                            const at::Tensor& values) {
     detail::check_layer(layer, shape_.num_layers);
     detail::check_new_entries(keys, values);
-    if (keys.size(0) != shape_.batch || keys.size(1) != shape_.kv_heads ||
-        keys.size(3) != shape_.head_dim) {
-      detail::throw_invalid_message("new keys ", keys.sizes(), " do not match the static cache's [",
-                                    shape_.batch, ", ", shape_.kv_heads, ", T, ", shape_.head_dim,
-                                    "]");
-    }
+    check_new_shape(keys.sizes(), keys.size(2));
     const int64_t end = length_ + keys.size(2);
-    if (end > shape_.capacity) {
-      throw std::length_error("StaticKVCache: " + std::to_string(end) +
-                              " positions exceed the capacity " + std::to_string(shape_.capacity));
-    }
     const at::Tensor layer_keys = storage_[layer][0];
     const at::Tensor layer_values = storage_[layer][1];
     if (rows_.ragged()) {  // rows of different lengths: each row's new positions follow its own
@@ -545,6 +536,25 @@ class StaticKVCache {
       layer_values.narrow(2, length_, values.size(2)).copy_(values);
     }
     return {layer_keys.narrow(2, 0, end), layer_values.narrow(2, 0, end)};
+  }
+
+  // update() for keys and values given as one tensor [2, batch, kv_heads, T, head_dim] (keys,
+  // then values), written with one copy where the rows are aligned: the storage keeps each layer's
+  // keys and values side by side, so a model whose projection lays them out together writes a layer
+  // in one operation. Returns what update() returns.
+  std::pair<at::Tensor, at::Tensor> update_stacked(int64_t layer, const at::Tensor& keys_and_values) {
+    if (!keys_and_values.defined() || keys_and_values.dim() != 5 || keys_and_values.size(0) != 2) {
+      detail::throw_invalid_message("keys_and_values must have shape [2, batch, kv_heads, new_positions, head_dim], got ",
+                                    keys_and_values.defined() ? keys_and_values.sizes() : at::IntArrayRef{});
+    }
+    if (rows_.ragged()) return update(layer, keys_and_values[0], keys_and_values[1]);
+    detail::check_layer(layer, shape_.num_layers);
+    const int64_t count = keys_and_values.size(3);
+    check_new_shape(keys_and_values.sizes().slice(1), count);
+    const at::Tensor both = storage_[layer];
+    both.narrow(3, length_, count).copy_(keys_and_values);
+    const int64_t end = length_ + count;
+    return {both[0].narrow(2, 0, end), both[1].narrow(2, 0, end)};
   }
 
   // Makes the `new_positions` written by update() part of the cache.
@@ -591,6 +601,19 @@ class StaticKVCache {
   }
 
  private:
+  // Throws unless new keys of `sizes` [batch, kv_heads, T, head_dim] match the storage and T more
+  // positions fit (std::length_error).
+  void check_new_shape(at::IntArrayRef sizes, int64_t count) const {
+    if (sizes[0] != shape_.batch || sizes[1] != shape_.kv_heads || sizes[3] != shape_.head_dim) {
+      detail::throw_invalid_message("new keys ", sizes, " do not match the static cache's [", shape_.batch, ", ",
+                                    shape_.kv_heads, ", T, ", shape_.head_dim, "]");
+    }
+    if (length_ + count > shape_.capacity) {
+      throw std::length_error("StaticKVCache: " + std::to_string(length_ + count) +
+                              " positions exceed the capacity " + std::to_string(shape_.capacity));
+    }
+  }
+
   static StaticKVCacheShape check_shape(const StaticKVCacheShape& shape) {
     const std::pair<const char*, int64_t> fields[] = {
         {"num_layers", shape.num_layers}, {"batch", shape.batch},       {"kv_heads", shape.kv_heads},
