@@ -136,6 +136,102 @@ TYPED_TEST(LlamaWithCache, ForwardTreeThenKeepEqualsTheAcceptedSequence) {
   EXPECT_THROW(cache.keep(9, std::vector<int64_t>{}), std::invalid_argument);
 }
 
+// The fused CPU loops (fp32 on the CPU) against the ATen forward of the same model: every kind of
+// forward they run, with biases and grouped-query attention, gives the same logits and cache.
+template <class C>
+class LlamaCpuKernels : public ::testing::Test {
+ protected:
+  static LlamaConfig config() {
+    LlamaConfig c = test::small_llama_config();
+    c.qkv_bias = true;
+    c.o_bias = true;
+    return c;
+  }
+  LlamaCpuKernels() : fused_(config(), LlamaWeights::random(config(), 21)), aten_(config(), LlamaWeights::random(config(), 21)) {
+    aten_.use_cpu_kernels(false);
+  }
+
+  // Both models' logits for the same calls, after the same history.
+  static void expect_close(const at::Tensor& fused, const at::Tensor& aten, const std::string& what) {
+    ASSERT_EQ(fused.sizes(), aten.sizes()) << what;
+    EXPECT_TRUE(at::allclose(fused, aten, 1e-4, 1e-4)) << what << ": max difference " << (fused - aten).abs().max().item<float>();
+  }
+
+  LlamaModel<C> fused_;
+  LlamaModel<C> aten_;
+};
+TYPED_TEST_SUITE(LlamaCpuKernels, Caches);
+
+TYPED_TEST(LlamaCpuKernels, MatchTheAtenForward) {
+  ASSERT_TRUE(this->fused_.cpu_kernels());
+  ASSERT_FALSE(this->aten_.cpu_kernels());
+  auto fused_cache = this->fused_.make_cache(2);
+  auto aten_cache = this->aten_.make_cache(2);
+  const at::Tensor prompt = at::tensor(std::vector<int64_t>{3, 17, 5, 5, 40, 2, 9, 33, 12, 1, 0, 47, 8, 8}, at::kLong).view({2, 7});
+  this->expect_close(this->fused_.forward(prompt, fused_cache), this->aten_.forward(prompt, aten_cache), "prefill");
+  for (const int64_t count : {1, 3, 1, 5}) {
+    const at::Tensor ids = at::randint(0, 48, {2, count}, at::kLong);
+    this->expect_close(this->fused_.forward(ids, fused_cache), this->aten_.forward(ids, aten_cache),
+                       "forward of " + std::to_string(count));
+  }
+  prune_cache(fused_cache, 4);
+  prune_cache(aten_cache, 4);
+  const at::Tensor after_prune = at::tensor(std::vector<int64_t>{6, 7}, at::kLong).view({2, 1});
+  this->expect_close(this->fused_.forward(after_prune, fused_cache), this->aten_.forward(after_prune, aten_cache),
+                     "after a prune");
+  // A tree: node 0 with children 1 and 2, node 1 with child 3.
+  const at::Tensor visible = at::tensor(std::vector<int64_t>{1, 0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 0, 1, 1, 0, 1}, at::kLong)
+                                 .view({4, 4})
+                                 .to(at::kBool);
+  const at::Tensor depth = at::tensor(std::vector<int64_t>{0, 1, 1, 2}, at::kLong);
+  const at::Tensor tree_ids = at::randint(0, 48, {2, 4}, at::kLong);
+  this->expect_close(this->fused_.forward_with_mask(tree_ids, fused_cache, depth, visible),
+                     this->aten_.forward_with_mask(tree_ids, aten_cache, depth, visible), "tree");
+  ASSERT_EQ(fused_cache.length(), aten_cache.length());
+  for (int64_t layer = 0; layer < fused_cache.num_layers(); ++layer) {
+    EXPECT_TRUE(at::allclose(fused_cache.keys(layer), aten_cache.keys(layer), 1e-5, 1e-5)) << layer;
+    EXPECT_TRUE(at::allclose(fused_cache.values(layer), aten_cache.values(layer), 1e-5, 1e-5)) << layer;
+  }
+  // The comparison can fail: the next token at a position one off does not match.
+  auto shifted = this->aten_.make_cache(2);
+  (void)this->aten_.forward(at::zeros({2, 1}, at::kLong), shifted);
+  const at::Tensor next = at::tensor(std::vector<int64_t>{3, 40}, at::kLong).view({2, 1});
+  auto fresh = this->fused_.make_cache(2);
+  EXPECT_FALSE(at::allclose(this->fused_.forward(next, fresh), this->aten_.forward(next, shifted), 1e-4, 1e-4));
+}
+
+// The fp32 loops against the fp64 forward: the same function, up to fp32 rounding.
+TEST(LlamaCpuKernels, AgreeWithTheFloat64Forward) {
+  const LlamaConfig config = test::small_llama_config();
+  LlamaModel<StaticKVCache> fp32(config, LlamaWeights::random(config, 5));
+  LlamaModel<StaticKVCache> fp64(config, LlamaWeights::random(config, 5, at::kDouble));
+  ASSERT_TRUE(fp32.cpu_kernels());
+  ASSERT_FALSE(fp64.cpu_kernels());
+  auto cache32 = fp32.make_cache(1);
+  auto cache64 = fp64.make_cache(1);
+  const at::Tensor ids = at::randint(0, 48, {1, 30}, at::kLong);
+  EXPECT_TRUE(at::allclose(fp32.forward(ids, cache32).to(at::kDouble), fp64.forward(ids, cache64), 1e-3, 1e-3));
+  for (int64_t t = 0; t < 5; ++t) {
+    const at::Tensor one = at::randint(0, 48, {1, 1}, at::kLong);
+    EXPECT_TRUE(at::allclose(fp32.forward(one, cache32).to(at::kDouble), fp64.forward(one, cache64), 1e-3, 1e-3)) << t;
+  }
+}
+
+TEST(LlamaCpuKernels, RejectTreeDepthsOutsideTheModel) {
+  const LlamaConfig config = test::small_llama_config();
+  LlamaModel<StaticKVCache> model(config, LlamaWeights::random(config, 5));
+  auto cache = model.make_cache(1);
+  const at::Tensor visible = at::ones({2, 2}, at::kBool).tril();
+  for (const int64_t bad : {int64_t{-1}, config.max_seq_len, int64_t{1} << 40}) {
+    EXPECT_THROW((void)model.forward_with_mask(ids_of({1, 2}), cache, at::tensor(std::vector<int64_t>{0, bad}, at::kLong), visible),
+                 std::invalid_argument)
+        << bad;
+  }
+  EXPECT_THROW((void)model.forward_with_mask(ids_of({1, 2}), cache, at::tensor(std::vector<int32_t>{0, 1}), visible),
+               std::invalid_argument);
+  EXPECT_EQ(cache.length(), 0);
+}
+
 TEST(LlamaModel, GroupedQueryAttentionEqualsMultiHeadWithSharedKeys) {
   const LlamaConfig grouped = test::small_llama_config();  // 4 query heads, 2 kv heads
   LlamaConfig multi = grouped;

@@ -8,6 +8,11 @@
 //
 // The forward attends over the cache and the new tokens with a causal mask; forward_with_mask()
 // takes explicit positions and a mask over the new tokens (tree attention).
+//
+// On the CPU in fp32 the forward runs its norms, rotary embedding, attention and SwiGLU as fused
+// loops (detail/llama_cpu.hpp) around BLAS products: at decoding sizes a forward of ATen
+// operations spends most of its time dispatching them. Every other device and dtype, rows of
+// different lengths and sliding windows take the ATen forward; use_cpu_kernels(false) forces it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -27,6 +32,7 @@
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
 #include "specdec/kv_cache.hpp"
+#include "specdec/detail/llama_cpu.hpp"
 #include "specdec/models/llama_config.hpp"
 #include "specdec/tree.hpp"
 
@@ -121,9 +127,14 @@ class LlamaModel {
     // One table of rotations: e^(i angle) where the dtype has a complex type, cos and sin otherwise.
     if (complex_rope()) {
       rope_ = at::polar(at::ones_like(angles), angles).to(device()).to(at::toComplexType(dtype()));
-    } else {
-      rope_cos_ = angles.cos().to(options);
-      rope_sin_ = angles.sin().to(options);
+    }
+    if (!complex_rope() || kernels_apply()) {
+      rope_cos_ = angles.cos().to(options).contiguous();
+      rope_sin_ = angles.sin().to(options).contiguous();
+    }
+    // The causal bias of every short forward, built once (longer ones, prefills, build their own).
+    for (int64_t count = 0; count <= kCachedMaskTokens; ++count) {
+      causal_bias_.push_back(count < 2 ? at::Tensor() : grouped_causal_bias(count));
     }
     // The projections that read the same input, concatenated once: q|k|v and gate|up, so a layer
     // makes two products where it made five. The layer's own tensors become views of the fused
@@ -142,8 +153,11 @@ class LlamaModel {
       }
       w.w1 = fused.w13.narrow(0, 0, hidden);
       w.w3 = fused.w13.narrow(0, hidden, hidden);
+      w.attention_norm = w.attention_norm.contiguous();
+      w.ffn_norm = w.ffn_norm.contiguous();
       fused_.push_back(std::move(fused));
     }
+    weights_.norm = weights_.norm.contiguous();
   }
 
   // The rotary inverse frequencies theta^(-2i / head_dim), i < head_dim / 2 (float64), scaled
@@ -177,6 +191,11 @@ class LlamaModel {
   [[nodiscard]] int64_t max_sequence_length() const noexcept { return config_.max_seq_len; }
   [[nodiscard]] at::Device device() const { return weights_.token_embedding.device(); }
   [[nodiscard]] at::ScalarType dtype() const { return weights_.token_embedding.scalar_type(); }
+
+  // Whether forwards on the CPU in fp32 run the fused loops (true by default; false runs the ATen
+  // forward, e.g. to compare the two). Has no effect on other devices and dtypes.
+  void use_cpu_kernels(bool enabled) noexcept { cpu_kernels_ = enabled; }
+  [[nodiscard]] bool cpu_kernels() const noexcept { return cpu_kernels_ && kernels_apply(); }
 
   // An empty cache for `batch` rows (a StaticKVCache of max_seq_len positions).
   [[nodiscard]] Cache make_cache(int64_t batch) const { return make_cache(batch, config_.max_seq_len); }
@@ -214,12 +233,14 @@ class LlamaModel {
       const at::Tensor keys = at::arange(past + count, positions.options()).view({1, past + count});
       return run(ids, cache, positions, window_bias(keys <= positions.view({count, 1}), positions.view({count, 1}), keys));
     }
+    if (cpu_kernels()) {
+      std::vector<int64_t> host(static_cast<size_t>(count));
+      for (int64_t t = 0; t < count; ++t) host[static_cast<size_t>(t)] = past + t;
+      return run_cpu(ids, cache, host, nullptr);
+    }
     // Causal: new token i sees every cached position and new tokens 0..i.
     at::Tensor mask;
-    if (count > 1) {
-      mask = new_token_bias(
-          at::ones({count, count}, at::TensorOptions().dtype(at::kBool).device(device())).tril());
-    }
+    if (count > 1) mask = count <= kCachedMaskTokens ? causal_bias_[static_cast<size_t>(count)] : grouped_causal_bias(count);
     return run(ids, cache, positions, mask);
   }
 
@@ -237,7 +258,22 @@ class LlamaModel {
         visible.size(1) != count || visible.scalar_type() != at::kBool) {
       detail::throw_invalid_message("visible must be bool [", count, ", ", count, "]");
     }
+    if (depth.scalar_type() != at::kLong) {
+      detail::throw_invalid_message("depth must be int64, got ", depth.scalar_type());
+    }
     const int64_t past = cache.length();
+    if (cpu_kernels() && !windowed(past + count)) {
+      const at::Tensor host_depth = depth.to(at::kCPU).contiguous();
+      std::vector<int64_t> host(host_depth.data_ptr<int64_t>(), host_depth.data_ptr<int64_t>() + count);
+      for (int64_t& position : host) {
+        if (position < 0 || past + position >= config_.max_seq_len) {
+          detail::throw_invalid_message("depth must be in [0, ", config_.max_seq_len - past, "), got ", position);
+        }
+        position += past;
+      }
+      const at::Tensor seen = visible.to(at::kCPU).contiguous();
+      return run_cpu(ids, cache, host, seen.data_ptr<bool>());
+    }
     const at::Tensor positions = depth.to(device()) + past;
     if (windowed(past + count)) {
       // Every key column's position: the cached ones in order, then the new tokens' own.
@@ -245,7 +281,8 @@ class LlamaModel {
       const at::Tensor seen = at::cat({at::ones({count, past}, visible.options().device(device())), visible.to(device())}, 1);
       return run(ids, cache, positions, window_bias(seen, positions.view({count, 1}), keys));
     }
-    return run(ids, cache, positions, new_token_bias(visible.to(device())));
+    const int64_t group = config_.n_heads / config_.n_kv_heads;
+    return run(ids, cache, positions, new_token_bias(visible.to(device())).repeat({group, 1}));
   }
 
   // TreeTarget: the draft tree given by parent indices (see concepts.hpp), through
@@ -317,6 +354,88 @@ class LlamaModel {
         .masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
   }
 
+  // The causal bias of `count` new tokens, repeated for the query heads that share a key/value
+  // head: [group * count, count].
+  at::Tensor grouped_causal_bias(int64_t count) const {
+    const at::Tensor lower = at::ones({count, count}, at::TensorOptions().dtype(at::kBool).device(device())).tril();
+    return new_token_bias(lower).repeat({config_.n_heads / config_.n_kv_heads, 1});
+  }
+
+  // Whether the fused CPU loops can run this model: fp32 weights on the CPU.
+  [[nodiscard]] bool kernels_apply() const { return device().is_cpu() && dtype() == at::kFloat; }
+
+  // x [rows, in] times weight [out, in] transposed, plus bias [out] when defined: [rows, out]. One
+  // row takes BLAS's matrix-vector product, which reads the weight as it lies; more rows its
+  // matrix product.
+  static at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+    if (x.size(0) == 1) {
+      const at::Tensor row = x.view({x.size(1)});
+      return (bias.defined() ? at::addmv(bias, weight, row) : at::mv(weight, row)).view({1, weight.size(0)});
+    }
+    return bias.defined() ? at::addmm(bias, x, weight.t()) : at::mm(x, weight.t());
+  }
+
+  // The forward of the CPU fp32 path: the same computation as run() for rows of one length, new
+  // token t of every row at positions[t] (validated by the caller), seeing the cached positions and
+  // the new tokens `visible` [T, T] allows (causal when null). The keys and values of a layer reach
+  // the cache in one write where the cache takes them stacked (StaticKVCache::update_stacked).
+  at::Tensor run_cpu(const at::Tensor& ids, Cache& cache, std::span<const int64_t> positions, const bool* visible) {
+    const int64_t batch = ids.size(0), count = ids.size(1), rows = batch * count;
+    const int64_t heads = config_.n_heads, kv_heads = config_.n_kv_heads, head_dim = config_.head_dim();
+    const int64_t dim = config_.dim, hidden = config_.hidden_dim;
+    const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
+    const detail::AttentionShape shape{.batch = batch, .count = count, .past = cache.length(), .heads = heads,
+                                       .kv_heads = kv_heads, .head_dim = head_dim};
+    const auto options = weights_.token_embedding.options();
+    at::Tensor x = weights_.token_embedding.index_select(0, ids.reshape({rows}));  // [rows, dim], our own copy
+    const at::Tensor normed = at::empty({rows, dim}, options);
+    const at::Tensor attended = at::empty({rows, dim}, options);
+    const at::Tensor gated = at::empty({rows, hidden}, options);
+    float* const x_data = x.data_ptr<float>();
+    float* const normed_data = normed.data_ptr<float>();
+    const float* const cos = rope_cos_.data_ptr<float>();
+    const float* const sin = rope_sin_.data_ptr<float>();
+    for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
+      const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
+      const FusedLayer& fused = fused_[static_cast<size_t>(layer)];
+      detail::rms_norm_rows(x_data, w.attention_norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
+      const at::Tensor qkv = product(normed, fused.wqkv, fused.bqkv);  // [rows, q | k | v]
+      float* const qkv_data = qkv.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r) {  // q and k heads lie side by side: rotate them together
+        detail::rotate_heads(qkv_data + r * qkv_width, heads + kv_heads, head_dim,
+                             positions[static_cast<size_t>(r % count)], cos, sin);
+      }
+      // k | v as [2, batch, kv_heads, T, head_dim], a view of the product.
+      const at::Tensor keys_and_values =
+          qkv.narrow(1, q_width, 2 * kv_width).view({batch, count, 2, kv_heads, head_dim}).permute({2, 0, 3, 1, 4});
+      auto [keys, values] = write_layer(cache, layer, keys_and_values);
+      // A cache of the caller's own making may hold another dtype; the loops read fp32 rows.
+      if (keys.scalar_type() != at::kFloat || keys.stride(3) != 1) keys = keys.to(at::kFloat).contiguous();
+      if (values.scalar_type() != at::kFloat || values.stride(3) != 1) values = values.to(at::kFloat).contiguous();
+      detail::attend(shape, qkv_data, qkv_width, keys, values, visible, attended.data_ptr<float>());
+      const at::Tensor out = product(attended, w.wo, w.bo);
+      detail::add_into(x_data, out.data_ptr<float>(), rows * dim);
+      detail::rms_norm_rows(x_data, w.ffn_norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
+      const at::Tensor gate_up = product(normed, fused.w13, at::Tensor());
+      detail::swiglu_rows(gate_up.data_ptr<float>(), gated.data_ptr<float>(), rows, hidden);
+      const at::Tensor down = product(gated, w.w2, at::Tensor());
+      detail::add_into(x_data, down.data_ptr<float>(), rows * dim);
+    }
+    cache.commit(count);
+    detail::rms_norm_rows(x_data, weights_.norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
+    return product(normed, weights_.output, at::Tensor()).view({batch, count, config_.vocab_size});
+  }
+
+  // One layer's new keys and values into the cache: in one write where the cache takes them
+  // stacked, otherwise as two.
+  static std::pair<at::Tensor, at::Tensor> write_layer(Cache& cache, int64_t layer, const at::Tensor& keys_and_values) {
+    if constexpr (requires { cache.update_stacked(layer, keys_and_values); }) {
+      return cache.update_stacked(layer, keys_and_values);
+    } else {
+      return cache.update(layer, keys_and_values[0], keys_and_values[1]);
+    }
+  }
+
   // RMSNorm computed in at least float32 whatever the activations' dtype (fp16 squares overflow
   // on real checkpoints), scaled by the weight in the activations' dtype.
   static at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -369,10 +488,10 @@ class LlamaModel {
       return complex_rope() ? rotate_complex(x, rotation) : rotate(x, cos, sin);
     };
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-    // The bias repeated for the query heads that share a key/value head: [group * T, T], or given
-    // whole over every key column ([B, 1, group * T, keys]).
+    // The bias over the new tokens' columns, repeated for the query heads that share a key/value
+    // head ([group * T, T]), or given whole over every key column ([B, 1, group * T, keys]).
     const bool full_bias = bias.defined() && bias.dim() == 4;
-    const at::Tensor group_bias = bias.defined() && !full_bias ? bias.repeat({group, 1}) : bias;
+    const at::Tensor& group_bias = bias;
 
     at::Tensor x = at::embedding(weights_.token_embedding, ids);
     for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
@@ -469,11 +588,16 @@ class LlamaModel {
     at::Tensor bqkv;  // [dim + 2 kv_dim]: bq, bk, bv (undefined without qkv_bias)
   };
 
+  // Forwards of up to this many new tokens use a causal bias built at construction.
+  static constexpr int64_t kCachedMaskTokens = 32;
+
   LlamaConfig config_;
   LlamaWeights weights_;
   std::vector<FusedLayer> fused_;
+  std::vector<at::Tensor> causal_bias_;  // [count]: grouped_causal_bias(count), count in [2, kCachedMaskTokens]
+  bool cpu_kernels_ = true;
   at::Tensor rope_;      // complex e^(i angle) [max_seq_len, head_dim / 2] (complex_rope())
-  at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2] (otherwise)
+  at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2] (no complex type, or the CPU loops)
   at::Tensor rope_sin_;
 };
 
