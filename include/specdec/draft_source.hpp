@@ -16,6 +16,7 @@
 #include <limits>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "specdec/concepts.hpp"
@@ -43,6 +44,9 @@ struct Drafts {
   at::Tensor tokens;               // int64 [k], k in [0, room], on any device; undefined: k = 0
   at::Tensor probs;                // [k, vocab]: the processed distributions the tokens were
                                    // sampled from (q); undefined: deterministic drafts (q one-hot)
+  at::Tensor finite;               // bool []: whether the drafter's logits behind deterministic
+                                   // drafts were finite (verification reports a drafter error when
+                                   // not); undefined: nothing to check
   int64_t calls = 0;               // drafter calls made (forwards, look-ups), for stats
   std::optional<int64_t> gamma;    // the source's chosen length (StepInfo::gamma); default k
   double entropy = std::numeric_limits<double>::quiet_NaN();  // StepInfo::entropy
@@ -147,15 +151,27 @@ class ModelDraftSource {
         }
         if (policy_->stop(signal)) break;
       }
-      const at::Tensor q = processor(last);
-      drafts = at::cat({drafts, processor.sample(q, gen).view({1, 1})}, 1);
-      probs_.push_back(q);
+      if constexpr (std::is_same_v<P, GreedyProcessor>) {
+        // A greedy draft is the argmax, its q one-hot there: the drafts are deterministic and no
+        // distribution is built. The row's maximum is kept to report a non-finite drafter (NaN,
+        // +inf, or only -inf) as GreedyProcessor's NaN would.
+        drafts = at::cat({drafts, last.argmax(-1, /*keepdim=*/true)}, 1);
+        probs_.push_back(last.amax(-1));
+      } else {
+        const at::Tensor q = processor(last);
+        drafts = at::cat({drafts, processor.sample(q, gen).view({1, 1})}, 1);
+        probs_.push_back(q);
+      }
     }
     runner_.set_counters({});
     result.gamma = gamma;
     if (!probs_.empty()) {
       result.tokens = drafts.view({drafts.size(1)});
-      result.probs = at::cat(probs_, 0);
+      if constexpr (std::is_same_v<P, GreedyProcessor>) {
+        result.finite = at::isfinite(at::cat(probs_)).all();
+      } else {
+        result.probs = at::cat(probs_, 0);
+      }
     }
     return result;
   }
@@ -171,7 +187,7 @@ class ModelDraftSource {
   using ForwardCounters = detail::ForwardCounters;
   detail::ModelRunner<D> runner_;
   std::optional<detail::DraftLength> policy_;
-  std::vector<at::Tensor> probs_;
+  std::vector<at::Tensor> probs_;  // each draft's q, or under greedy decoding its logits' maximum
 };
 
 // ConfidentNGramDrafter: an NGramDrafter that drafts several tokens at once and stops by its

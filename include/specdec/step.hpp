@@ -100,11 +100,13 @@ int64_t source_room(const S& source, int64_t length) {
 // [k + 1, vocab] over the drafts draft_ids [k] and their q [k, vocab] (undefined: deterministic
 // drafts). Greedy decoding takes the argmax fast path (no distributions); `threshold` selects
 // threshold verification at options.threshold, otherwise exact rejection sampling.
+// `drafter_finite`: Drafts::finite of deterministic drafts (may be undefined).
 template <LogitsProcessor P>
 PendingStep verify_chain(const at::Tensor& rows, const at::Tensor& q, const at::Tensor& draft_ids, const P& processor,
-                         at::Generator& gen, const SpeculativeOptions& options, bool threshold) {
+                         at::Generator& gen, const SpeculativeOptions& options, bool threshold,
+                         const at::Tensor& drafter_finite = {}) {
   if constexpr (std::is_same_v<P, GreedyProcessor>) {
-    if (!threshold) return verify_greedy_pending(rows, q, draft_ids);
+    if (!threshold) return verify_greedy_pending(rows, q, draft_ids, drafter_finite);
   }
   const at::Tensor p = processor(rows);
   return threshold ? verify_threshold_pending(p, draft_ids, options.threshold, processor, gen)
@@ -138,7 +140,8 @@ void chain_step(ModelRunner<T>& target, GenerationState& state, S& source, const
   const at::Tensor rows = logits.narrow(0, logits.size(0) - k - 1, k + 1);
   const at::Tensor q = k > 0 && drafts.probs.defined() ? drafts.probs.to(target.device()) : at::Tensor();
   const bool threshold = options.verification == Verification::threshold && !target_only;
-  const PendingStep pending = verify_chain(rows, q, draft_ids, processor, gen, options, threshold);
+  const PendingStep pending =
+      verify_chain(rows, q, draft_ids, processor, gen, options, threshold, k > 0 ? drafts.finite : at::Tensor());
   const int64_t top_k = std::min(source_top_k(source), vocab);
   const at::Tensor packed =
       top_k > 0 ? at::cat({pending.packed, std::get<1>(rows.topk(top_k, -1)).flatten()}) : pending.packed;

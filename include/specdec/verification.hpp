@@ -111,15 +111,19 @@ PendingStep verify_drafts_pending(const at::Tensor& target_probs, const at::Tens
 // ties), and the token after the accepted drafts is the argmax there. This is what rejection
 // sampling computes for one-hot p, whatever q; no distribution, uniform or residual is built.
 // Non-finite rows (NaN, +inf, or all -inf) are reported as GreedyProcessor's NaN would be.
+// `drafter_finite` (bool []), when given and draft_probs is not, says whether the deterministic
+// drafts came from finite drafter logits.
 inline PendingStep verify_greedy_pending(const at::Tensor& target_logits, const at::Tensor& draft_probs,
-                                         const at::Tensor& drafts) {
+                                         const at::Tensor& drafts, const at::Tensor& drafter_finite = {}) {
   const int64_t gamma = check_verify_inputs(target_logits, drafts);
   const at::Tensor draft_index = drafts.to(target_logits.device()).view({gamma, 1});
   const at::Tensor best = target_logits.argmax(1);
   const at::Tensor accepted = best.narrow(0, 0, gamma).eq(draft_index.view({gamma})).to(at::kLong).cumprod(0).sum().view({1});
   const at::Tensor token = best.index_select(0, accepted);
-  const at::Tensor drafter_finite = draft_probs.defined() ? at::isfinite(draft_probs.sum()) : at::Tensor();
-  return pack_step("verify_drafts", accepted, token, at::isfinite(target_logits.amax(1)).all(), drafter_finite,
+  return pack_step("verify_drafts", accepted, token, at::isfinite(target_logits.amax(1)).all(),
+                   draft_probs.defined()      ? at::isfinite(draft_probs.sum())
+                   : drafter_finite.defined() ? drafter_finite.to(target_logits.device())
+                                              : at::Tensor(),
                    draft_index);
 }
 

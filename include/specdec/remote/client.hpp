@@ -227,6 +227,9 @@ GenerationResult remote_generate(S& source, RemoteVerifier& verifier, std::span<
       request.set_last_token(sequence.back());
       std::vector<int64_t> draft_tokens;
       if (k > 0) {
+        if (drafts.finite.defined() && !drafts.finite.item<bool>()) {
+          specdec::detail::throw_non_finite("remote_generate", "drafter");
+        }
         const at::Tensor host = drafts.tokens.to(at::kCPU, at::kLong).contiguous();
         draft_tokens.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + k);
         request.mutable_drafts()->Add(draft_tokens.begin(), draft_tokens.end());
