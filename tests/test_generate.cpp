@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <iostream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -322,6 +323,35 @@ TEST(SpeculativeGenerate, ReportsFaultyModelsClearly) {
   EXPECT_THROW((void)speculative_generate(throwing, target, prompt), std::runtime_error);
 }
 
+// Greedy drafts are deterministic: the source builds no one-hot q, only the finiteness of the
+// logits behind them; sampled drafts carry their q.
+TEST(ModelDraftSource, GreedyDraftsCarryNoDistributions) {
+  PrefixHashModel drafter(8, 3);
+  ModelDraftSource source(drafter);
+  const std::vector<int64_t> sequence{1, 2, 3};
+  source.start(sequence, {.gamma = 4});
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  const Drafts greedy = source.draft({.sequence = sequence, .gamma = 4, .room = 4}, GreedyProcessor{}, gen);
+  ASSERT_EQ(greedy.size(), 4);
+  EXPECT_FALSE(greedy.probs.defined());
+  ASSERT_TRUE(greedy.finite.defined());
+  EXPECT_TRUE(greedy.finite.item<bool>());
+  // The drafts are the drafter's greedy continuation.
+  std::vector<int64_t> expected = sequence;
+  for (int i = 0; i < 4; ++i) {
+    auto cache = drafter.make_cache(1);
+    const at::Tensor logits = drafter.forward(at::tensor(expected, at::kLong).view({1, -1}), cache);
+    expected.push_back(logits[0][-1].argmax().item<int64_t>());
+  }
+  for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(greedy.tokens[i].item<int64_t>(), expected[static_cast<size_t>(3 + i)]) << i;
+  const std::vector<int64_t> after{1, 2, 3, 5};  // no draft accepted, the target's token 5 emitted
+  source.verified({.sequence = after, .position = 3, .drafted = 4, .accepted = 0});
+  const Drafts sampled = source.draft({.sequence = after, .gamma = 2, .room = 2}, MultinomialProcessor{}, gen);
+  ASSERT_TRUE(sampled.probs.defined());
+  EXPECT_EQ(sampled.probs.sizes(), (at::IntArrayRef{2, 8}));
+  EXPECT_FALSE(sampled.finite.defined());
+}
+
 // Non-finite values are blamed on the right model, and on the temperature when the logits are
 // finite.
 TEST(SpeculativeGenerate, NamesTheModelOrTheTemperatureForNonFiniteDistributions) {
@@ -351,6 +381,13 @@ TEST(Threads, OneSettingForTorchAndTheLoadedBlas) {
     EXPECT_EQ(after.torch, n);
     if (after.blas) {
       EXPECT_EQ(*after.blas, n) << after.blas_name;
+      // OpenBLAS names the kernels it chose, and the printed settings show them.
+      if (after.blas_name == "openblas") {
+        EXPECT_FALSE(after.blas_core.empty());
+        std::ostringstream printed;
+        printed << after;
+        EXPECT_NE(printed.str().find("(" + after.blas_core + ")"), std::string::npos) << printed.str();
+      }
     } else {
       std::cout << "no BLAS thread setting found in this process: only libtorch's pool was set\n";
     }

@@ -6,7 +6,14 @@
 // the process actually loaded, so specdec links no BLAS itself.
 //
 //   specdec::set_threads(1);   // one thread in libtorch and in OpenBLAS
-//   std::cout << specdec::thread_settings();   // torch 1, openblas 1
+//   std::cout << specdec::thread_settings();   // torch 1, openblas 1 (SkylakeX)
+//
+// The name in parentheses is the kernel family OpenBLAS chose for this CPU at load. On a virtual
+// machine whose CPU model it does not recognise it falls back to its generic SSE3 kernels
+// ("Prescott"): on this project's machine (AVX-512) that makes a large fp32 product 5x slower.
+// The choice is made once, when the library loads, from the environment variable
+// OPENBLAS_CORETYPE (e.g. OPENBLAS_CORETYPE=SkylakeX or Haswell), so it is the process's
+// environment, not a call, that fixes it.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -30,10 +37,12 @@ struct ThreadSettings {
   int torch = 1;
   std::optional<int> blas;
   std::string blas_name;  // "openblas", "mkl" or empty
+  std::string blas_core;  // the kernels OpenBLAS chose for this CPU ("SkylakeX", "Prescott", ...)
 
   friend std::ostream& operator<<(std::ostream& out, const ThreadSettings& s) {
     out << "torch " << s.torch;
     if (s.blas) out << ", " << s.blas_name << " " << *s.blas;
+    if (!s.blas_core.empty()) out << " (" << s.blas_core << ")";
     return out;
   }
 };
@@ -43,6 +52,7 @@ namespace detail {
 struct BlasThreads {
   void (*set)(int) = nullptr;
   int (*get)() = nullptr;
+  char* (*core)() = nullptr;
   const char* name = "";
 };
 
@@ -54,6 +64,7 @@ inline const BlasThreads& blas_threads() {
     if (void* set = dlsym(RTLD_DEFAULT, "openblas_set_num_threads")) {
       blas.set = reinterpret_cast<void (*)(int)>(set);
       blas.get = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+      blas.core = reinterpret_cast<char* (*)()>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
       blas.name = "openblas";
     } else if (void* mkl = dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads")) {
       blas.set = reinterpret_cast<void (*)(int)>(mkl);
@@ -76,6 +87,7 @@ inline ThreadSettings thread_settings() {
     settings.blas = blas.get();
     settings.blas_name = blas.name;
   }
+  if (blas.core != nullptr && blas.core() != nullptr) settings.blas_core = blas.core();
   return settings;
 }
 
