@@ -18,13 +18,26 @@
 
 namespace specdec::detail {
 
+// The dot product of n floats, summed in 8 interleaved partial sums so that the compiler can keep
+// them in vector registers (one running sum is a chain of dependent additions, 4 cycles each).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int64_t l = 0; l < 8; ++l) lanes[l] += a[i + l] * b[i + l];
+  }
+  float sum = 0.0F;
+  for (; i < n; ++i) sum += a[i] * b[i];
+  for (const float lane : lanes) sum += lane;
+  return sum;
+}
+
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for `rows` rows of `dim` floats.
 inline void rms_norm_rows(const float* x, const float* weight, float* out, int64_t rows, int64_t dim, double eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* in = x + r * dim;
     float* o = out + r * dim;
-    float squares = 0.0F;
-    for (int64_t i = 0; i < dim; ++i) squares += in[i] * in[i];
+    const float squares = dot(in, in, dim);
     const float scale = 1.0F / std::sqrt(squares / static_cast<float>(dim) + static_cast<float>(eps));
     for (int64_t i = 0; i < dim; ++i) o[i] = in[i] * scale * weight[i];
   }
@@ -65,6 +78,7 @@ inline void add_into(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
+
 // The shape of one attention call: `count` new tokens per batch row after `past` cached positions,
 // `heads` query heads sharing `kv_heads` key/value heads.
 struct AttentionShape {
@@ -76,11 +90,13 @@ struct AttentionShape {
   int64_t head_dim = 1;
 };
 
-// A softmax term this far below the largest (e^-40 < 2^-57) cannot change an fp32 sum of fewer
-// than 2^30 terms, whose precision is 2^-24 of the largest.
-inline constexpr float kNegligibleScore = -40.0F;
+// A softmax weight below this (2^-60) cannot change an fp32 sum of fewer than 2^30 terms that
+// also holds the largest weight (at least 1 / keys), whose precision is 2^-24 of it.
+inline constexpr float kNegligibleWeight = 0x1p-60F;
 
-// Scaled dot-product attention of the new tokens' queries over the cache's keys and values.
+// Scaled dot-product attention of the new tokens' queries over the cache's keys and values, in
+// three passes: every score (a loop), their softmax (one ATen call, vectorised, as the ATen
+// forward computes it), and the weighted sums of the values (a loop).
 //
 // Requires: queries at query_rows + (b * count + t) * query_stride + h * head_dim (head h of token
 //   t of row b); keys and values [batch, kv_heads, past + count, head_dim] fp32 with a contiguous
@@ -95,56 +111,54 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
   const int64_t group = shape.heads / shape.kv_heads;
   const int64_t head_dim = shape.head_dim;
   const float scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
-  const float* key_data = keys.data_ptr<float>();
-  const float* value_data = values.data_ptr<float>();
-  const int64_t key_row = keys.stride(0), key_head = keys.stride(1), key_step = keys.stride(2);
-  const int64_t value_row = values.stride(0), value_head = values.stride(1), value_step = values.stride(2);
-  const int64_t tasks = shape.batch * shape.heads * shape.count;
+  const int64_t tasks = shape.batch * shape.heads * shape.count;  // task (b * heads + h) * count + t
+  const at::Tensor scores = at::empty({tasks, keys_total}, keys.options());
+  float* const score_rows = scores.data_ptr<float>();
+  // Where task's query, key head and value head start, and its output.
+  struct Task {
+    const float* query;
+    int64_t kv;
+    int64_t b;
+    int64_t t;
+    float* out;
+  };
+  const auto task_of = [&](int64_t task) {
+    const int64_t t = task % shape.count;
+    const int64_t h = (task / shape.count) % shape.heads;
+    const int64_t b = task / (shape.count * shape.heads);
+    return Task{query_rows + (b * shape.count + t) * query_stride + h * head_dim, h / group, b, t,
+                out + (b * shape.count + t) * shape.heads * head_dim + h * head_dim};
+  };
   // Split across libtorch's intra-op threads only when a task is worth a thread's start.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, keys_total * head_dim));
+  const float* const key_data = keys.data_ptr<float>();
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(keys_total));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task % shape.count;
-      const int64_t h = (task / shape.count) % shape.heads;
-      const int64_t b = task / (shape.count * shape.heads);
-      const int64_t kv = h / group;
-      const float* q = query_rows + (b * shape.count + t) * query_stride + h * head_dim;
-      const float* k = key_data + b * key_row + kv * key_head;
-      const float* v = value_data + b * value_row + kv * value_head;
-      // Keys this query sees: every cached one, then the new tokens its mask allows.
-      float best = -std::numeric_limits<float>::infinity();
+      const Task job = task_of(task);
+      const float* k = key_data + job.b * keys.stride(0) + job.kv * keys.stride(1);
+      float* row = score_rows + task * keys_total;
       for (int64_t j = 0; j < keys_total; ++j) {
         const int64_t fresh = j - shape.past;
-        const bool seen = fresh < 0 || (visible != nullptr ? visible[t * shape.count + fresh] : fresh <= t);
-        if (!seen) {
-          scores[static_cast<size_t>(j)] = -std::numeric_limits<float>::infinity();
-          continue;
-        }
-        const float* key = k + j * key_step;
-        float dot = 0.0F;
-        for (int64_t i = 0; i < head_dim; ++i) dot += q[i] * key[i];
-        scores[static_cast<size_t>(j)] = dot * scale;
-        best = std::max(best, scores[static_cast<size_t>(j)]);
+        const bool seen = fresh < 0 || (visible != nullptr ? visible[job.t * shape.count + fresh] : fresh <= job.t);
+        row[j] = seen ? dot(job.query, k + j * keys.stride(2), head_dim) * scale : -std::numeric_limits<float>::infinity();
       }
-      // Keys more than -kNegligibleScore below the best weigh under 2^-57 of it, below what an
-      // fp32 sum can hold: they are dropped rather than carried into products that underflow to
-      // subnormal numbers, whose arithmetic is two orders of magnitude slower on x86.
-      float total = 0.0F;
+    }
+  });
+  const at::Tensor weights = scores.softmax(-1);
+  const float* const weight_rows = weights.data_ptr<float>();
+  const float* const value_data = values.data_ptr<float>();
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const Task job = task_of(task);
+      const float* v = value_data + job.b * values.stride(0) + job.kv * values.stride(1);
+      const float* row = weight_rows + task * keys_total;
+      std::fill(job.out, job.out + head_dim, 0.0F);
       for (int64_t j = 0; j < keys_total; ++j) {
-        const float centred = scores[static_cast<size_t>(j)] - best;
-        const float e = centred < kNegligibleScore ? 0.0F : std::exp(centred);
-        scores[static_cast<size_t>(j)] = e;
-        total += e;
-      }
-      float* o = out + (b * shape.count + t) * shape.heads * head_dim + h * head_dim;
-      std::fill(o, o + head_dim, 0.0F);
-      const float norm = 1.0F / total;
-      for (int64_t j = 0; j < keys_total; ++j) {
-        const float weight = scores[static_cast<size_t>(j)] * norm;
-        if (weight == 0.0F) continue;
-        const float* value = v + j * value_step;
-        for (int64_t i = 0; i < head_dim; ++i) o[i] += weight * value[i];
+        // Negligible weights (NaN is not) are skipped: their products would underflow to
+        // subnormal numbers, whose arithmetic is two orders of magnitude slower on x86.
+        if (row[j] < kNegligibleWeight) continue;
+        const float* value = v + j * values.stride(2);
+        for (int64_t i = 0; i < head_dim; ++i) job.out[i] += row[j] * value[i];
       }
     }
   });

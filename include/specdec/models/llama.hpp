@@ -138,11 +138,18 @@ class LlamaModel {
     }
     // The projections that read the same input, concatenated once: q|k|v and gate|up, so a layer
     // makes two products where it made five. The layer's own tensors become views of the fused
-    // ones, so the weights are held once.
+    // ones, so the weights are held once. On the CPU every matrix is also laid out once as
+    // [in, out] in memory (still [out, in] as a tensor, a transposed view): BLAS then multiplies
+    // x by it without repacking the weight in every call, 2-4x faster for a few rows here.
     const int64_t dim = config_.dim, kv_dim = config_.kv_dim(), hidden = config_.hidden_dim;
+    const auto laid_out = [this](const at::Tensor& weight) {
+      return device().is_cpu() ? weight.t().contiguous().t() : weight.contiguous();
+    };
     for (LlamaLayerWeights& w : weights_.layers) {
-      FusedLayer fused{at::cat({w.wq, w.wk, w.wv}, 0), at::cat({w.w1, w.w3}, 0),
+      FusedLayer fused{laid_out(at::cat({w.wq, w.wk, w.wv}, 0)), laid_out(at::cat({w.w1, w.w3}, 0)),
                        config_.qkv_bias ? at::cat({w.bq, w.bk, w.bv}, 0) : at::Tensor()};
+      w.wo = laid_out(w.wo);
+      w.w2 = laid_out(w.w2);
       w.wq = fused.wqkv.narrow(0, 0, dim);
       w.wk = fused.wqkv.narrow(0, dim, kv_dim);
       w.wv = fused.wqkv.narrow(0, dim + kv_dim, kv_dim);
@@ -158,6 +165,9 @@ class LlamaModel {
       fused_.push_back(std::move(fused));
     }
     weights_.norm = weights_.norm.contiguous();
+    // A classifier tied to the embedding keeps the embedding's layout (a second copy would cost
+    // vocab x dim); an untied one is laid out like the layers.
+    if (weights_.output.data_ptr() != weights_.token_embedding.data_ptr()) weights_.output = laid_out(weights_.output);
   }
 
   // The rotary inverse frequencies theta^(-2i / head_dim), i < head_dim / 2 (float64), scaled
@@ -364,14 +374,9 @@ class LlamaModel {
   // Whether the fused CPU loops can run this model: fp32 weights on the CPU.
   [[nodiscard]] bool kernels_apply() const { return device().is_cpu() && dtype() == at::kFloat; }
 
-  // x [rows, in] times weight [out, in] transposed, plus bias [out] when defined: [rows, out]. One
-  // row takes BLAS's matrix-vector product, which reads the weight as it lies; more rows its
-  // matrix product.
+  // x [rows, in] times weight [out, in] transposed, plus bias [out] when defined: [rows, out], one
+  // BLAS product (on the weights' [in, out] layout, no call repacks them).
   static at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-    if (x.size(0) == 1) {
-      const at::Tensor row = x.view({x.size(1)});
-      return (bias.defined() ? at::addmv(bias, weight, row) : at::mv(weight, row)).view({1, weight.size(0)});
-    }
     return bias.defined() ? at::addmm(bias, x, weight.t()) : at::mm(x, weight.t());
   }
 
