@@ -10,6 +10,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#if defined(__SSE__) || defined(_M_X64)
+#include <xmmintrin.h>
+#define SPECDEC_HAS_MXCSR 1
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,6 +22,31 @@
 #include <vector>
 
 namespace specdec::detail {
+
+// Flushes subnormal fp32 results to zero and reads subnormal inputs as zero on the calling thread
+// while it lives (x86's FTZ and DAZ bits), restoring the caller's setting after. A peaked softmax
+// makes numbers below 2^-126 by the thousand, and on x86 every operation on one costs about a
+// hundred cycles: in a forward over real text this took a fifth of the time. Nothing the forward
+// computes can be changed by a number that small beside the ones it is summed with. A no-op where
+// the CPU has no such bits.
+class FlushSubnormals {
+ public:
+#ifdef SPECDEC_HAS_MXCSR
+  FlushSubnormals() noexcept : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFlushToZero | kDenormalsAreZero); }
+  ~FlushSubnormals() { _mm_setcsr(saved_); }
+#else
+  FlushSubnormals() noexcept = default;
+#endif
+  FlushSubnormals(const FlushSubnormals&) = delete;
+  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
+
+ private:
+#ifdef SPECDEC_HAS_MXCSR
+  static constexpr unsigned kFlushToZero = 0x8000;       // MXCSR bit 15
+  static constexpr unsigned kDenormalsAreZero = 0x0040;  // MXCSR bit 6
+  unsigned saved_;
+#endif
+};
 
 // The dot product of n floats, summed in 8 interleaved partial sums so that the compiler can keep
 // them in vector registers (one running sum is a chain of dependent additions, 4 cycles each).

@@ -385,6 +385,7 @@ class LlamaModel {
   // the new tokens `visible` [T, T] allows (causal when null). The keys and values of a layer reach
   // the cache in one write where the cache takes them stacked (StaticKVCache::update_stacked).
   at::Tensor run_cpu(const at::Tensor& ids, Cache& cache, std::span<const int64_t> positions, const bool* visible) {
+    const detail::FlushSubnormals flush;
     const int64_t batch = ids.size(0), count = ids.size(1), rows = batch * count;
     const int64_t heads = config_.n_heads, kv_heads = config_.n_kv_heads, head_dim = config_.head_dim();
     const int64_t dim = config_.dim, hidden = config_.hidden_dim;
