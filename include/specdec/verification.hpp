@@ -116,11 +116,17 @@ PendingStep verify_drafts_pending(const at::Tensor& target_probs, const at::Tens
 inline PendingStep verify_greedy_pending(const at::Tensor& target_logits, const at::Tensor& draft_probs,
                                          const at::Tensor& drafts, const at::Tensor& drafter_finite = {}) {
   const int64_t gamma = check_verify_inputs(target_logits, drafts);
+  const at::Tensor target_finite = at::isfinite(target_logits.amax(1)).all();
+  if (gamma == 0) {  // a target-only step (autoregressive decoding): nothing to accept
+    const at::Tensor token = target_logits.argmax(1);
+    return PendingStep{at::cat({at::zeros_like(token), token, finite_code(target_finite, at::Tensor())}), 0,
+                       "verify_drafts"};
+  }
   const at::Tensor draft_index = drafts.to(target_logits.device()).view({gamma, 1});
   const at::Tensor best = target_logits.argmax(1);
   const at::Tensor accepted = best.narrow(0, 0, gamma).eq(draft_index.view({gamma})).to(at::kLong).cumprod(0).sum().view({1});
   const at::Tensor token = best.index_select(0, accepted);
-  return pack_step("verify_drafts", accepted, token, at::isfinite(target_logits.amax(1)).all(),
+  return pack_step("verify_drafts", accepted, token, target_finite,
                    draft_probs.defined()      ? at::isfinite(draft_probs.sum())
                    : drafter_finite.defined() ? drafter_finite.to(target_logits.device())
                                               : at::Tensor(),
