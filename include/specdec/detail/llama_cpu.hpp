@@ -124,54 +124,34 @@ struct AttentionShape {
 // also holds the largest weight (at least 1 / keys), whose precision is 2^-24 of it.
 inline constexpr float kNegligibleWeight = 0x1p-60F;
 
-// Scaled dot-product attention of the new tokens' queries over the cache's keys and values, in
-// three passes: every score (a loop), their softmax (one ATen call, vectorised, as the ATen
-// forward computes it), and the weighted sums of the values (a loop).
+// Scaled dot-product attention of one new token per batch row over the cache's keys and values
+// (which hold it last), in three passes: every score (a loop), their softmax (one ATen call,
+// vectorised, as the ATen forward computes it), and the weighted sums of the values (a loop).
 //
-// Requires: queries at query_rows + (b * count + t) * query_stride + h * head_dim (head h of token
-//   t of row b); keys and values [batch, kv_heads, past + count, head_dim] fp32 with a contiguous
-//   last dimension; visible, when given, a bool [count, count] over the new tokens (new token t
-//   sees new token j where visible[t][j]), otherwise causal (t sees j <= t); every cached
-//   position is visible to every new token.
-// Writes: out [batch * count, heads * head_dim], head h of query head h's attention (query head
-//   h reads key/value head h / (heads / kv_heads)).
+// Requires: shape.count == 1; queries at query_rows + b * query_stride + h * head_dim (head h of
+//   row b); keys and values [batch, kv_heads, past + 1, head_dim] fp32 with a contiguous last
+//   dimension. Every key is visible.
+// Writes: out [batch, heads * head_dim], head h of query head h's attention (query head h reads
+//   key/value head h / (heads / kv_heads)).
 inline void attend(const AttentionShape& shape, const float* query_rows, int64_t query_stride, const at::Tensor& keys,
-                   const at::Tensor& values, const bool* visible, float* out) {
-  const int64_t keys_total = shape.past + shape.count;
+                   const at::Tensor& values, float* out) {
+  const int64_t keys_total = shape.past + 1;
   const int64_t group = shape.heads / shape.kv_heads;
   const int64_t head_dim = shape.head_dim;
   const float scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
-  const int64_t tasks = shape.batch * shape.heads * shape.count;  // task (b * heads + h) * count + t
+  const int64_t tasks = shape.batch * shape.heads;  // task b * heads + h
   const at::Tensor scores = at::empty({tasks, keys_total}, keys.options());
   float* const score_rows = scores.data_ptr<float>();
-  // Where task's query, key head and value head start, and its output.
-  struct Task {
-    const float* query;
-    int64_t kv;
-    int64_t b;
-    int64_t t;
-    float* out;
-  };
-  const auto task_of = [&](int64_t task) {
-    const int64_t t = task % shape.count;
-    const int64_t h = (task / shape.count) % shape.heads;
-    const int64_t b = task / (shape.count * shape.heads);
-    return Task{query_rows + (b * shape.count + t) * query_stride + h * head_dim, h / group, b, t,
-                out + (b * shape.count + t) * shape.heads * head_dim + h * head_dim};
-  };
   // Split across libtorch's intra-op threads only when a task is worth a thread's start.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, keys_total * head_dim));
   const float* const key_data = keys.data_ptr<float>();
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const Task job = task_of(task);
-      const float* k = key_data + job.b * keys.stride(0) + job.kv * keys.stride(1);
+      const int64_t b = task / shape.heads, h = task % shape.heads;
+      const float* query = query_rows + b * query_stride + h * head_dim;
+      const float* k = key_data + b * keys.stride(0) + (h / group) * keys.stride(1);
       float* row = score_rows + task * keys_total;
-      for (int64_t j = 0; j < keys_total; ++j) {
-        const int64_t fresh = j - shape.past;
-        const bool seen = fresh < 0 || (visible != nullptr ? visible[job.t * shape.count + fresh] : fresh <= job.t);
-        row[j] = seen ? dot(job.query, k + j * keys.stride(2), head_dim) * scale : -std::numeric_limits<float>::infinity();
-      }
+      for (int64_t j = 0; j < keys_total; ++j) row[j] = dot(query, k + j * keys.stride(2), head_dim) * scale;
     }
   });
   const at::Tensor weights = scores.softmax(-1);
@@ -179,19 +159,44 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
   const float* const value_data = values.data_ptr<float>();
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const Task job = task_of(task);
-      const float* v = value_data + job.b * values.stride(0) + job.kv * values.stride(1);
+      const int64_t b = task / shape.heads, h = task % shape.heads;
+      const float* v = value_data + b * values.stride(0) + (h / group) * values.stride(1);
       const float* row = weight_rows + task * keys_total;
-      std::fill(job.out, job.out + head_dim, 0.0F);
+      float* o = out + task * head_dim;
+      std::fill(o, o + head_dim, 0.0F);
       for (int64_t j = 0; j < keys_total; ++j) {
-        // Negligible weights (NaN is not) are skipped: their products would underflow to
-        // subnormal numbers, whose arithmetic is two orders of magnitude slower on x86.
+        // Negligible weights (NaN is not) are skipped: nothing is lost, and no product reaches
+        // the subnormal range.
         if (row[j] < kNegligibleWeight) continue;
         const float* value = v + j * values.stride(2);
-        for (int64_t i = 0; i < head_dim; ++i) job.out[i] += row[j] * value[i];
+        for (int64_t i = 0; i < head_dim; ++i) o[i] += row[j] * value[i];
       }
     }
   });
+}
+
+// attend() through batched matrix products, for several new tokens: one bmm for the scores of
+// every query head over its key/value head, the additive `grouped_bias` [group * T, T] over the
+// new tokens' columns (causal or a tree; rows ordered query head within the group, then token),
+// the softmax, and one bmm with the values. For T new tokens the loops of attend() repeat every
+// key's products T times at the compiler's vector width; BLAS does them at the CPU's. Same
+// requirements and result as attend(), with the queries given as `queries` [batch * T, heads *
+// head_dim] (a view with a contiguous last dimension) and the result written into `out`.
+inline void attend_batched(const AttentionShape& shape, const at::Tensor& queries, const at::Tensor& keys,
+                           const at::Tensor& values, const at::Tensor& grouped_bias, const at::Tensor& out) {
+  const int64_t group = shape.heads / shape.kv_heads;
+  const int64_t count = shape.count, head_dim = shape.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const auto layout = [&](const at::Tensor& rows) {  // [T, heads * hd] -> [kv_heads, group, T, hd]
+    return rows.view({count, shape.kv_heads, group, head_dim}).permute({1, 2, 0, 3});
+  };
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    const at::Tensor q = layout(queries.narrow(0, b * count, count)).reshape({shape.kv_heads, group * count, head_dim});
+    at::Tensor scores = at::bmm(q, keys[b].transpose(1, 2)).mul_(scale);  // [kv_heads, group * T, keys]
+    scores.narrow(2, scores.size(2) - count, count).add_(grouped_bias);
+    const at::Tensor attended = at::bmm(scores.softmax(-1), values[b]);  // [kv_heads, group * T, hd]
+    layout(out.narrow(0, b * count, count)).copy_(attended.view({shape.kv_heads, group, count, head_dim}));
+  }
 }
 
 }  // namespace specdec::detail

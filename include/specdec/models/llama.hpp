@@ -237,21 +237,18 @@ class LlamaModel {
     }
     const int64_t past = cache.length();
     const int64_t count = ids.size(1);
+    if (cpu_kernels() && !windowed(past + count)) {
+      std::vector<int64_t> host(static_cast<size_t>(count));
+      for (int64_t t = 0; t < count; ++t) host[static_cast<size_t>(t)] = past + t;
+      return run_cpu(ids, cache, host, causal_mask(count));
+    }
     const at::Tensor positions =
         at::arange(past, past + count, at::TensorOptions().dtype(at::kLong).device(device()));
     if (windowed(past + count)) {  // some query's window starts after position 0: a bias over every key
       const at::Tensor keys = at::arange(past + count, positions.options()).view({1, past + count});
       return run(ids, cache, positions, window_bias(keys <= positions.view({count, 1}), positions.view({count, 1}), keys));
     }
-    if (cpu_kernels()) {
-      std::vector<int64_t> host(static_cast<size_t>(count));
-      for (int64_t t = 0; t < count; ++t) host[static_cast<size_t>(t)] = past + t;
-      return run_cpu(ids, cache, host, nullptr);
-    }
-    // Causal: new token i sees every cached position and new tokens 0..i.
-    at::Tensor mask;
-    if (count > 1) mask = count <= kCachedMaskTokens ? causal_bias_[static_cast<size_t>(count)] : grouped_causal_bias(count);
-    return run(ids, cache, positions, mask);
+    return run(ids, cache, positions, causal_mask(count));
   }
 
   // Tree attention: like forward(), but new token i sits at position cache.length() + depth[i]
@@ -281,8 +278,8 @@ class LlamaModel {
         }
         position += past;
       }
-      const at::Tensor seen = visible.to(at::kCPU).contiguous();
-      return run_cpu(ids, cache, host, seen.data_ptr<bool>());
+      const int64_t group = config_.n_heads / config_.n_kv_heads;
+      return run_cpu(ids, cache, host, count > 1 ? new_token_bias(visible.to(device())).repeat({group, 1}) : at::Tensor());
     }
     const at::Tensor positions = depth.to(device()) + past;
     if (windowed(past + count)) {
@@ -364,6 +361,13 @@ class LlamaModel {
         .masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity());
   }
 
+  // Causal: new token i sees every cached position and new tokens 0..i. The grouped causal bias
+  // of `count` new tokens (undefined for one), built at construction for short forwards.
+  at::Tensor causal_mask(int64_t count) const {
+    if (count < 2) return {};
+    return count <= kCachedMaskTokens ? causal_bias_[static_cast<size_t>(count)] : grouped_causal_bias(count);
+  }
+
   // The causal bias of `count` new tokens, repeated for the query heads that share a key/value
   // head: [group * count, count].
   at::Tensor grouped_causal_bias(int64_t count) const {
@@ -382,9 +386,11 @@ class LlamaModel {
 
   // The forward of the CPU fp32 path: the same computation as run() for rows of one length, new
   // token t of every row at positions[t] (validated by the caller), seeing the cached positions and
-  // the new tokens `visible` [T, T] allows (causal when null). The keys and values of a layer reach
-  // the cache in one write where the cache takes them stacked (StaticKVCache::update_stacked).
-  at::Tensor run_cpu(const at::Tensor& ids, Cache& cache, std::span<const int64_t> positions, const bool* visible) {
+  // the new tokens that `grouped_bias` [group * T, T] leaves at 0 (needed for T > 1). One new token
+  // attends through the loops of detail::attend, more through batched products. The keys and
+  // values of a layer reach the cache in one write where the cache takes them stacked
+  // (StaticKVCache::update_stacked).
+  at::Tensor run_cpu(const at::Tensor& ids, Cache& cache, std::span<const int64_t> positions, const at::Tensor& grouped_bias) {
     const detail::FlushSubnormals flush;
     const int64_t batch = ids.size(0), count = ids.size(1), rows = batch * count;
     const int64_t heads = config_.n_heads, kv_heads = config_.n_kv_heads, head_dim = config_.head_dim();
@@ -418,7 +424,11 @@ class LlamaModel {
       // A cache of the caller's own making may hold another dtype; the loops read fp32 rows.
       if (keys.scalar_type() != at::kFloat || keys.stride(3) != 1) keys = keys.to(at::kFloat).contiguous();
       if (values.scalar_type() != at::kFloat || values.stride(3) != 1) values = values.to(at::kFloat).contiguous();
-      detail::attend(shape, qkv_data, qkv_width, keys, values, visible, attended.data_ptr<float>());
+      if (count == 1) {
+        detail::attend(shape, qkv_data, qkv_width, keys, values, attended.data_ptr<float>());
+      } else {
+        detail::attend_batched(shape, qkv.narrow(1, 0, q_width), keys, values, grouped_bias, attended);
+      }
       const at::Tensor out = product(attended, w.wo, w.bo);
       detail::add_into(x_data, out.data_ptr<float>(), rows * dim);
       detail::rms_norm_rows(x_data, w.ffn_norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
