@@ -159,7 +159,7 @@ void chain_step(ModelRunner<T>& target, GenerationState& state, S& source, const
         .position = position,
         .drafted = k,
         .accepted = step.accepted,
-        .target_top_k = top_k > 0 ? std::span<const int64_t>(values + 3 + k, static_cast<size_t>((k + 1) * top_k))
+        .target_top_k = top_k > 0 ? std::span<const int64_t>(values + pending.size(), static_cast<size_t>((k + 1) * top_k))
                                   : std::span<const int64_t>(),
         .top_k = top_k});
   });

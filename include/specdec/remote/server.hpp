@@ -457,7 +457,7 @@ class VerifierService final : public wire::Verifier::Service {
       } catch (const std::invalid_argument& e) {
         job.status = invalid(e.what());
       }
-      values += 3 + step.gamma;
+      values += step.size();
     }
   }
 
