@@ -122,6 +122,8 @@ void measure_speculative(benchmark::State& state, D& drafter, T& target,
   state.counters["drafter_calls_per_token"] = total.drafter_calls_per_token();
   prefills.report(state, total);
   state.counters["library_ms_per_step"] = 1e3 * total.library_seconds() / static_cast<double>(total.steps);
+  // The library's share of the decoding steps' wall time (the prefills left out).
+  state.counters["library_share"] = total.library_seconds() / (total.total_seconds - prefills.seconds);
   state.counters["speedup"] = target_alone.seconds_per_token / seconds_per_token;
   state.counters["theoretical_speedup"] = theoretical_speedup(
       total.acceptance_rate(), fixed ? static_cast<double>(options.gamma) : total.drafts_per_step(), c);
