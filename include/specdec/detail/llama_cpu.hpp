@@ -1,14 +1,16 @@
 // The element-wise and attention parts of a Llama layer as plain loops over fp32 rows, for the
 // CPU forward. At decoding sizes (a handful of new tokens, a model of a few hundred dimensions) a
 // forward made of ATen operations spends most of its time dispatching them: about 80 per layer,
-// against 4 matrix products. These loops replace the RMSNorms, the rotary embedding, the attention
-// over the cache and the SwiGLU product with one pass each; the matrix products stay with ATen's
-// BLAS. The loops are written for the compiler to vectorise (contiguous inner loops, no
+// against 4 matrix products. These loops replace the RMSNorms, the rotary embedding and the
+// attention over the cache with one pass each; the matrix products stay with ATen's BLAS, and the
+// SwiGLU product with ATen's vectorised silu (its exponentials are faster there than in a portable
+// loop). The loops are written for the compiler to vectorise (contiguous inner loops, no
 // intrinsics) and accumulate in fp32, as llama2.c does.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/macros/Macros.h>
 
 #if defined(__SSE__) || defined(_M_X64)
 #include <xmmintrin.h>
@@ -92,17 +94,6 @@ inline void rotate_heads(float* x, int64_t heads, int64_t head_dim, int64_t posi
   }
 }
 
-// out[i] = silu(gate[i]) * up[i] for `rows` rows whose gate and up halves are the two halves of
-// gate_up [rows, 2 * hidden]; out is [rows, hidden].
-inline void swiglu_rows(const float* gate_up, float* out, int64_t rows, int64_t hidden) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = gate_up + r * 2 * hidden;
-    const float* up = gate + hidden;
-    float* o = out + r * hidden;
-    for (int64_t i = 0; i < hidden; ++i) o[i] = gate[i] / (1.0F + std::exp(-gate[i])) * up[i];
-  }
-}
-
 // x[i] += y[i] for n floats.
 inline void add_into(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
@@ -151,7 +142,8 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
       const float* query = query_rows + b * query_stride + h * head_dim;
       const float* k = key_data + b * keys.stride(0) + (h / group) * keys.stride(1);
       float* row = score_rows + task * keys_total;
-      for (int64_t j = 0; j < keys_total; ++j) row[j] = dot(query, k + j * keys.stride(2), head_dim) * scale;
+      const int64_t step = keys.stride(2);
+      for (int64_t j = 0; j < keys_total; ++j) row[j] = dot(query, k + j * step, head_dim) * scale;
     }
   });
   const at::Tensor weights = scores.softmax(-1);
@@ -162,14 +154,16 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
       const int64_t b = task / shape.heads, h = task % shape.heads;
       const float* v = value_data + b * values.stride(0) + (h / group) * values.stride(1);
       const float* row = weight_rows + task * keys_total;
-      float* o = out + task * head_dim;
+      float* C10_RESTRICT o = out + task * head_dim;
       std::fill(o, o + head_dim, 0.0F);
+      const int64_t step = values.stride(2);
       for (int64_t j = 0; j < keys_total; ++j) {
         // Negligible weights (NaN is not) are skipped: nothing is lost, and no product reaches
         // the subnormal range.
-        if (row[j] < kNegligibleWeight) continue;
-        const float* value = v + j * values.stride(2);
-        for (int64_t i = 0; i < head_dim; ++i) o[i] += row[j] * value[i];
+        const float weight = row[j];
+        if (weight < kNegligibleWeight) continue;
+        const float* C10_RESTRICT value = v + j * step;
+        for (int64_t i = 0; i < head_dim; ++i) o[i] += weight * value[i];
       }
     }
   });

@@ -9,9 +9,9 @@
 // The forward attends over the cache and the new tokens with a causal mask; forward_with_mask()
 // takes explicit positions and a mask over the new tokens (tree attention).
 //
-// On the CPU in fp32 the forward runs its norms, rotary embedding, attention and SwiGLU as fused
-// loops (detail/llama_cpu.hpp) around BLAS products: at decoding sizes a forward of ATen
-// operations spends most of its time dispatching them. Every other device and dtype, rows of
+// On the CPU in fp32 the forward runs its norms, rotary embedding and attention as fused loops
+// (detail/llama_cpu.hpp) around BLAS products: at decoding sizes a forward of ATen operations
+// spends most of its time dispatching them. Every other device and dtype, rows of
 // different lengths and sliding windows take the ATen forward; use_cpu_kernels(false) forces it.
 #pragma once
 
@@ -402,7 +402,7 @@ class LlamaModel {
     at::Tensor x = weights_.token_embedding.index_select(0, ids.reshape({rows}));  // [rows, dim], our own copy
     const at::Tensor normed = at::empty({rows, dim}, options);
     const at::Tensor attended = at::empty({rows, dim}, options);
-    const at::Tensor gated = at::empty({rows, hidden}, options);
+    at::Tensor gated = at::empty({rows, hidden}, options);
     float* const x_data = x.data_ptr<float>();
     float* const normed_data = normed.data_ptr<float>();
     const float* const cos = rope_cos_.data_ptr<float>();
@@ -433,7 +433,7 @@ class LlamaModel {
       detail::add_into(x_data, out.data_ptr<float>(), rows * dim);
       detail::rms_norm_rows(x_data, w.ffn_norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
       const at::Tensor gate_up = product(normed, fused.w13, at::Tensor());
-      detail::swiglu_rows(gate_up.data_ptr<float>(), gated.data_ptr<float>(), rows, hidden);
+      at::mul_out(gated, at::silu(gate_up.narrow(1, 0, hidden)), gate_up.narrow(1, hidden, hidden));
       const at::Tensor down = product(gated, w.w2, at::Tensor());
       detail::add_into(x_data, down.data_ptr<float>(), rows * dim);
     }
