@@ -2,6 +2,8 @@
 // grouped-query attention, tree attention and validation.
 #include <gtest/gtest.h>
 
+#include <c10/core/InferenceMode.h>
+
 #include "specdec/models/llama.hpp"
 #include "support/llama_fixtures.hpp"
 
@@ -215,6 +217,25 @@ TEST(LlamaCpuKernels, AgreeWithTheFloat64Forward) {
     const at::Tensor one = at::randint(0, 48, {1, 1}, at::kLong);
     EXPECT_TRUE(at::allclose(fp32.forward(one, cache32).to(at::kDouble), fp64.forward(one, cache64), 1e-3, 1e-3)) << t;
   }
+}
+
+// Training: with weights that require gradients and autograd on, the forward takes the ATen path
+// and gradients reach every layer; in inference mode the loops run again.
+TEST(LlamaCpuKernels, StepAsideWhileAutogradRecords) {
+  const LlamaConfig config = test::small_llama_config();
+  LlamaWeights weights = LlamaWeights::random(config, 5);
+  weights.layers[0].wq.requires_grad_();
+  weights.layers[1].w2.requires_grad_();
+  LlamaModel<> model(config, weights);
+  EXPECT_FALSE(model.cpu_kernels());
+  auto cache = model.make_cache(1);
+  model.forward(ids_of({1, 2, 3}), cache).sum().backward();
+  ASSERT_TRUE(weights.layers[0].wq.grad().defined());
+  EXPECT_GT(weights.layers[0].wq.grad().abs().sum().item<double>(), 0.0);
+  ASSERT_TRUE(weights.layers[1].w2.grad().defined());
+  EXPECT_GT(weights.layers[1].w2.grad().abs().sum().item<double>(), 0.0);
+  c10::InferenceMode inference;
+  EXPECT_TRUE(model.cpu_kernels());
 }
 
 TEST(LlamaCpuKernels, RejectTreeDepthsOutsideTheModel) {

@@ -165,6 +165,13 @@ class LlamaModel {
       fused_.push_back(std::move(fused));
     }
     weights_.norm = weights_.norm.contiguous();
+    trainable_ = weights_.token_embedding.requires_grad() || weights_.output.requires_grad() ||
+                 weights_.norm.requires_grad();
+    for (const FusedLayer& fused : fused_) trainable_ = trainable_ || fused.wqkv.requires_grad() || fused.w13.requires_grad();
+    for (const LlamaLayerWeights& w : weights_.layers) {
+      trainable_ = trainable_ || w.wo.requires_grad() || w.w2.requires_grad() || w.attention_norm.requires_grad() ||
+                   w.ffn_norm.requires_grad();
+    }
     // A classifier tied to the embedding keeps the embedding's layout (a second copy would cost
     // vocab x dim); an untied one is laid out like the layers.
     if (weights_.output.data_ptr() != weights_.token_embedding.data_ptr()) weights_.output = laid_out(weights_.output);
@@ -203,9 +210,13 @@ class LlamaModel {
   [[nodiscard]] at::ScalarType dtype() const { return weights_.token_embedding.scalar_type(); }
 
   // Whether forwards on the CPU in fp32 run the fused loops (true by default; false runs the ATen
-  // forward, e.g. to compare the two). Has no effect on other devices and dtypes.
+  // forward, e.g. to compare the two). Has no effect on other devices and dtypes, nor while
+  // autograd records a forward of weights that require gradients (training): the loops write
+  // through raw pointers, so such forwards always take the ATen forward.
   void use_cpu_kernels(bool enabled) noexcept { cpu_kernels_ = enabled; }
-  [[nodiscard]] bool cpu_kernels() const noexcept { return cpu_kernels_ && kernels_apply(); }
+  [[nodiscard]] bool cpu_kernels() const {
+    return cpu_kernels_ && kernels_apply() && !(trainable_ && at::GradMode::is_enabled());
+  }
 
   // An empty cache for `batch` rows (a StaticKVCache of max_seq_len positions).
   [[nodiscard]] Cache make_cache(int64_t batch) const { return make_cache(batch, config_.max_seq_len); }
@@ -612,6 +623,7 @@ class LlamaModel {
   std::vector<FusedLayer> fused_;
   std::vector<at::Tensor> causal_bias_;  // [count]: grouped_causal_bias(count), count in [2, kCachedMaskTokens]
   bool cpu_kernels_ = true;
+  bool trainable_ = false;  // some weight requires gradients
   at::Tensor rope_;      // complex e^(i angle) [max_seq_len, head_dim / 2] (complex_rope())
   at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2] (no complex type, or the CPU loops)
   at::Tensor rope_sin_;
