@@ -134,11 +134,6 @@ inline PendingStep verify_greedy_pending(const at::Tensor& target_logits, const 
                                          const at::Tensor& drafts, const at::Tensor& drafter_finite = {}) {
   const int64_t gamma = check_verify_inputs(target_logits, drafts);
   const at::Tensor target_finite = at::isfinite(target_logits.amax(1)).all();
-  if (gamma == 0) {  // a target-only step (autoregressive decoding): nothing to accept
-    const at::Tensor token = target_logits.argmax(1);
-    return PendingStep{at::cat({at::zeros_like(token), token, finite_code(target_finite, at::Tensor())}), 0,
-                       "verify_drafts"};
-  }
   const at::Tensor drafter = draft_probs.defined()      ? at::isfinite(draft_probs.sum())
                              : drafter_finite.defined() ? drafter_finite.to(target_logits.device())
                                                         : at::Tensor();

@@ -20,8 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
-#include <vector>
 
 namespace specdec::detail {
 
@@ -98,7 +96,6 @@ inline void rotate_heads(float* x, int64_t heads, int64_t head_dim, int64_t posi
 inline void add_into(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
-
 
 // The shape of one attention call: `count` new tokens per batch row after `past` cached positions,
 // `heads` query heads sharing `kv_heads` key/value heads.

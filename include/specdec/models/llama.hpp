@@ -17,6 +17,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -165,13 +167,15 @@ class LlamaModel {
       fused_.push_back(std::move(fused));
     }
     weights_.norm = weights_.norm.contiguous();
-    trainable_ = weights_.token_embedding.requires_grad() || weights_.output.requires_grad() ||
-                 weights_.norm.requires_grad();
-    for (const FusedLayer& fused : fused_) trainable_ = trainable_ || fused.wqkv.requires_grad() || fused.w13.requires_grad();
-    for (const LlamaLayerWeights& w : weights_.layers) {
-      trainable_ = trainable_ || w.wo.requires_grad() || w.w2.requires_grad() || w.attention_norm.requires_grad() ||
-                   w.ffn_norm.requires_grad();
-    }
+    // The layers' q, k, v, gate and up are views of the fused products: they require gradients
+    // where those do.
+    const auto trains = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
+    trainable_ = trains(weights_.token_embedding) || trains(weights_.output) || trains(weights_.norm) ||
+                 std::any_of(weights_.layers.begin(), weights_.layers.end(), [&](const LlamaLayerWeights& w) {
+                   return std::ranges::any_of(std::array{w.attention_norm, w.wq, w.wk, w.wv, w.wo, w.ffn_norm, w.w1, w.w2,
+                                                         w.w3, w.bq, w.bk, w.bv, w.bo},
+                                              trains);
+                 });
     // A classifier tied to the embedding keeps the embedding's layout (a second copy would cost
     // vocab x dim); an untied one is laid out like the layers.
     if (weights_.output.data_ptr() != weights_.token_embedding.data_ptr()) weights_.output = laid_out(weights_.output);
@@ -518,7 +522,6 @@ class LlamaModel {
     // The bias over the new tokens' columns, repeated for the query heads that share a key/value
     // head ([group * T, T]), or given whole over every key column ([B, 1, group * T, keys]).
     const bool full_bias = bias.defined() && bias.dim() == 4;
-    const at::Tensor& group_bias = bias;
 
     at::Tensor x = at::embedding(weights_.token_embedding, ids);
     for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
@@ -537,9 +540,9 @@ class LlamaModel {
       const at::Tensor grouped = q.transpose(1, 2).reshape({batch, kv_heads, group * count, head_dim});
       at::Tensor scores = at::matmul(grouped, keys.transpose(2, 3)).mul_(scale);
       if (full_bias) {
-        scores.add_(group_bias);
-      } else if (group_bias.defined()) {
-        scores.narrow(-1, scores.size(-1) - count, count).add_(group_bias);
+        scores.add_(bias);
+      } else if (bias.defined()) {
+        scores.narrow(-1, scores.size(-1) - count, count).add_(bias);
       }
       // Softmax in at least float32, as the reference implementations do for fp16 and bf16.
       const at::Tensor weights = scores.softmax(-1, at::promote_types(scores.scalar_type(), at::kFloat));

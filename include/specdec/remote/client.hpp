@@ -227,10 +227,13 @@ GenerationResult remote_generate(S& source, RemoteVerifier& verifier, std::span<
       request.set_last_token(sequence.back());
       std::vector<int64_t> draft_tokens;
       if (k > 0) {
-        if (drafts.finite.defined() && !drafts.finite.item<bool>()) {
+        // The drafts and, for deterministic ones, whether their logits were finite: one host copy.
+        const at::Tensor tokens = drafts.tokens.to(at::kLong).view({k});
+        const at::Tensor host = specdec::detail::to_host(
+            drafts.finite.defined() ? at::cat({tokens, drafts.finite.to(tokens.device(), at::kLong).view({1})}) : tokens);
+        if (drafts.finite.defined() && host.data_ptr<int64_t>()[k] == 0) {
           specdec::detail::throw_non_finite("remote_generate", "drafter");
         }
-        const at::Tensor host = drafts.tokens.to(at::kCPU, at::kLong).contiguous();
         draft_tokens.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + k);
         request.mutable_drafts()->Add(draft_tokens.begin(), draft_tokens.end());
         if (drafts.probs.defined()) {
