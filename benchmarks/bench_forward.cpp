@@ -2,19 +2,24 @@
 // after a 200-position cache (the prefill is timed on its own, never in the per-forward figures),
 // the bundled target's forward time beside the floor measured in the same run:
 // max(weight bytes / copy bandwidth, multiply-add FLOPs / large-GEMM throughput), and their ratio.
-// The floor's rates come from a 1024^3 fp32 matrix product and from copying a buffer as large as
-// the model's weights, so a performance claim compares with what this machine does, not with a
+// The floor's rates come from a 1024^3 fp32 matrix product (the faster of BLAS and, where built
+// in, oneDNN) and from copying a buffer as large as the model's weights, so a performance claim compares with what this machine does, not with a
 // datasheet. The weights of a small model stay in the CPU's caches between forwards, so the copy
 // is measured at their size (cache_gbytes_per_s); a 256 MiB copy (dram_gbytes_per_s) is printed
 // beside it for models too large for the caches.
 //
-// BM_SmallLinear: the small-M products the forward is made of, by four routes, to choose the
-// forward's: one layer's four weight products of the bundled target (fused q|k|v, o, fused
-// gate|up, down) for M = 1..16 rows, as at::linear (the ATen forward), as at::mm with the weight
-// transposed once beforehand, through oneDNN (at::mkldnn_linear, weights converted to oneDNN's
-// layout once; inputs converted and outputs converted back in every call, as a forward would), and
-// as one BLAS matrix-vector product per row (at::mv on the weight as it lies). CPU only; the
-// oneDNN route is skipped where this libtorch has no oneDNN.
+// BM_Forward/T/products:0 runs the same forward with its products as BLAS products
+// (use_onednn(false)), products:1 through oneDNN (the default where built in).
+//
+// BM_SmallLinear: the products the forward is made of, by five routes, to choose the forward's:
+// one layer's four weight products of the bundled target (fused q|k|v, o, fused gate|up, down)
+// for M = 1..16 rows and a 200-row prefill, as at::linear (the ATen forward), as at::mm with the
+// weight transposed once beforehand, through libtorch's oneDNN (at::mkldnn_linear, weights
+// converted to oneDNN's layout once; inputs converted and outputs converted back in every call,
+// as a forward would), as one BLAS matrix-vector product per row (at::mv on the weight as it
+// lies), and through oneDNN's matmul directly (detail::CpuLinear: one primitive per weight, made
+// once, reading the transposed weight where it lies). CPU only; a oneDNN route is skipped where
+// it is not available.
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
@@ -75,7 +80,12 @@ const Floor& floor_rates(double weight_bytes) {
     const auto options = bench::on_device();
     const at::Tensor a = at::randn({1024, 1024}, options), b = at::randn({1024, 1024}, options);
     at::Tensor c = at::empty({1024, 1024}, options);
-    const double gemm = best_of(5, [&] { at::mm_out(c, a, b); });
+    double gemm = best_of(5, [&] { at::mm_out(c, a, b); });
+    if (specdec::detail::kOneDnnBuilt && bench::device().is_cpu()) {
+      const specdec::detail::CpuLinear product(b.t(), at::Tensor());
+      (void)product(a, true);
+      gemm = std::min(gemm, best_of(5, [&] { benchmark::DoNotOptimize(product(a, true).data_ptr()); }));
+    }
     return Floor{2.0 * 1024 * 1024 * 1024 / gemm, copy_rate(static_cast<int64_t>(weight_bytes)),
                  copy_rate(int64_t{256} << 20)};
   }();
@@ -119,7 +129,13 @@ Work work_of(const Model& model, int64_t tokens, int64_t context) {
 
 void BM_Forward(benchmark::State& state) {
   const int64_t tokens = state.range(0);
+  const bool onednn = state.range(1) != 0;
   Model& model = target();
+  if (onednn && !(specdec::detail::kOneDnnBuilt && bench::device().is_cpu())) {
+    state.SkipWithError("oneDNN products need a CPU model and a build with oneDNN");
+    return;
+  }
+  model.use_onednn(onednn);
   c10::InferenceMode inference;
   auto cache = model.make_cache(1);
   const auto ids = at::TensorOptions().dtype(at::kLong).device(bench::device());
@@ -148,6 +164,8 @@ void BM_Forward(benchmark::State& state) {
   state.counters["gemm_gflops"] = floor.gemm_flops_per_second / 1e9;
   state.counters["cache_gbytes_per_s"] = floor.cache_bytes_per_second / 1e9;
   state.counters["dram_gbytes_per_s"] = floor.dram_bytes_per_second / 1e9;
+  state.SetLabel(model.onednn() ? "onednn" : "blas");
+  model.use_onednn(true);
 }
 
 // The 200-token prefill on its own.
@@ -171,7 +189,7 @@ void BM_Prefill(benchmark::State& state) {
   state.counters["prefill_tokens_per_second"] = static_cast<double>(kContext * runs) / seconds;
 }
 
-enum LinearRoute : int64_t { kLinear = 0, kPretransposed = 1, kOneDnn = 2, kRowMv = 3 };
+enum LinearRoute : int64_t { kLinear = 0, kPretransposed = 1, kOneDnn = 2, kRowMv = 3, kOneDnnMatmul = 4 };
 
 void BM_SmallLinear(benchmark::State& state) {
   const int64_t rows = state.range(0);
@@ -184,16 +202,22 @@ void BM_SmallLinear(benchmark::State& state) {
     state.SkipWithError("this libtorch was built without oneDNN (MKLDNN)");
     return;
   }
+  if (route == kOneDnnMatmul && !specdec::detail::kOneDnnBuilt) {
+    state.SkipWithError("specdec was built without oneDNN");
+    return;
+  }
   const models::LlamaConfig& c = target().config();
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
       {c.dim + 2 * c.kv_dim(), c.dim}, {c.dim, c.dim}, {2 * c.hidden_dim, c.dim}, {c.dim, c.hidden_dim}};
   c10::InferenceMode inference;
   std::vector<at::Tensor> weights, transposed, onednn, inputs;
+  std::vector<specdec::detail::CpuLinear> matmuls;
   double flops = 0;
   for (const auto& [out, in] : shapes) {
     weights.push_back(at::randn({out, in}));
     transposed.push_back(weights.back().t().contiguous());
     if (route == kOneDnn) onednn.push_back(weights.back().to_mkldnn());
+    if (route == kOneDnnMatmul) matmuls.emplace_back(transposed.back().t(), at::Tensor());
     inputs.push_back(at::randn({rows, in}));
     flops += 2.0 * static_cast<double>(rows * out * in);
   }
@@ -210,6 +234,8 @@ void BM_SmallLinear(benchmark::State& state) {
         y = at::mm(inputs[i], transposed[i]);
       } else if (route == kOneDnn) {
         y = at::mkldnn_linear(inputs[i].to_mkldnn(), onednn[i], no_bias).to_dense();
+      } else if (route == kOneDnnMatmul) {
+        y = matmuls[i](inputs[i], true);
       } else {
         y = at::empty({rows, shapes[i].first});
         for (int64_t r = 0; r < rows; ++r) {
@@ -224,17 +250,21 @@ void BM_SmallLinear(benchmark::State& state) {
   }
   state.counters["layer_products_us"] = 1e6 * seconds / static_cast<double>(runs);
   state.counters["gflops"] = flops * static_cast<double>(runs) / seconds / 1e9;
-  constexpr const char* kRouteNames[] = {"linear", "mm_pretransposed", "onednn", "row_mv"};
+  constexpr const char* kRouteNames[] = {"linear", "mm_pretransposed", "onednn", "row_mv", "onednn_matmul"};
   state.SetLabel(kRouteNames[route]);
 }
 
 }  // namespace
 
 BENCHMARK(BM_SmallLinear)
-    ->ArgsProduct({{1, 2, 3, 5, 9, 16}, {kLinear, kPretransposed, kOneDnn, kRowMv}})
+    ->ArgsProduct({{1, 2, 3, 5, 9, 16, 200}, {kLinear, kPretransposed, kOneDnn, kRowMv, kOneDnnMatmul}})
     ->ArgNames({"rows", "route"})
     ->MinTime(0.3);
-BENCHMARK(BM_Forward)->Arg(1)->Arg(2)->Arg(3)->Arg(5)->Arg(9)->Unit(benchmark::kMillisecond)->MinTime(0.5);
+BENCHMARK(BM_Forward)
+    ->ArgsProduct({{1, 2, 3, 5, 9}, {0, 1}})
+    ->ArgNames({"T", "products"})
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(0.5);
 BENCHMARK(BM_Prefill)->Unit(benchmark::kMillisecond)->MinTime(0.5);
 
 int main(int argc, char** argv) { return specdec::bench::run_benchmarks(argc, argv); }

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "specdec/detail/cpu_linear.hpp"
 #include "specdec/specdec.hpp"
 
 namespace specdec::bench {
@@ -217,6 +218,8 @@ inline int run_benchmarks(int argc, char** argv) {
   benchmark::AddCustomContext("device", device().str());
   const ThreadSettings settings = set_threads(threads);
   benchmark::AddCustomContext("threads", (std::ostringstream() << settings).str());
+  // The CPU forward's weight products: oneDNN's matmul where built in, BLAS products otherwise.
+  benchmark::AddCustomContext("cpu products", detail::kOneDnnBuilt ? detail::onednn_version() : "blas");
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

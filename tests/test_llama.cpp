@@ -4,6 +4,7 @@
 
 #include <c10/core/InferenceMode.h>
 
+#include "specdec/generate.hpp"
 #include "specdec/models/llama.hpp"
 #include "support/llama_fixtures.hpp"
 
@@ -236,6 +237,62 @@ TEST(LlamaCpuKernels, StepAsideWhileAutogradRecords) {
   EXPECT_GT(weights.layers[1].w2.grad().abs().sum().item<double>(), 0.0);
   c10::InferenceMode inference;
   EXPECT_TRUE(model.cpu_kernels());
+}
+
+// One weight product by both routes against float64, for the layouts the forward uses: [out, in]
+// as it lies (a classifier tied to the embedding), laid out [in, out] (every other matrix), with
+// and without a bias, for one row, a few, and a prefill's many.
+TEST(CpuLinear, BothRoutesComputeTheProductOnEveryLayout) {
+  if (!specdec::detail::kOneDnnBuilt) GTEST_SKIP() << "specdec was built without oneDNN: only BLAS products to test";
+  const at::Tensor weight = at::randn({96, 40});
+  const at::Tensor bias = at::randn({96});
+  for (const at::Tensor& layout : {weight, weight.t().contiguous().t()}) {
+    for (const at::Tensor& b : {at::Tensor(), bias}) {
+      const specdec::detail::CpuLinear product(layout, b);
+      ASSERT_TRUE(product.has_onednn());
+      for (const int64_t rows : {1, 5, 200}) {
+        const at::Tensor x = at::randn({rows, 40});
+        at::Tensor expected = at::mm(x.to(at::kDouble), weight.t().to(at::kDouble));
+        if (b.defined()) expected += b.to(at::kDouble);
+        for (const bool onednn : {true, false}) {
+          const at::Tensor y = product(x, onednn);
+          EXPECT_TRUE(at::allclose(y.to(at::kDouble), expected, 1e-5, 1e-5))
+              << "rows " << rows << ", bias " << b.defined() << ", onednn " << onednn << ", contiguous "
+              << layout.is_contiguous();
+        }
+      }
+    }
+  }
+  // A wrong operand does not pass: the product with the bias left out differs.
+  const at::Tensor x = at::randn({5, 40});
+  EXPECT_FALSE(at::allclose(specdec::detail::CpuLinear(weight, at::Tensor())(x, true),
+                            specdec::detail::CpuLinear(weight, bias)(x, true), 1e-5, 1e-5));
+}
+
+// The forward with oneDNN products and with BLAS products: the same logits for a prefill, steps
+// and a verification, up to fp32 rounding, and greedy decoding picks the same tokens.
+TEST(LlamaCpuKernels, OneDnnAndBlasProductsGiveTheSameForward) {
+  LlamaConfig config = test::small_llama_config();
+  config.qkv_bias = true;
+  LlamaModel<StaticKVCache> onednn(config, LlamaWeights::random(config, 9));
+  LlamaModel<StaticKVCache> blas(config, LlamaWeights::random(config, 9));
+  blas.use_onednn(false);
+  EXPECT_FALSE(blas.onednn());
+  if (!specdec::detail::kOneDnnBuilt) GTEST_SKIP() << "specdec was built without oneDNN";
+  ASSERT_TRUE(onednn.onednn());
+  auto onednn_cache = onednn.make_cache(1);
+  auto blas_cache = blas.make_cache(1);
+  for (const int64_t count : {40, 1, 1, 5, 3}) {
+    const at::Tensor ids = at::randint(0, config.vocab_size, {1, count}, at::kLong);
+    const at::Tensor a = onednn.forward(ids, onednn_cache), b = blas.forward(ids, blas_cache);
+    EXPECT_TRUE(at::allclose(a, b, 1e-4, 1e-4)) << count << ": max difference " << (a - b).abs().max().item<float>();
+  }
+  const std::vector<int64_t> prompt{1, 7, 9, 30};
+  EXPECT_EQ(autoregressive_generate(onednn, prompt, {.max_new_tokens = 24}).tokens,
+            autoregressive_generate(blas, prompt, {.max_new_tokens = 24}).tokens);
+  // A model on another dtype has no oneDNN products.
+  LlamaModel<StaticKVCache> fp64(config, LlamaWeights::random(config, 9, at::kDouble));
+  EXPECT_FALSE(fp64.onednn());
 }
 
 TEST(LlamaCpuKernels, RejectTreeDepthsOutsideTheModel) {

@@ -33,6 +33,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/cpu_linear.hpp"
 #include "specdec/kv_cache.hpp"
 #include "specdec/detail/llama_cpu.hpp"
 #include "specdec/models/llama_config.hpp"
@@ -179,6 +180,22 @@ class LlamaModel {
     // A classifier tied to the embedding keeps the embedding's layout (a second copy would cost
     // vocab x dim); an untied one is laid out like the layers.
     if (weights_.output.data_ptr() != weights_.token_embedding.data_ptr()) weights_.output = laid_out(weights_.output);
+    if (kernels_apply()) {  // the CPU loops' products, each ready for oneDNN where it is built in
+      for (size_t layer = 0; layer < fused_.size(); ++layer) {
+        FusedLayer& fused = fused_[layer];
+        const LlamaLayerWeights& w = weights_.layers[layer];
+        fused.qkv = detail::CpuLinear(fused.wqkv, fused.bqkv);
+        fused.o = detail::CpuLinear(w.wo, w.bo);
+        fused.gate_up = detail::CpuLinear(fused.w13, at::Tensor());
+        fused.down = detail::CpuLinear(w.w2, at::Tensor());
+        onednn_built_ = onednn_built_ && fused.qkv.has_onednn() && fused.o.has_onednn() &&
+                        fused.gate_up.has_onednn() && fused.down.has_onednn();
+      }
+      classifier_ = detail::CpuLinear(weights_.output, at::Tensor());
+      onednn_built_ = onednn_built_ && classifier_.has_onednn();
+    } else {
+      onednn_built_ = false;
+    }
   }
 
   // The rotary inverse frequencies theta^(-2i / head_dim), i < head_dim / 2 (float64), scaled
@@ -221,6 +238,12 @@ class LlamaModel {
   [[nodiscard]] bool cpu_kernels() const {
     return cpu_kernels_ && kernels_apply() && !(trainable_ && at::GradMode::is_enabled());
   }
+
+  // Whether the CPU loops' weight products run through oneDNN's matmul (true by default where
+  // specdec was built with oneDNN, see detail/cpu_linear.hpp; false runs them as BLAS products).
+  // onednn() is false where oneDNN is not built in or the model is not CPU fp32.
+  void use_onednn(bool enabled) noexcept { onednn_ = enabled; }
+  [[nodiscard]] bool onednn() const noexcept { return onednn_ && onednn_built_; }
 
   // An empty cache for `batch` rows (a StaticKVCache of max_seq_len positions).
   [[nodiscard]] Cache make_cache(int64_t batch) const { return make_cache(batch, config_.max_seq_len); }
@@ -393,12 +416,6 @@ class LlamaModel {
   // Whether the fused CPU loops can run this model: fp32 weights on the CPU.
   [[nodiscard]] bool kernels_apply() const { return device().is_cpu() && dtype() == at::kFloat; }
 
-  // x [rows, in] times weight [out, in] transposed, plus bias [out] when defined: [rows, out], one
-  // BLAS product (on the weights' [in, out] layout, no call repacks them).
-  static at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-    return bias.defined() ? at::addmm(bias, x, weight.t()) : at::mm(x, weight.t());
-  }
-
   // The forward of the CPU fp32 path: the same computation as run() for rows of one length, new
   // token t of every row at positions[t] (validated by the caller), seeing the cached positions and
   // the new tokens that `grouped_bias` [group * T, T] leaves at 0 (needed for T > 1). One new token
@@ -407,6 +424,7 @@ class LlamaModel {
   // (StaticKVCache::update_stacked).
   at::Tensor run_cpu(const at::Tensor& ids, Cache& cache, std::span<const int64_t> positions, const at::Tensor& grouped_bias) {
     const detail::FlushSubnormals flush;
+    const bool use_onednn = onednn();
     const int64_t batch = ids.size(0), count = ids.size(1), rows = batch * count;
     const int64_t heads = config_.n_heads, kv_heads = config_.n_kv_heads, head_dim = config_.head_dim();
     const int64_t dim = config_.dim, hidden = config_.hidden_dim;
@@ -426,7 +444,7 @@ class LlamaModel {
       const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
       const FusedLayer& fused = fused_[static_cast<size_t>(layer)];
       detail::rms_norm_rows(x_data, w.attention_norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
-      const at::Tensor qkv = product(normed, fused.wqkv, fused.bqkv);  // [rows, q | k | v]
+      const at::Tensor qkv = fused.qkv(normed, use_onednn);  // [rows, q | k | v]
       float* const qkv_data = qkv.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r) {  // q and k heads lie side by side: rotate them together
         detail::rotate_heads(qkv_data + r * qkv_width, heads + kv_heads, head_dim,
@@ -444,17 +462,17 @@ class LlamaModel {
       } else {
         detail::attend_batched(shape, qkv.narrow(1, 0, q_width), keys, values, grouped_bias, attended);
       }
-      const at::Tensor out = product(attended, w.wo, w.bo);
+      const at::Tensor out = fused.o(attended, use_onednn);
       detail::add_into(x_data, out.data_ptr<float>(), rows * dim);
       detail::rms_norm_rows(x_data, w.ffn_norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
-      const at::Tensor gate_up = product(normed, fused.w13, at::Tensor());
+      const at::Tensor gate_up = fused.gate_up(normed, use_onednn);
       at::mul_out(gated, at::silu(gate_up.narrow(1, 0, hidden)), gate_up.narrow(1, hidden, hidden));
-      const at::Tensor down = product(gated, w.w2, at::Tensor());
+      const at::Tensor down = fused.down(gated, use_onednn);
       detail::add_into(x_data, down.data_ptr<float>(), rows * dim);
     }
     cache.commit(count);
     detail::rms_norm_rows(x_data, weights_.norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
-    return product(normed, weights_.output, at::Tensor()).view({batch, count, config_.vocab_size});
+    return classifier_(normed, use_onednn).view({batch, count, config_.vocab_size});
   }
 
   // One layer's new keys and values into the cache: in one write where the cache takes them
@@ -616,6 +634,8 @@ class LlamaModel {
     at::Tensor wqkv;  // [dim + 2 kv_dim, dim]: wq, wk, wv
     at::Tensor w13;   // [2 hidden_dim, dim]: w1 (gate), w3 (up)
     at::Tensor bqkv;  // [dim + 2 kv_dim]: bq, bk, bv (undefined without qkv_bias)
+    // The CPU loops' products (kernels_apply()): q|k|v, o, gate|up, down.
+    detail::CpuLinear qkv, o, gate_up, down;
   };
 
   // Forwards of up to this many new tokens use a causal bias built at construction.
@@ -626,6 +646,9 @@ class LlamaModel {
   std::vector<FusedLayer> fused_;
   std::vector<at::Tensor> causal_bias_;  // [count]: grouped_causal_bias(count), count in [2, kCachedMaskTokens]
   bool cpu_kernels_ = true;
+  bool onednn_ = true;                             // use_onednn()
+  bool onednn_built_ = detail::kOneDnnBuilt;       // every CpuLinear has its oneDNN primitive
+  detail::CpuLinear classifier_;                   // the CPU loops' classifier product
   bool trainable_ = false;  // some weight requires gradients
   at::Tensor rope_;      // complex e^(i angle) [max_seq_len, head_dim / 2] (complex_rope())
   at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2] (no complex type, or the CPU loops)

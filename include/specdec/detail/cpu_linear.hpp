@@ -1,0 +1,117 @@
+// One weight product of the CPU fp32 forward, x [rows, in] times weight [out, in] transposed plus
+// an optional bias: through oneDNN's matmul where specdec was built with oneDNN (its CMake defines
+// SPECDEC_HAVE_ONEDNN when it finds the library; Debian: libdnnl-dev), through a BLAS product
+// (at::mm / at::addmm) otherwise or on request.
+//
+// The oneDNN route creates one matmul primitive per weight, once, with the number of rows left to
+// run time: it reads the weight where it lies (any strides, so the [in, out] layout of the CPU
+// forward and a classifier tied to the embedding alike, without a copy) and runs kernels that
+// oneDNN generates for the CPU it finds. BLAS libraries choose their kernels by a table of CPU
+// models instead, and OpenBLAS falls back to its SSE3 kernels on a CPU it does not know: there
+// oneDNN is 3-5x faster for every row count (docs/benchmarks.md, BM_SmallLinear).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#if defined(SPECDEC_HAVE_ONEDNN)
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
+
+namespace specdec::detail {
+
+// Whether this build runs the CPU forward's products through oneDNN by default.
+inline constexpr bool kOneDnnBuilt =
+#if defined(SPECDEC_HAVE_ONEDNN)
+    true;
+#else
+    false;
+#endif
+
+// "onednn 2.6.3" where built with oneDNN, "" otherwise.
+inline std::string onednn_version() {
+#if defined(SPECDEC_HAVE_ONEDNN)
+  const dnnl::version_t* v = dnnl::version();
+  return "onednn " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
+#else
+  return {};
+#endif
+}
+
+class CpuLinear {
+ public:
+  CpuLinear() = default;
+
+  // weight [out, in] fp32 on the CPU with any strides; bias [out] or undefined. Where the oneDNN
+  // primitive cannot be created (an unusual layout, a CPU oneDNN does not support), products take
+  // the BLAS route.
+  CpuLinear(at::Tensor weight, at::Tensor bias) : weight_(std::move(weight)), bias_(std::move(bias)) {
+#if defined(SPECDEC_HAVE_ONEDNN)
+    using dnnl::memory;
+    const memory::dim out = weight_.size(0), in = weight_.size(1);
+    // The weight as oneDNN's [in, out] operand: weight_.t() with its strides.
+    weights_ = memory::desc({in, out}, memory::data_type::f32, {weight_.stride(1), weight_.stride(0)});
+    const memory::desc source({DNNL_RUNTIME_DIM_VAL, in}, memory::data_type::f32, {in, 1});
+    const memory::desc target({DNNL_RUNTIME_DIM_VAL, out}, memory::data_type::f32, {out, 1});
+    if (bias_.defined()) {
+      bias_ = bias_.contiguous();
+      bias_desc_ = memory::desc({1, out}, memory::data_type::f32, {out, 1});
+    }
+    try {
+#if DNNL_VERSION_MAJOR >= 3
+      primitive_ = dnnl::matmul(dnnl::matmul::primitive_desc(engine(), source, weights_, bias_desc_, target));
+#else
+      primitive_ = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(source, weights_, bias_desc_, target), engine()));
+#endif
+      onednn_ = true;
+    } catch (const dnnl::error&) {
+      onednn_ = false;
+    }
+#endif
+  }
+
+  // Whether products can take the oneDNN route.
+  [[nodiscard]] bool has_onednn() const noexcept { return onednn_; }
+
+  // x [rows, in] fp32, contiguous: [rows, out].
+  [[nodiscard]] at::Tensor operator()(const at::Tensor& x, bool use_onednn) const {
+#if defined(SPECDEC_HAVE_ONEDNN)
+    if (use_onednn && onednn_) {
+      using dnnl::memory;
+      const memory::dim rows = x.size(0), in = x.size(1), out = weight_.size(0);
+      at::Tensor y = at::empty({rows, out}, x.options());
+      const memory source(memory::desc({rows, in}, memory::data_type::f32, {in, 1}), engine(), x.data_ptr());
+      const memory weights(weights_, engine(), weight_.data_ptr());
+      const memory target(memory::desc({rows, out}, memory::data_type::f32, {out, 1}), engine(), y.data_ptr());
+      std::unordered_map<int, memory> arguments{
+          {DNNL_ARG_SRC, source}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, target}};
+      if (bias_.defined()) arguments.emplace(DNNL_ARG_BIAS, memory(bias_desc_, engine(), bias_.data_ptr()));
+      thread_local dnnl::stream stream(engine());
+      primitive_.execute(stream, arguments);
+      return y;
+    }
+#else
+    (void)use_onednn;
+#endif
+    return bias_.defined() ? at::addmm(bias_, x, weight_.t()) : at::mm(x, weight_.t());
+  }
+
+ private:
+#if defined(SPECDEC_HAVE_ONEDNN)
+  static dnnl::engine& engine() {
+    static dnnl::engine cpu(dnnl::engine::kind::cpu, 0);
+    return cpu;
+  }
+  dnnl::memory::desc weights_;
+  dnnl::memory::desc bias_desc_;  // zero (no bias) unless bias_ is defined
+  dnnl::matmul primitive_;
+#endif
+  at::Tensor weight_;
+  at::Tensor bias_;
+  bool onednn_ = false;
+};
+
+}  // namespace specdec::detail
