@@ -364,6 +364,44 @@ TEST(GreedyFastPath, EqualsRejectionSamplingWithGreedyDistributions) {
   }
 }
 
+// The greedy verification decoded by the host (fp32 logits on the CPU) and by ATen (the same
+// logits in fp64, the path of other dtypes and devices): the same packed step, ties, non-finite
+// rows of every kind (NaN, +inf, only -inf) and a non-finite drafter included.
+TEST(GreedyFastPath, HostDecodeEqualsTheAtenDecode) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  const float inf = std::numeric_limits<float>::infinity();
+  int64_t non_finite = 0;
+  for (int64_t trial = 0; trial < 200; ++trial) {
+    const int64_t gamma = trial % 5;
+    at::Tensor logits = at::randint(0, 3, {gamma + 1, 7}, gen, at::TensorOptions(at::kFloat));
+    const at::Tensor drafts = at::randint(0, 7, {gamma}, gen, at::TensorOptions(at::kLong));
+    const int64_t row = trial % (gamma + 1);
+    switch (trial % 7) {
+      case 1: logits[row][3] = NAN; break;
+      case 2: logits[row][0] = inf; break;
+      case 3: logits[row].fill_(-inf); break;
+      case 4: logits[row][5] = -inf; break;  // finite: one -inf entry is a zero probability
+      default: break;
+    }
+    at::Tensor drafter_finite;
+    if (trial % 3 == 1) drafter_finite = at::scalar_tensor(trial % 6 != 1, at::TensorOptions().dtype(at::kBool));
+    const auto host = specdec::detail::verify_greedy_pending(logits, at::Tensor(), drafts, drafter_finite);
+    const auto aten = specdec::detail::verify_greedy_pending(logits.to(at::kDouble), at::Tensor(), drafts, drafter_finite);
+    ASSERT_EQ(host.size(), aten.size());
+    const at::Tensor a = specdec::detail::to_host(host.packed), b = specdec::detail::to_host(aten.packed);
+    const int64_t* x = a.data_ptr<int64_t>();
+    const int64_t* y = b.data_ptr<int64_t>();
+    EXPECT_EQ(x[gamma + 1], y[gamma + 1]) << "finite code, trial " << trial;
+    for (int64_t i = 0; i < gamma; ++i) EXPECT_EQ(x[gamma + 2 + i], y[gamma + 2 + i]) << "draft " << i;
+    if (x[gamma + 1] != specdec::detail::kFinite) {
+      ++non_finite;
+      continue;  // the step throws; the argmax of a NaN row is not compared
+    }
+    for (int64_t i = 0; i <= gamma; ++i) EXPECT_EQ(x[i], y[i]) << "argmax of row " << i << ", trial " << trial;
+  }
+  EXPECT_GT(non_finite, 50);  // the non-finite kinds were exercised
+}
+
 // Greedy output with fp16/bf16 activations against fp32, on the bundled pair.
 TEST(Dtypes, ReducedPrecisionGreedyOutputAgainstFloat32) {
   const std::string folder = SPECDEC_BUNDLED_MODELS_DIR;

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <concepts>
 #include <cstdint>
 #include <limits>
@@ -28,6 +29,7 @@
 #include "specdec/ngram_storage.hpp"
 #include "specdec/options.hpp"
 #include "specdec/result.hpp"
+#include "specdec/verification.hpp"
 
 namespace specdec {
 
@@ -139,6 +141,14 @@ class ModelDraftSource {
     runner_.set_counters(counters);
     int64_t gamma = policy_->limit(request.room);
     probs_.clear();
+    // Greedy drafts from fp32 logits on the CPU are decoded where the logits lie, into a host
+    // buffer of tokens the next forward reads: no small ATen call per draft.
+    if constexpr (std::is_same_v<P, GreedyProcessor>) {
+      if (runner_.device().is_cpu() && !policy_->needs_signal(0) && gamma > 0) {
+        draft_on_host(request, gamma, result);
+        return result;
+      }
+    }
     at::Tensor drafts = at::empty({1, 0}, at::TensorOptions().dtype(at::kLong).device(runner_.device()));
     for (int64_t i = 0; i < gamma; ++i) {
       const at::Tensor logits = runner_.forward(request.sequence, drafts);
@@ -184,6 +194,32 @@ class ModelDraftSource {
   void finish(std::span<const int64_t> sequence) { runner_.record(sequence); }
 
  private:
+  // draft() under greedy decoding on the CPU, with a fixed draft length (no policy signal): the
+  // same drafts, each the first maximum of its logits row, read by the host.
+  void draft_on_host(const DraftRequest& request, int64_t gamma, Drafts& result) {
+    at::Tensor drafts = at::empty({1, gamma}, at::TensorOptions().dtype(at::kLong));
+    int64_t* tokens = drafts.data_ptr<int64_t>();
+    bool finite = true;
+    for (int64_t i = 0; i < gamma; ++i) {
+      const at::Tensor logits = runner_.forward(request.sequence, i == 0 ? at::Tensor() : drafts.narrow(1, 0, i));
+      const int64_t last = logits.size(0) - 1;
+      if (logits.scalar_type() == at::kFloat) {
+        const detail::RowMax best =
+            detail::row_max(logits.data_ptr<float>() + last * logits.stride(0), logits.size(1), logits.stride(1));
+        tokens[i] = best.index;
+        finite = finite && best.finite;
+      } else {  // another dtype: ATen's argmax and maximum, read at once (no device to wait for)
+        const at::Tensor row = logits[last];
+        tokens[i] = row.argmax().item<int64_t>();
+        finite = finite && std::isfinite(row.amax().item<double>());
+      }
+    }
+    runner_.set_counters({});
+    result.gamma = gamma;
+    result.tokens = drafts.view({gamma});
+    result.finite = at::scalar_tensor(finite, at::TensorOptions().dtype(at::kBool));
+  }
+
   using ForwardCounters = detail::ForwardCounters;
   detail::ModelRunner<D> runner_;
   std::optional<detail::DraftLength> policy_;

@@ -18,6 +18,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -123,6 +125,51 @@ PendingStep verify_drafts_pending(const at::Tensor& target_probs, const at::Tens
                                   const at::Tensor& drafts, const P& processor, at::Generator& gen,
                                   bool skip_sample_adjustment);
 
+// The first maximum of a row of n fp32 logits (`stride` apart) and whether the row is finite as
+// GreedyProcessor sees it: no NaN, no +inf, and not every entry -inf. Where the row is finite the
+// index is what at::argmax returns (the first among ties).
+struct RowMax {
+  int64_t index = 0;
+  bool finite = false;
+};
+inline RowMax row_max(const float* row, int64_t n, int64_t stride) {
+  RowMax best;
+  float value = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = row[j * stride];
+    nan = nan || x != x;
+    if (x > value) {
+      value = x;
+      best.index = j;
+    }
+  }
+  best.finite = !nan && value > -std::numeric_limits<float>::infinity() && value < std::numeric_limits<float>::infinity();
+  return best;
+}
+
+// Whether the host reads a tensor where it lies: fp32 on the CPU.
+inline bool host_readable(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
+
+// verify_greedy_pending for logits the host reads where they lie (fp32 on the CPU): the same packed
+// layout, decoded by one pass over each row instead of a dozen small ATen calls.
+inline PendingStep verify_greedy_on_host(const at::Tensor& target_logits, int64_t gamma, const at::Tensor& drafts,
+                                         std::optional<bool> drafter_finite) {
+  at::Tensor packed = at::empty({2 * gamma + 2}, at::TensorOptions().dtype(at::kLong));
+  int64_t* values = packed.data_ptr<int64_t>();
+  const float* rows = target_logits.data_ptr<float>();
+  bool target_finite = true;
+  for (int64_t i = 0; i <= gamma; ++i) {
+    const RowMax best = row_max(rows + i * target_logits.stride(0), target_logits.size(1), target_logits.stride(1));
+    values[i] = best.index;
+    target_finite = target_finite && best.finite;
+  }
+  values[gamma + 1] = (target_finite ? kFiniteTarget : 0) | (drafter_finite.value_or(true) ? kFiniteDrafter : 0);
+  const int64_t* draft_values = drafts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < gamma; ++i) values[gamma + 2 + i] = draft_values[i * drafts.stride(0)];
+  return PendingStep{packed, gamma, "verify_drafts", /*argmax_rows=*/true};
+}
+
 // verify_drafts for GreedyProcessor, from the target's logits [gamma + 1, vocab] rather than its
 // one-hot distributions: draft i is accepted while it equals the target's argmax (the first among
 // ties), and the token after the accepted drafts is the argmax there (found by read_step). This is what rejection
@@ -133,6 +180,16 @@ PendingStep verify_drafts_pending(const at::Tensor& target_probs, const at::Tens
 inline PendingStep verify_greedy_pending(const at::Tensor& target_logits, const at::Tensor& draft_probs,
                                          const at::Tensor& drafts, const at::Tensor& drafter_finite = {}) {
   const int64_t gamma = check_verify_inputs(target_logits, drafts);
+  if (host_readable(target_logits) && drafts.device().is_cpu() &&
+      (!drafter_finite.defined() || drafter_finite.device().is_cpu())) {
+    std::optional<bool> drafter;
+    if (draft_probs.defined()) {
+      drafter = at::isfinite(draft_probs.sum()).item<bool>();
+    } else if (drafter_finite.defined()) {
+      drafter = drafter_finite.item<bool>();
+    }
+    return verify_greedy_on_host(target_logits, gamma, drafts, drafter);
+  }
   const at::Tensor target_finite = at::isfinite(target_logits.amax(1)).all();
   const at::Tensor drafter = draft_probs.defined()      ? at::isfinite(draft_probs.sum())
                              : drafter_finite.defined() ? drafter_finite.to(target_logits.device())

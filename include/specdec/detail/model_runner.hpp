@@ -80,7 +80,17 @@ class ModelRunner {
     const auto known = static_cast<int64_t>(cache.length());
     const auto context_length = static_cast<int64_t>(context.size());
     at::Tensor ids;
-    if (known < context_length) {
+    if (known < context_length && device_.is_cpu() && (!tail.defined() || tail.device().is_cpu())) {
+      // On the CPU the new context tokens and the tail are written into one tensor.
+      const int64_t fresh = context_length - known, extra = tail.defined() ? tail.size(1) : 0;
+      ids = at::empty({1, fresh + extra}, at::TensorOptions().dtype(at::kLong));
+      int64_t* values = ids.data_ptr<int64_t>();
+      std::copy(context.begin() + known, context.end(), values);
+      if (extra > 0) {
+        const at::Tensor t = tail.to(at::kLong);
+        for (int64_t j = 0; j < extra; ++j) values[fresh + j] = t.data_ptr<int64_t>()[j * t.stride(1)];
+      }
+    } else if (known < context_length) {
       ids = to_device_ids(context.subspan(static_cast<size_t>(known)), device_);
       if (tail.defined() && tail.size(1) > 0) ids = at::cat({ids, tail}, 1);
     } else {
