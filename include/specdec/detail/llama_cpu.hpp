@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace specdec::detail {
 
@@ -112,54 +113,65 @@ struct AttentionShape {
 // also holds the largest weight (at least 1 / keys), whose precision is 2^-24 of it.
 inline constexpr float kNegligibleWeight = 0x1p-60F;
 
-// Scaled dot-product attention of one new token per batch row over the cache's keys and values
-// (which hold it last), in three passes: every score (a loop), their softmax (one ATen call,
-// vectorised, as the ATen forward computes it), and the weighted sums of the values (a loop).
+// Scaled dot-product attention of `count` new tokens per batch row over the cache's keys and
+// values (which hold them last), in three passes: every score (a loop), their softmax (one ATen
+// call, vectorised, as the ATen forward computes it), and the weighted sums of the values (a
+// loop).
 //
-// Requires: shape.count == 1; queries at query_rows + b * query_stride + h * head_dim (head h of
-//   row b); keys and values [batch, kv_heads, past + 1, head_dim] fp32 with a contiguous last
-//   dimension. Every key is visible.
-// Writes: out [batch, heads * head_dim], head h of query head h's attention (query head h reads
-//   key/value head h / (heads / kv_heads)).
+// Requires: queries at query_rows + (b * count + t) * query_stride + h * head_dim (head h of new
+//   token t of row b); keys and values [batch, kv_heads, past + count, head_dim] fp32 with a
+//   contiguous last dimension; new_bias [count, count] (row t: 0 where token t sees new token u,
+//   -inf where not), or null when every new token is visible (one new token). Every cached
+//   position is visible.
+// Writes: out [batch * count, heads * head_dim], head h of query head h's attention (query head h
+//   reads key/value head h / (heads / kv_heads)).
 inline void attend(const AttentionShape& shape, const float* query_rows, int64_t query_stride, const at::Tensor& keys,
-                   const at::Tensor& values, float* out) {
-  const int64_t keys_total = shape.past + 1;
+                   const at::Tensor& values, const float* new_bias, float* out) {
+  const int64_t count = shape.count, past = shape.past, keys_total = past + count;
   const int64_t group = shape.heads / shape.kv_heads;
   const int64_t head_dim = shape.head_dim;
   const float scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
-  const int64_t tasks = shape.batch * shape.heads;  // task b * heads + h
+  const int64_t tasks = shape.batch * count * shape.heads;  // task (b * count + t) * heads + h
   const at::Tensor scores = at::empty({tasks, keys_total}, keys.options());
   float* const score_rows = scores.data_ptr<float>();
   // Split across libtorch's intra-op threads only when a task is worth a thread's start.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, keys_total * head_dim));
   const float* const key_data = keys.data_ptr<float>();
+  const int64_t key_step = keys.stride(2);
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / shape.heads, h = task % shape.heads;
-      const float* query = query_rows + b * query_stride + h * head_dim;
+      const int64_t token_row = task / shape.heads, h = task % shape.heads;
+      const int64_t b = token_row / count, t = token_row % count;
+      const float* query = query_rows + token_row * query_stride + h * head_dim;
       const float* k = key_data + b * keys.stride(0) + (h / group) * keys.stride(1);
       float* row = score_rows + task * keys_total;
-      const int64_t step = keys.stride(2);
-      for (int64_t j = 0; j < keys_total; ++j) row[j] = dot(query, k + j * step, head_dim) * scale;
+      for (int64_t j = 0; j < past; ++j) row[j] = dot(query, k + j * key_step, head_dim) * scale;
+      for (int64_t u = 0; u < count; ++u) {
+        const float bias = new_bias == nullptr ? 0.0F : new_bias[t * count + u];
+        row[past + u] = bias == -std::numeric_limits<float>::infinity()
+                            ? bias
+                            : dot(query, k + (past + u) * key_step, head_dim) * scale + bias;
+      }
     }
   });
   const at::Tensor weights = scores.softmax(-1);
   const float* const weight_rows = weights.data_ptr<float>();
   const float* const value_data = values.data_ptr<float>();
+  const int64_t value_step = values.stride(2);
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / shape.heads, h = task % shape.heads;
+      const int64_t token_row = task / shape.heads, h = task % shape.heads;
+      const int64_t b = token_row / count;
       const float* v = value_data + b * values.stride(0) + (h / group) * values.stride(1);
       const float* row = weight_rows + task * keys_total;
       float* C10_RESTRICT o = out + task * head_dim;
       std::fill(o, o + head_dim, 0.0F);
-      const int64_t step = values.stride(2);
       for (int64_t j = 0; j < keys_total; ++j) {
         // Negligible weights (NaN is not) are skipped: nothing is lost, and no product reaches
-        // the subnormal range.
+        // the subnormal range. Hidden keys weigh exactly 0.
         const float weight = row[j];
         if (weight < kNegligibleWeight) continue;
-        const float* C10_RESTRICT value = v + j * step;
+        const float* C10_RESTRICT value = v + j * value_step;
         for (int64_t i = 0; i < head_dim; ++i) o[i] += weight * value[i];
       }
     }

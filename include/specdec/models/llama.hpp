@@ -418,8 +418,9 @@ class LlamaModel {
 
   // The forward of the CPU fp32 path: the same computation as run() for rows of one length, new
   // token t of every row at positions[t] (validated by the caller), seeing the cached positions and
-  // the new tokens that `grouped_bias` [group * T, T] leaves at 0 (needed for T > 1). One new token
-  // attends through the loops of detail::attend, more through batched products. The keys and
+  // the new tokens that `grouped_bias` [group * T, T] leaves at 0 (needed for T > 1; contiguous,
+  // its first T rows are the [T, T] bias). Up to kLoopAttentionTokens new tokens attend through
+  // the loops of detail::attend, more through batched products. The keys and
   // values of a layer reach the cache in one write where the cache takes them stacked
   // (StaticKVCache::update_stacked).
   at::Tensor run_cpu(const at::Tensor& ids, Cache& cache, std::span<const int64_t> positions, const at::Tensor& grouped_bias) {
@@ -457,8 +458,9 @@ class LlamaModel {
       // A cache of the caller's own making may hold another dtype; the loops read fp32 rows.
       if (keys.scalar_type() != at::kFloat || keys.stride(3) != 1) keys = keys.to(at::kFloat).contiguous();
       if (values.scalar_type() != at::kFloat || values.stride(3) != 1) values = values.to(at::kFloat).contiguous();
-      if (count == 1) {
-        detail::attend(shape, qkv_data, qkv_width, keys, values, attended.data_ptr<float>());
+      if (count <= kLoopAttentionTokens) {
+        detail::attend(shape, qkv_data, qkv_width, keys, values, count > 1 ? grouped_bias.data_ptr<float>() : nullptr,
+                       attended.data_ptr<float>());
       } else {
         detail::attend_batched(shape, qkv.narrow(1, 0, q_width), keys, values, grouped_bias, attended);
       }
@@ -637,6 +639,10 @@ class LlamaModel {
     // The CPU loops' products (kernels_apply()): q|k|v, o, gate|up, down.
     detail::CpuLinear qkv, o, gate_up, down;
   };
+
+  // Forwards of up to this many new tokens attend through the loops of detail::attend, longer
+  // ones through batched products (detail::attend_batched).
+  static constexpr int64_t kLoopAttentionTokens = 8;
 
   // Forwards of up to this many new tokens use a causal bias built at construction.
   static constexpr int64_t kCachedMaskTokens = 32;
