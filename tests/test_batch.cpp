@@ -143,6 +143,38 @@ TEST(BatchGreedy, NGramRowsEqualAutoregressive) {
                std::invalid_argument);
 }
 
+// The greedy batch verification from logits against rejection sampling on the one-hot
+// distributions, with ties, padded rows, one-hot and absent q, and NaN rows reported.
+TEST(BatchGreedy, FastVerificationEqualsRejectionSamplingWithOneHotDistributions) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  at::Generator uniforms = at::make_generator<at::CPUGeneratorImpl>(6);
+  const GreedyProcessor greedy;
+  for (int64_t trial = 0; trial < 100; ++trial) {
+    const int64_t b = 1 + trial % 4, k = trial % 5;
+    at::Tensor logits = at::randint(0, 3, {b, k + 1, 7}, gen, at::TensorOptions(at::kFloat));
+    at::Tensor drafts = at::randint(0, 7, {b, k}, gen, at::TensorOptions(at::kLong));
+    if (k > 0) {  // drafts mostly the argmax, so that rows accept several
+      const at::Tensor best = logits.narrow(1, 0, k).argmax(2);
+      drafts = at::where(at::rand({b, k}, gen) < 0.7, best, drafts);
+    }
+    const at::Tensor valid = at::randint(0, k + 1, {b}, gen, at::TensorOptions(at::kLong));
+    const at::Tensor q = trial % 2 == 0 ? at::Tensor() : greedy(at::randn({b, k, 7}, gen));
+    const bool nan = trial % 25 == 3;
+    if (nan) logits[b - 1][k][1] = NAN;
+    const at::Tensor fast = specdec::detail::verify_batch_greedy(logits, q, drafts, valid);
+    const at::Tensor exact = specdec::detail::verify_batch(greedy(logits), q, drafts, valid, greedy, uniforms, false);
+    ASSERT_EQ(fast.sizes(), exact.sizes());
+    for (int64_t r = 0; r < b; ++r) {
+      EXPECT_EQ(fast[r][2].item<int64_t>(), exact[r][2].item<int64_t>()) << "finite code, trial " << trial << " row " << r;
+      if (nan && r == b - 1) {
+        EXPECT_NE(fast[r][2].item<int64_t>(), specdec::detail::kFinite);
+        continue;
+      }
+      EXPECT_TRUE(fast[r].equal(exact[r])) << "trial " << trial << " row " << r << ": " << fast[r] << " vs " << exact[r];
+    }
+  }
+}
+
 TEST(BatchHostCopies, OnePerStepForTheWholeBatch) {
   const models::LlamaConfig config = test::small_llama_config();
   const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);

@@ -22,6 +22,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "specdec/concepts.hpp"
@@ -90,6 +91,28 @@ at::Tensor verify_batch(const at::Tensor& p, const at::Tensor& q, const at::Tens
   finite = finite + (q.defined() && k > 0 ? at::isfinite(q.sum({1, 2})).to(at::kLong) * kFiniteDrafter
                                           : at::full_like(finite, kFiniteDrafter));
   return at::cat({accepted.view({b, 1}), token.to(at::kLong), finite.view({b, 1}), drafts}, 1);
+}
+
+// verify_batch under greedy decoding, from the target's logits rows [b, k + 1, V] rather than
+// their one-hot distributions: draft j of row r is accepted while it equals the first argmax and
+// j < valid[r], and the token is the argmax after the accepted drafts. This is what verify_batch
+// computes for one-hot p, whatever q; no distribution, uniform or float64 residual is built.
+// Non-finite rows (NaN, +inf, or all -inf) are reported as GreedyProcessor's NaN would be.
+inline at::Tensor verify_batch_greedy(const at::Tensor& rows, const at::Tensor& q, const at::Tensor& drafts,
+                                      const at::Tensor& valid) {
+  const int64_t b = rows.size(0);
+  const int64_t k = drafts.size(1);
+  const at::Tensor best = rows.argmax(2);  // [b, k + 1]
+  at::Tensor accepted = at::zeros({b}, best.options());
+  if (k > 0) {
+    const at::Tensor in_range = at::arange(k, best.options()).view({1, k}) < valid.view({b, 1});
+    accepted = best.narrow(1, 0, k).eq(drafts).logical_and(in_range).to(at::kLong).cumprod(1).sum(1);
+  }
+  const at::Tensor token = best.gather(1, accepted.view({b, 1}));
+  at::Tensor finite = at::isfinite(rows.amax(2)).all(1).to(at::kLong) * kFiniteTarget;
+  finite = finite + (q.defined() && k > 0 ? at::isfinite(q.sum({1, 2})).to(at::kLong) * kFiniteDrafter
+                                          : at::full_like(finite, kFiniteDrafter));
+  return at::cat({accepted.view({b, 1}), token, finite.view({b, 1}), drafts}, 1);
 }
 
 // Host tokens of ragged rows as ids [rows, width] on `device`, row i's tokens first, zeros after.
@@ -263,18 +286,23 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
     const double target_before = shared.target_seconds;
     const int64_t calls_before = shared.target_calls;
     const auto [logits, last] = runner.forward(views, k > 0 ? drafts.tokens : at::Tensor());
-    const at::Tensor p = processor(rows_from(logits, last, k + 1));
+    const at::Tensor target_rows = rows_from(logits, last, k + 1);
     const at::Tensor valid = to_device<int64_t>(rooms, {b}, target.device());
     const at::Tensor draft_tokens =
         k > 0 ? drafts.tokens : at::empty({b, 0}, at::TensorOptions().dtype(at::kLong).device(target.device()));
-    const at::Tensor packed = verify_batch(p, k > 0 ? drafts.probs : at::Tensor(), draft_tokens, valid, processor, gen,
-                                           options.skip_sample_adjustment);
+    const at::Tensor q = k > 0 ? drafts.probs : at::Tensor();
+    at::Tensor packed;
+    if constexpr (std::is_same_v<P, GreedyProcessor>) {
+      packed = verify_batch_greedy(target_rows, q, draft_tokens, valid);
+    } else {
+      packed = verify_batch(processor(target_rows), q, draft_tokens, valid, processor, gen, options.skip_sample_adjustment);
+    }
     const at::Tensor host = to_host(packed);
     const int64_t* values = host.data_ptr<int64_t>();
     const int64_t stride = 3 + k;
     for (int64_t i = 0; i < b; ++i) {
       if (values[i * stride + 2] != kFinite) {
-        throw_step_non_finite("speculative_generate_batch", values[i * stride + 2], rows_from(logits, last, k + 1));
+        throw_step_non_finite("speculative_generate_batch", values[i * stride + 2], target_rows);
       }
     }
     prune_to.clear();
