@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what specdec needs on Debian 12 (bookworm): a C++20 compiler, CMake, Ninja, libtorch
 # (CPU), OpenBLAS (without it libtorch falls back to a reference BLAS about 25x slower),
-# oneDNN (the CPU forward's weight products), GoogleTest, Google Benchmark, nlohmann-json (for the checkpoint loaders), CLI11 (the programs'
+# oneDNN with the OpenCL headers its CMake config asks for (the CPU forward's weight products),
+# GoogleTest, Google Benchmark, nlohmann-json (for the checkpoint loaders), CLI11 (the programs'
 # command lines), xxHash (checksums of saved storages, header-only), tsl-hopscotch-map (only for the
 # benchmark that compares it with the n-gram storages' own table; header-only), PCRE2 and utf8proc
 # (tokenizer.json: pre-tokenizer regexes, UTF-8 and NFC), gRPC and protobuf with their compilers
@@ -11,7 +12,7 @@
 set -euo pipefail
 
 packages=(g++ cmake ninja-build libtorch-dev libopenblas0-pthread libgtest-dev libbenchmark-dev
-  nlohmann-json3-dev libpcre2-dev libutf8proc-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libtsl-hopscotch-map-dev libcli11-dev libxxhash-dev libdnnl-dev clang libclang-rt-14-dev libpython3.11-stdlib)
+  nlohmann-json3-dev libpcre2-dev libutf8proc-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libtsl-hopscotch-map-dev libcli11-dev libxxhash-dev libdnnl-dev ocl-icd-opencl-dev clang libclang-rt-14-dev libpython3.11-stdlib)
 
 missing=()
 for package in "${packages[@]}"; do
