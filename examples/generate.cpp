@@ -917,7 +917,8 @@ int run(const Arguments& a) {
 
   if (show_text) {
     std::cout << "target:  " << a.target << " (" << target_checkpoint.format << ", " << target.config() << ", "
-              << a.dtype << " on " << a.device << "; threads: " << threads << ")\n";
+              << a.dtype << " on " << a.device << "; threads: " << threads
+              << (target.onednn() ? "; products: " + specdec::detail::onednn_version() : std::string()) << ")\n";
     if (drafter) std::cout << "drafter: " << a.drafter << " (" << drafter->config() << ")\n";
     std::visit([&](const auto& p) { std::cout << "mode: " << a.mode << ", " << p << ", gamma " << a.gamma; }, processor);
     if (drafter) {
