@@ -203,7 +203,7 @@ class ModelDraftSource {
     for (int64_t i = 0; i < gamma; ++i) {
       const at::Tensor logits = runner_.forward(request.sequence, i == 0 ? at::Tensor() : drafts.narrow(1, 0, i));
       const int64_t last = logits.size(0) - 1;
-      if (logits.scalar_type() == at::kFloat) {
+      if (detail::host_readable(logits)) {
         const detail::RowMax best =
             detail::row_max(logits.data_ptr<float>() + last * logits.stride(0), logits.size(1), logits.stride(1));
         tokens[i] = best.index;

@@ -181,6 +181,7 @@ inline PendingStep verify_greedy_pending(const at::Tensor& target_logits, const 
                                          const at::Tensor& drafts, const at::Tensor& drafter_finite = {}) {
   const int64_t gamma = check_verify_inputs(target_logits, drafts);
   if (host_readable(target_logits) && drafts.device().is_cpu() &&
+      (!draft_probs.defined() || draft_probs.device().is_cpu()) &&
       (!drafter_finite.defined() || drafter_finite.device().is_cpu())) {
     std::optional<bool> drafter;
     if (draft_probs.defined()) {

@@ -88,7 +88,8 @@ class ModelRunner {
       std::copy(context.begin() + known, context.end(), values);
       if (extra > 0) {
         const at::Tensor t = tail.to(at::kLong);
-        for (int64_t j = 0; j < extra; ++j) values[fresh + j] = t.data_ptr<int64_t>()[j * t.stride(1)];
+        const int64_t* tail_values = t.data_ptr<int64_t>();
+        for (int64_t j = 0; j < extra; ++j) values[fresh + j] = tail_values[j * t.stride(1)];
       }
     } else if (known < context_length) {
       ids = to_device_ids(context.subspan(static_cast<size_t>(known)), device_);
