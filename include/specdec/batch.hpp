@@ -13,9 +13,6 @@
 // pruned by moving its length alone; the cost is a per-row key mask over the longest row.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -29,6 +26,7 @@
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/generation_state.hpp"
 #include "specdec/detail/model_runner.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 #include "specdec/logits_processor.hpp"
 #include "specdec/ngram_storage.hpp"

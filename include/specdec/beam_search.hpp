@@ -3,8 +3,6 @@
 // target's cache rows are reordered when beams are reselected.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -18,6 +16,7 @@
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/generation_state.hpp"
 #include "specdec/detail/model_runner.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 #include "specdec/result.hpp"
 

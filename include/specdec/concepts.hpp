@@ -5,12 +5,12 @@
 // at::Tensor (torch::Tensor is the same type).
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <concepts>
 #include <cstdint>
 #include <optional>
 #include <span>
+
+#include "specdec/detail/torch_compat.hpp"
 
 namespace specdec {
 

@@ -7,8 +7,6 @@
 // live on the model's device, so sampling draws no uniforms on the host.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -17,6 +15,8 @@
 #include <optional>
 #include <random>
 #include <span>
+
+#include "specdec/detail/torch_compat.hpp"
 
 namespace specdec {
 namespace detail {

@@ -2,8 +2,6 @@
 // and n-gram assisted decoding. Each is the shared step loop of step.hpp with its draft source.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <span>
@@ -13,6 +11,7 @@
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/generation_state.hpp"
 #include "specdec/detail/model_runner.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/draft_source.hpp"
 #include "specdec/logits_processor.hpp"
 #include "specdec/ngram_storage.hpp"

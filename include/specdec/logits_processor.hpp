@@ -12,8 +12,6 @@
 // the same tokens on every device, and a token of probability 0 is never drawn.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -21,6 +19,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/torch_compat.hpp"
 
 namespace specdec {
 namespace detail {

@@ -12,8 +12,6 @@
 //   session.rollback(n);                               // drop everything after the first n tokens
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
 #include <span>
 #include <stdexcept>
@@ -23,6 +21,7 @@
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/generation_state.hpp"
 #include "specdec/detail/model_runner.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/draft_source.hpp"
 #include "specdec/logits_processor.hpp"
 #include "specdec/options.hpp"

@@ -8,8 +8,6 @@
 // trajectories of one prompt have been sampled, the better it drafts.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -25,6 +23,7 @@
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/generation_state.hpp"
 #include "specdec/detail/model_runner.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 #include "specdec/logits_processor.hpp"
 #include "specdec/ngram_storage.hpp"

@@ -6,8 +6,6 @@
 // index order; a node's depth is 1 + its parent's depth, with the root's children at depth 1.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +17,7 @@
 #include <vector>
 
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 
 namespace specdec {

@@ -15,8 +15,6 @@
 // device_to_host_copies()).
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -26,6 +24,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 
 namespace specdec {

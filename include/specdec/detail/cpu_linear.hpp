@@ -11,8 +11,6 @@
 // oneDNN is 3-5x faster for every row count (docs/benchmarks.md, BM_SmallLinear).
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -20,6 +18,8 @@
 #if defined(SPECDEC_HAVE_ONEDNN)
 #include <oneapi/dnnl/dnnl.hpp>
 #endif
+
+#include "specdec/detail/torch_compat.hpp"
 
 namespace specdec::detail {
 

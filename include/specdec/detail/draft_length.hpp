@@ -3,8 +3,6 @@
 // probability are computed on its device by drafter_signal and read with one copy.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +10,7 @@
 #include <stdexcept>
 
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 #include "specdec/options.hpp"
 

@@ -8,7 +8,6 @@
 // intrinsics) and accumulate in fp32, as llama2.c does.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/macros/Macros.h>
 
@@ -21,6 +20,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+
+#include "specdec/detail/torch_compat.hpp"
 
 namespace specdec::detail {
 

@@ -2,11 +2,10 @@
 // checkpoint (config.json + safetensors), a file is a llama2.c checkpoint.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <filesystem>
 #include <string>
 
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/io/errors.hpp"
 #include "specdec/io/hf_llama.hpp"
 #include "specdec/io/json.hpp"

@@ -8,8 +8,6 @@
 // are permuted once here, on load and on save.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +17,7 @@
 #include <string>
 #include <utility>
 
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/io/atomic_file.hpp"
 #include "specdec/io/errors.hpp"
 #include "specdec/io/json.hpp"

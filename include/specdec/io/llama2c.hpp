@@ -3,8 +3,6 @@
 // exactly what the header implies before anything is read.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/io/atomic_file.hpp"
 #include "specdec/io/binary_reader.hpp"
 #include "specdec/io/detail/read_tensor.hpp"

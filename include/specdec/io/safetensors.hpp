@@ -5,8 +5,6 @@
 // place, so a failed save leaves no half-written file.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/io/atomic_file.hpp"
 #include "specdec/io/binary_reader.hpp"
 #include "specdec/io/detail/read_tensor.hpp"

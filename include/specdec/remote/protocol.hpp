@@ -4,8 +4,6 @@
 // proto/specdec/remote/v1/verifier.proto).
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -16,6 +14,7 @@
 #include <string_view>
 #include <variant>
 
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/logits_processor.hpp"
 #include "specdec/remote/v1/verifier.grpc.pb.h"
 

@@ -27,7 +27,6 @@
 // a batched product. Targets whose cache is not a JoinableKVCache verify one request per forward.
 #pragma once
 
-#include <c10/core/InferenceMode.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -48,6 +47,7 @@
 #include <vector>
 
 #include "specdec/concepts.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/draft_source.hpp"
 #include "specdec/kv_cache.hpp"
 #include "specdec/remote/protocol.hpp"

@@ -1,10 +1,9 @@
 // Reading a checked run of a file straight into a new CPU tensor's storage.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <string>
 
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/io/binary_reader.hpp"
 
 namespace specdec::io::detail {
