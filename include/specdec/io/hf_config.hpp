@@ -53,20 +53,25 @@ inline int64_t config_integer(const nlohmann::json& config, const std::filesyste
   return value.get<int64_t>();
 }
 
-// config.json's rope_scaling: null, or an object whose rope_type (older files: type) is default,
-// linear (factor) or llama3 (factor, low_freq_factor, high_freq_factor,
-// original_max_position_embeddings).
-inline models::RopeScaling rope_scaling(const nlohmann::json& config, const std::filesystem::path& path) {
+// The rotary settings of config.json: rope_theta and rope_scaling (null, or an object whose
+// rope_type, in older files type, is default, linear or llama3) as transformers 4 writes them, or
+// rope_parameters, the one object transformers 5 writes in their place (rope_theta, rope_type and
+// the scaling fields together). linear reads factor; llama3 reads factor, low_freq_factor,
+// high_freq_factor and original_max_position_embeddings. Errors name the field as the file has it.
+struct RotarySettings {
+  double theta = 10000.0;
   models::RopeScaling scaling;
-  if (!config.contains("rope_scaling") || config["rope_scaling"].is_null()) return scaling;
-  const nlohmann::json& r = config["rope_scaling"];
-  if (!r.is_object()) throw_format(path, "rope_scaling must be an object or null, got ", excerpt(r));
+};
+
+inline models::RopeScaling rope_scaling(const nlohmann::json& r, const std::filesystem::path& path, const char* field) {
+  models::RopeScaling scaling;
+  if (!r.is_object()) throw_format(path, field, " must be an object or null, got ", excerpt(r));
   const char* type_key = r.contains("rope_type") ? "rope_type" : "type";
-  if (!r.contains(type_key) || !r[type_key].is_string()) throw_format(path, "rope_scaling.rope_type must be a string");
+  if (!r.contains(type_key) || !r[type_key].is_string()) throw_format(path, field, ".rope_type must be a string");
   const auto type = r[type_key].get<std::string>();
   const auto number = [&](const char* key) {
     if (!r.contains(key) || !r[key].is_number()) {
-      throw_format(path, "rope_scaling.", key, " must be a number for rope_type '", type, "', got ",
+      throw_format(path, field, ".", key, " must be a number for rope_type '", type, "', got ",
                    r.contains(key) ? excerpt(r[key]) : std::string("nothing"));
     }
     return r[key].get<double>();
@@ -83,9 +88,27 @@ inline models::RopeScaling rope_scaling(const nlohmann::json& config, const std:
     scaling.original_max_position_embeddings = config_integer(r, path, "original_max_position_embeddings", 1,
                                                               std::numeric_limits<int64_t>::max() / 2);
   } else {
-    throw_format(path, "rope_scaling.rope_type '", printable(type), "' is not supported (supported: default, linear, llama3)");
+    throw_format(path, field, ".rope_type '", printable(type), "' is not supported (supported: default, linear, llama3)");
   }
   return scaling;
+}
+
+inline RotarySettings rotary_settings(const nlohmann::json& config, const std::filesystem::path& path) {
+  RotarySettings settings;
+  if (config.contains("rope_parameters") && !config["rope_parameters"].is_null()) {
+    const nlohmann::json& r = config["rope_parameters"];
+    settings.scaling = rope_scaling(r, path, "rope_parameters");
+    if (r.contains("rope_theta") && !r["rope_theta"].is_number()) {
+      throw_format(path, "rope_parameters.rope_theta must be a number, got ", excerpt(r["rope_theta"]));
+    }
+    settings.theta = r.value("rope_theta", settings.theta);
+    return settings;
+  }
+  settings.theta = config_value_or<double>(config, path, "rope_theta", settings.theta);
+  if (config.contains("rope_scaling") && !config["rope_scaling"].is_null()) {
+    settings.scaling = rope_scaling(config["rope_scaling"], path, "rope_scaling");
+  }
+  return settings;
 }
 
 }  // namespace detail
@@ -98,12 +121,12 @@ inline const char* hf_architecture(const std::string& model_type) {
   return nullptr;
 }
 
-// Reads the LlamaConfig of a Hugging Face config.json of the Llama (1, 2, 3.x, with rope_scaling
-// llama3 or linear and attention_bias), Mistral (sliding_window) or Qwen2/Qwen2.5 (q, k, v
-// biases) families. Throws FormatError naming the file and the field on a missing key, a wrong
+// Reads the LlamaConfig of a Hugging Face config.json, as transformers 4 or 5 writes it (see
+// RotarySettings), of the Llama (1, 2, 3.x, with rope scaling llama3 or linear and
+// attention_bias), Mistral (sliding_window) or Qwen2/Qwen2.5 (q, k, v biases) families. Throws FormatError naming the file and the field on a missing key, a wrong
 // type, a size that is not an integer or exceeds `limits`, another model_type or architecture,
-// or a feature the model does not implement (rope_scaling types other than default, linear and
-// llama3; mlp_bias; Qwen2's use_sliding_window; an activation other than silu).
+// or a feature the model does not implement (rope types other than default, linear and llama3;
+// mlp_bias; Qwen2's use_sliding_window or sliding layer_types; an activation other than silu).
 inline std::pair<models::LlamaConfig, bool> load_hf_llama_config(const std::filesystem::path& file,
                                                                  const LoadLimits& limits = {}) {
   const nlohmann::json json = detail::read_json(file, limits);
@@ -142,13 +165,25 @@ inline std::pair<models::LlamaConfig, bool> load_hf_llama_config(const std::file
   config.vocab_size = detail::config_integer(json, file, "vocab_size", 1, limits.max_vocab_size, "max_vocab_size");
   config.max_seq_len = detail::config_integer(json, file, "max_position_embeddings", 1, limits.max_sequence_length,
                                               "max_sequence_length");
-  config.rope_theta = detail::config_value_or<double>(json, file, "rope_theta", 10000.0);
+  const detail::RotarySettings rotary = detail::rotary_settings(json, file);
+  config.rope_theta = rotary.theta;
+  config.rope_scaling = rotary.scaling;
   config.norm_eps = detail::config_value_or<double>(json, file, "rms_norm_eps", 1e-6);
-  config.rope_scaling = detail::rope_scaling(json, file);
   if (model_type == "qwen2") {
     config.qkv_bias = true;
     if (detail::config_value_or<bool>(json, file, "use_sliding_window", false)) {
       detail::throw_format(file, "use_sliding_window: true is not supported (Qwen2's per-layer windows)");
+    }
+    // transformers 5 lists each layer's attention; only full attention is implemented.
+    if (json.contains("layer_types") && !json["layer_types"].is_null()) {
+      const nlohmann::json& types = json["layer_types"];
+      if (!types.is_array()) detail::throw_format(file, "layer_types must be an array, got ", detail::excerpt(types));
+      for (const nlohmann::json& type : types) {
+        if (!type.is_string() || type.get<std::string>() != "full_attention") {
+          detail::throw_format(file, "layer_types entry ", detail::excerpt(type),
+                               " is not supported (only full_attention)");
+        }
+      }
     }
   } else {
     config.qkv_bias = config.o_bias = detail::config_value_or<bool>(json, file, "attention_bias", false);
