@@ -8,8 +8,6 @@
 // drafts are in stand.hpp.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cmath>
 #include <concepts>
@@ -24,6 +22,7 @@
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/draft_length.hpp"
 #include "specdec/detail/model_runner.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 #include "specdec/logits_processor.hpp"
 #include "specdec/ngram_storage.hpp"
@@ -125,6 +124,8 @@ class ModelDraftSource {
   [[nodiscard]] int64_t vocab_size() const { return static_cast<int64_t>(runner_.model().vocab_size()); }
   [[nodiscard]] int64_t max_sequence_length() const { return detail::sequence_limit(runner_.model()); }
   [[nodiscard]] const typename D::cache_type& cache() const noexcept { return runner_.cache(); }
+  // The drafter with its cache, for a step that runs the drafter itself (a CUDA graph step).
+  [[nodiscard]] detail::ModelRunner<D>& runner() noexcept { return runner_; }
 
   void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) {
     detail::check_draft_length_options(options);

@@ -10,8 +10,6 @@
 // capacity and writes in place: a step allocates no storage, and prune() only moves the length.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <span>
@@ -22,6 +20,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 
 namespace specdec {
@@ -436,6 +435,9 @@ class StaticKVCache {
   [[nodiscard]] int64_t capacity() const noexcept { return shape_.capacity; }
   [[nodiscard]] int64_t num_layers() const noexcept { return shape_.num_layers; }
   [[nodiscard]] const StaticKVCacheShape& shape() const noexcept { return shape_; }
+  // The address of the storage: the same for the cache's whole life unless select_rows() or a
+  // move replaces it (a captured CUDA graph that writes the cache is valid while it holds).
+  [[nodiscard]] const void* storage_address() const { return storage_.data_ptr(); }
 
   // BatchedKVCache: each row's length, whether they differ, and the lengths on the cache's device.
   [[nodiscard]] std::span<const int64_t> row_lengths() const noexcept { return rows_.rows(); }
@@ -557,7 +559,42 @@ class StaticKVCache {
     return {both[0].narrow(2, 0, end), both[1].narrow(2, 0, end)};
   }
 
-  // Makes the `new_positions` written by update() part of the cache.
+  // Writes this layer's keys and values [2, batch, kv_heads, T, head_dim] (keys, then values) at
+  // the positions `positions` (int64 [T] on the cache's device, each in [0, capacity())) of every
+  // row, with no host synchronisation and nothing read from the host but shapes: a forward that
+  // can be captured in a CUDA graph writes this way. Returns the layer's keys and values over the
+  // whole capacity [batch, kv_heads, capacity, head_dim]; the caller masks the positions it must
+  // not see and commits the written positions (commit(), prune()) once it knows their values.
+  std::pair<at::Tensor, at::Tensor> update_at(int64_t layer, const at::Tensor& keys_and_values,
+                                              const at::Tensor& positions) {
+    detail::check_layer(layer, shape_.num_layers);
+    if (!keys_and_values.defined() || keys_and_values.dim() != 5 || keys_and_values.size(0) != 2) {
+      detail::throw_invalid_message("keys_and_values must have shape [2, batch, kv_heads, new_positions, head_dim], got ",
+                                    keys_and_values.defined() ? keys_and_values.sizes() : at::IntArrayRef{});
+    }
+    const at::IntArrayRef sizes = keys_and_values.sizes().slice(1);
+    if (sizes[0] != shape_.batch || sizes[1] != shape_.kv_heads || sizes[3] != shape_.head_dim) {
+      detail::throw_invalid_message("new keys ", sizes, " do not match the static cache's [", shape_.batch, ", ",
+                                    shape_.kv_heads, ", T, ", shape_.head_dim, "]");
+    }
+    if (!positions.defined() || positions.dim() != 1 || positions.size(0) != sizes[2] ||
+        positions.scalar_type() != at::kLong || positions.device() != storage_.device()) {
+      detail::throw_invalid_message("positions must be int64 [", sizes[2], "] on ", storage_.device());
+    }
+    const at::Tensor both = storage_[layer];
+    both.index_copy_(3, positions, keys_and_values.to(storage_.scalar_type()));
+    return {both[0], both[1]};
+  }
+
+  // Zeroes every position no write has reached yet, so that a forward that reads the whole
+  // capacity under a mask (update_at) never meets uninitialised memory (a NaN there would survive
+  // a zero attention weight). Once per cache; O(capacity).
+  void zero_unwritten() {
+    if (initialized_ < shape_.capacity) storage_.narrow(4, initialized_, shape_.capacity - initialized_).zero_();
+    initialized_ = shape_.capacity;
+  }
+
+  // Makes the `new_positions` written by update() or update_at() part of the cache.
   void commit(int64_t new_positions) {
     if (new_positions < 0 || length_ + new_positions > shape_.capacity) {
       detail::throw_invalid_message("commit(", new_positions, ") must keep the length in [0, ",

@@ -162,6 +162,15 @@ struct SpeculativeOptions {
   Verification verification = Verification::rejection;
   double threshold = 0.25;              // threshold verification's tau (>= 0; 0 accepts every
                                         // draft, > 1 none)
+  bool cuda_graph = false;              // replay each step of gamma drafts as one CUDA graph (the
+                                        // drafter's chain, the target's verification and the
+                                        // acceptance) where it applies: a drafter model and a
+                                        // target that model StaticForwardModel on a CUDA device,
+                                        // greedy decoding, a fixed gamma without the confidence
+                                        // stop, rejection verification; other steps run eagerly
+                                        // (cuda_graph.hpp). On another device those steps run the
+                                        // same static-shape computation eagerly (slower than the
+                                        // usual step: for tests). Off: the usual steps
 };
 
 // Options of ngram_assisted_generate (seed 000, NASD).

@@ -24,6 +24,9 @@ struct GenerationStats {
   double drafter_seconds = 0; // wall time inside drafter forward calls
   double rtt_seconds = 0;     // remote verification: round trips, over all steps (0 locally)
   double prefill_seconds = 0; // remote verification: the server's target forwards within them
+  int64_t graph_steps = 0;    // steps run in static shapes (SpeculativeOptions::cuda_graph):
+                              // replayed from a CUDA graph on CUDA. Their drafter and target
+                              // forwards are counted as usual, their time as target time
 
   // Adds another generation's counters and times: totals over several calls.
   GenerationStats& operator+=(const GenerationStats& other) noexcept {
@@ -39,6 +42,7 @@ struct GenerationStats {
     drafter_seconds += other.drafter_seconds;
     rtt_seconds += other.rtt_seconds;
     prefill_seconds += other.prefill_seconds;
+    graph_steps += other.graph_steps;
     return *this;
   }
 

@@ -10,9 +10,6 @@
 // (one small copy per signal).
 #pragma once
 
-#include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
-
 #include <algorithm>
 #include <concepts>
 #include <cstdint>
@@ -24,10 +21,12 @@
 #include <vector>
 
 #include "specdec/concepts.hpp"
+#include "specdec/cuda_graph.hpp"
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/draft_length.hpp"
 #include "specdec/detail/generation_state.hpp"
 #include "specdec/detail/model_runner.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 #include "specdec/draft_source.hpp"
 #include "specdec/logits_processor.hpp"
@@ -165,6 +164,50 @@ void chain_step(ModelRunner<T>& target, GenerationState& state, S& source, const
   });
 }
 
+// Whether a generation with target T, source S and processor P can replay its steps from a CUDA
+// graph (cuda_graph.hpp): a ModelDraftSource whose drafter and the target model
+// StaticForwardModel, under greedy decoding.
+struct NoStaticStep {};
+template <class T, class S, class P>
+struct GraphableChain : std::false_type {
+  using Step = NoStaticStep;
+};
+template <StaticForwardModel T, StaticForwardModel D>
+struct GraphableChain<T, ModelDraftSource<D>, GreedyProcessor> : std::true_type {
+  using Step = StaticChainStep<D, T>;
+};
+
+// One chain step of options.gamma drafts in static shapes (StaticChainStep): replayed from its
+// CUDA graph on a CUDA device. Returns false, having done nothing, where the step does not apply
+// (the eager chain_step then runs): near the length limit, or caches not in the expected state.
+template <StaticForwardModel T, StaticForwardModel D>
+bool static_chain_step(ModelRunner<T>& target, GenerationState& state, ModelDraftSource<D>& source,
+                       StaticChainStep<D, T>& graph, const SpeculativeOptions& options, bool replay) {
+  const int64_t position = state.length();
+  const int64_t room = std::min(state.room() - 1, source_room(source, position));
+  if (std::min(options.gamma, room) != graph.gamma() || !graph.applies(source.runner(), target, state.sequence())) {
+    return false;
+  }
+  GenerationStats& stats = state.stats();
+  const int64_t gamma = graph.gamma();
+  GraphedOutcome outcome;
+  {
+    ScopedTimer timer(stats.target_seconds);
+    outcome = graph.run(source.runner(), target, state.sequence(), replay);
+  }
+  stats.target_calls += 1;
+  stats.drafter_calls += gamma;
+  stats.target_positions += gamma + 1;
+  ++stats.graph_steps;
+  const int64_t accepted = outcome.step.accepted;
+  state.emit({.drafts = outcome.drafts, .accepted = accepted, .token = outcome.step.token, .gamma = gamma}, [&] {
+    ScopedTimer timer(stats.drafter_seconds);
+    source.verified(VerifiedDrafts{.sequence = state.sequence(), .position = position, .drafted = gamma,
+                                   .accepted = accepted});
+  });
+  return true;
+}
+
 // One step of tree drafting.
 template <TreeTarget T, class S, LogitsProcessor P>
 void tree_step(ModelRunner<T>& target, GenerationState& state, S& source, const P& processor, at::Generator& gen,
@@ -214,13 +257,27 @@ GenerationResult run_generation(ModelRunner<T>& target, std::vector<int64_t>& se
   }
   at::Generator gen = make_generator(options.seed, target.device());
   const auto vocab = static_cast<int64_t>(target.model().vocab_size());
+  // Steps of options.gamma drafts in static shapes, where the options ask for CUDA graphs:
+  // replayed from a graph on CUDA, run eagerly elsewhere (the same computation, for tests).
+  using Graphable = GraphableChain<T, S, P>;
+  std::optional<typename Graphable::Step> graph;
+  if constexpr (Graphable::value) {
+    if (draft && graph_options(options)) {
+      graph.emplace(options.gamma, target.device());
+    }
+  }
   bool first = true;
   while (!state.finished()) {
     if constexpr (TreeDraftSource<S, P>) {
       if constexpr (TreeTarget<T>) tree_step(target, state, source, processor, gen, options);
     } else {
       const bool target_only = !draft || (first && options.first_target);
-      chain_step(target, state, source, processor, gen, options, target_only, vocab);
+      bool done = false;
+      if constexpr (Graphable::value) {
+        done = graph && !target_only &&
+               static_chain_step(target, state, source, *graph, options, /*replay=*/target.device().is_cuda());
+      }
+      if (!done) chain_step(target, state, source, processor, gen, options, target_only, vocab);
     }
     first = false;
   }

@@ -1,8 +1,6 @@
 // Internals of the generation loop: a model with its cache, fed only what it has not seen yet.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -14,6 +12,7 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 
 namespace specdec::detail {
@@ -136,6 +135,22 @@ class ModelRunner {
     kept_.resize(nodes.size());
     for (size_t i = 0; i < nodes.size(); ++i) kept_[i] = prefix + nodes[i];
     cache_->keep(prefix, kept_);
+  }
+
+  // The cache itself, for a forward the runner does not make (a static-shape step writes it
+  // through forward_at() and then says with hold() how much of it is valid).
+  [[nodiscard]] cache_type& writable_cache() noexcept { return *cache_; }
+  [[nodiscard]] bool uses_cache() const noexcept { return use_cache_; }
+
+  // After positions up to `length` were written outside forward(): the cache holds exactly its
+  // first `length` positions (committing the written ones, or dropping those past it).
+  void hold(int64_t length) {
+    const int64_t held = cached();
+    if (length > held) {
+      cache_->commit(length - held);
+    } else {
+      truncate(length);
+    }
   }
 
   // Keeps at most `length` cached positions: the accepted prefix after a verification.

@@ -15,8 +15,6 @@
 // different lengths and sliding windows take the ATen forward; use_cpu_kernels(false) forces it.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -34,6 +32,7 @@
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/cpu_linear.hpp"
+#include "specdec/detail/torch_compat.hpp"
 #include "specdec/kv_cache.hpp"
 #include "specdec/detail/llama_cpu.hpp"
 #include "specdec/models/llama_config.hpp"
@@ -338,6 +337,39 @@ class LlamaModel {
     return forward_with_mask(ids, cache, tree.depth, tree.visible);
   }
 
+  // A forward of static shape, for CUDA graphs (StaticForwardModel, static_step.hpp): ids [1, T]
+  // at the positions `positions` (int64 [T] on device(), consecutive, the first at most the
+  // cache's length, the last below its capacity). Writes the tokens' keys and values there,
+  // attends over the cache's whole capacity masked to the positions at or before each token's
+  // own (and within the sliding window), and leaves cache.length() as it was: the caller commits
+  // what it keeps. Reads nothing from the device and nothing from the host but shapes, so the same
+  // call replays with other positions and tokens in the same buffers. Always the ATen forward.
+  at::Tensor forward_at(const at::Tensor& ids, Cache& cache, const at::Tensor& positions)
+    requires std::is_same_v<Cache, StaticKVCache>
+  {
+    if (!ids.defined() || ids.dim() != 2 || ids.size(0) != 1 || ids.size(1) < 1 || ids.scalar_type() != at::kLong ||
+        ids.device() != device()) {
+      detail::throw_invalid_message("ids must be int64 [1, T] with T >= 1 on ", device(), ", got ",
+                                    ids.defined() ? ids.sizes() : at::IntArrayRef{});
+    }
+    const int64_t count = ids.size(1);
+    if (!positions.defined() || positions.dim() != 1 || positions.size(0) != count ||
+        positions.scalar_type() != at::kLong || positions.device() != device()) {
+      detail::throw_invalid_message("positions must be int64 [", count, "] on ", device());
+    }
+    if (cache.capacity() > config_.max_seq_len) {
+      detail::throw_invalid_message("forward_at: the cache's capacity ", cache.capacity(), " exceeds max_seq_len ",
+                                    config_.max_seq_len);
+    }
+    const at::Tensor keys = at::arange(cache.capacity(), positions.options()).view({1, cache.capacity()});
+    const at::Tensor query = positions.view({count, 1});
+    at::Tensor visible = keys <= query;
+    if (config_.sliding_window > 0) visible = visible.logical_and(keys > query - config_.sliding_window);
+    const int64_t group = config_.n_heads / config_.n_kv_heads;
+    const at::Tensor bias = new_token_bias(visible).repeat({group, 1}).view({1, 1, group * count, cache.capacity()});
+    return run(ids, cache, positions, bias, positions);
+  }
+
  private:
   void check_ids(const at::Tensor& ids, const Cache& cache) const {
     if (!ids.defined() || ids.dim() != 2 || ids.size(1) < 1 || ids.scalar_type() != at::kLong) {
@@ -516,8 +548,12 @@ class LlamaModel {
     return at::stack({even * cos - odd * sin, even * sin + odd * cos}, -1).reshape(sizes);
   }
 
+  // The ATen forward: new token t of row b at positions [T] (or [B, T]) seeing what `bias` leaves
+  // at 0 (see below). `written_at` (defined only by forward_at): the tokens' keys and values are
+  // written at those positions of a StaticKVCache, which is not committed, and `bias` spans its
+  // whole capacity.
   at::Tensor run(const at::Tensor& ids, Cache& cache, const at::Tensor& positions,
-                 const at::Tensor& bias) {
+                 const at::Tensor& bias, const at::Tensor& written_at = at::Tensor()) {
     const int64_t batch = ids.size(0);
     const int64_t count = ids.size(1);
     const int64_t heads = config_.n_heads;
@@ -555,7 +591,7 @@ class LlamaModel {
       const at::Tensor q = qk.narrow(2, 0, heads);
       const at::Tensor k = qk.narrow(2, heads, kv_heads);
       const at::Tensor v = qkv.narrow(-1, q_width + kv_width, kv_width).view({batch, count, kv_heads, head_dim});
-      const auto [keys, values] = cache.update(layer, k.transpose(1, 2), v.transpose(1, 2));
+      const auto [keys, values] = write_positions(cache, layer, k.transpose(1, 2), v.transpose(1, 2), written_at);
       // Queries grouped by their key/value head: [B, kv_heads, group * T, hd].
       const at::Tensor grouped = q.transpose(1, 2).reshape({batch, kv_heads, group * count, head_dim});
       at::Tensor scores = at::matmul(grouped, keys.transpose(2, 3)).mul_(scale);
@@ -576,8 +612,18 @@ class LlamaModel {
       const int64_t hidden = config_.hidden_dim;
       x = x + at::linear(at::silu(gate_up.narrow(-1, 0, hidden)) * gate_up.narrow(-1, hidden, hidden), w.w2);
     }
-    cache.commit(count);
+    if (!written_at.defined()) cache.commit(count);
     return at::linear(rms_norm(x, weights_.norm, config_.norm_eps), weights_.output);
+  }
+
+  // A layer's new keys and values [B, kv_heads, T, hd] into the cache: appended (update()), or at
+  // the positions `written_at` of a StaticKVCache (update_at()).
+  static std::pair<at::Tensor, at::Tensor> write_positions(Cache& cache, int64_t layer, const at::Tensor& keys,
+                                                           const at::Tensor& values, const at::Tensor& written_at) {
+    if constexpr (std::is_same_v<Cache, StaticKVCache>) {
+      if (written_at.defined()) return cache.update_at(layer, at::stack({keys, values}), written_at);
+    }
+    return cache.update(layer, keys, values);
   }
 
   void check_weights() const {
