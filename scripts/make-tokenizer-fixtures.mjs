@@ -1,15 +1,15 @@
-// Writes tests/data/hf_tokenizer_fixtures.json: for each real tokenizer.json fetched by
-// scripts/fetch-tokenizers.sh and each text below, the ids @lenml/tokenizers (a JavaScript port of
+// Writes tests/data/hf_tokenizer_fixtures.json: for each real tokenizer.json in ../shared/tokenizers
+// (laid out as <name>/package/models/tokenizer.json) and each text below, the ids @lenml/tokenizers (a JavaScript port of
 // the Hugging Face tokenizers) encodes it to, with and without the post-processor's special tokens,
 // and the text it decodes those ids back to. The C++ tests compare io::HfTokenizer with them.
-//   node scripts/make-tokenizer-fixtures.mjs [cache folder, default .cache/tokenizers]
+//   node scripts/make-tokenizer-fixtures.mjs [tokenizers folder, default ../shared/tokenizers]
 import { createRequire } from "node:module";
 import { readFileSync, writeFileSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
 const root = join(dirname(fileURLToPath(import.meta.url)), "..");
-const cache = process.argv[2] ?? process.env.SPECDEC_TOKENIZERS_DIR ?? join(root, ".cache/tokenizers");
+const cache = process.argv[2] ?? process.env.SPECDEC_TOKENIZERS_DIR ?? join(root, "../shared/tokenizers");
 const require = createRequire(import.meta.url);
 const { TokenizerLoader } = require(join(cache, "tokenizers/package/dist/main.js"));
 

@@ -17,7 +17,7 @@
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/tokenizer.hpp"
 #include "support/llama_fixtures.hpp"
-#include "support/models_dir.hpp"
+#include "support/shared_files.hpp"
 #include "support/naive_llama.hpp"
 #include "specdec/text/prompts.hpp"
 #include "specdec/text/python_corpus.hpp"

@@ -19,7 +19,7 @@
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/markov_fixtures.hpp"
-#include "support/models_dir.hpp"
+#include "support/shared_files.hpp"
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 

@@ -1,0 +1,235 @@
+// specdec against the Python reference implementations: Hugging Face transformers for the model
+// families and assisted generation, Hugging Face tokenizers (the Rust library) for tokenizer.json.
+//
+// The references are made by tests/reference/hf_models.py and hf_tokenizers.py (CTest runs them
+// first, with the pinned packages of scripts/python-requirements.txt) into the folder named by
+// SPECDEC_REFERENCE_DIR. Without it the tests skip with the reason, except in CI (CI=true), where
+// a skip would hide a broken check and they fail instead.
+#include <gtest/gtest.h>
+
+#include <specdec/generate.hpp>
+#include <specdec/io/hf_llama.hpp>
+#include <specdec/io/hf_tokenizer.hpp>
+#include <specdec/io/safetensors.hpp>
+#include <specdec/models/llama.hpp>
+
+#include "support/shared_files.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using Ids = std::vector<int64_t>;
+using specdec::DynamicKVCache;
+using specdec::StaticKVCache;
+using specdec::models::LlamaModel;
+
+using specdec::test::in_ci;
+using specdec::test::tokenizers_dir;
+
+// The folder of the references, or "" where none was made.
+fs::path reference_dir() {
+  const char* dir = std::getenv("SPECDEC_REFERENCE_DIR");
+  return dir != nullptr && *dir != '\0' ? fs::path(dir) : fs::path();
+}
+
+// Skips (fails in CI) when `path` does not exist, saying why.
+#define SPECDEC_REQUIRE_REFERENCE(path)                                                                     \
+  do {                                                                                                      \
+    if (reference_dir().empty() || !fs::exists(path)) {                                                     \
+      const std::string reason = "no Python reference at '" + (path).string() +                             \
+                                 "': configure with -DSPECDEC_PYTHON=<python with the packages of "         \
+                                 "scripts/python-requirements.txt> (scripts/install-torch2.sh) and run "    \
+                                 "through ctest";                                                           \
+      if (in_ci()) FAIL() << reason << " (a skip is a failure in CI)";                                      \
+      GTEST_SKIP() << reason;                                                                               \
+    }                                                                                                       \
+  } while (false)
+
+Ids to_ids(const at::Tensor& t) {
+  const at::Tensor flat = t.to(at::kLong).contiguous().view({-1});
+  return Ids(flat.data_ptr<int64_t>(), flat.data_ptr<int64_t>() + flat.numel());
+}
+
+// ---- transformers: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM ---------------------
+
+struct Reference {
+  fs::path folder;
+  std::map<std::string, at::Tensor> tensors;
+  std::string drafter;  // the folder of the model that drafted transformers' assisted generation
+};
+
+Reference read_reference(const std::string& name) {
+  Reference r{reference_dir() / "models" / name, {}, {}};
+  r.tensors = specdec::io::load_safetensors(r.folder / "reference.safetensors").tensors;
+  std::ifstream in(r.folder / "reference.json");
+  const nlohmann::json info = nlohmann::json::parse(in);
+  r.drafter = info.at("drafter").get<std::string>();
+  return r;
+}
+
+template <class Cache>
+LlamaModel<Cache> load_model(const fs::path& folder) {
+  auto checkpoint = specdec::io::load_hf_llama(folder);
+  return LlamaModel<Cache>(checkpoint.config, std::move(checkpoint.weights));
+}
+
+// The largest absolute difference, and where, for a failure message.
+std::string worst(const at::Tensor& got, const at::Tensor& expected) {
+  const at::Tensor difference = (got.to(at::kDouble) - expected.to(at::kDouble)).abs();
+  const int64_t at_index = difference.argmax().item<int64_t>();
+  std::ostringstream text;
+  text << "largest difference " << difference.max().item<double>() << " at row " << at_index / expected.size(1)
+       << ", token " << at_index % expected.size(1);
+  return text.str();
+}
+
+constexpr double kLogitTolerance = 1e-4;
+
+class HfModel : public ::testing::TestWithParam<std::string> {};
+
+// The whole sequence in one forward, through both forwards of the reference model (the CPU loops
+// and the ATen operations), with both caches.
+TEST_P(HfModel, LogitsEqualTransformersOverTheWholeSequence) {
+  const fs::path folder = reference_dir() / "models" / GetParam();
+  SPECDEC_REQUIRE_REFERENCE(folder);
+  const Reference r = read_reference(GetParam());
+  const at::Tensor& ids = r.tensors.at("input_ids");
+  const at::Tensor& expected = r.tensors.at("logits");
+  for (const bool loops : {true, false}) {
+    SCOPED_TRACE(loops ? "CPU loops" : "ATen forward");
+    auto model = load_model<StaticKVCache>(r.folder);
+    model.use_cpu_kernels(loops);
+    auto cache = model.make_cache(1);
+    const at::Tensor logits = model.forward(ids, cache)[0];
+    ASSERT_EQ(logits.sizes(), expected.sizes());
+    EXPECT_TRUE(at::allclose(logits, expected, 0.0, kLogitTolerance)) << worst(logits, expected);
+  }
+  auto dynamic = load_model<DynamicKVCache>(r.folder);
+  auto cache = dynamic.make_cache(1);
+  const at::Tensor logits = dynamic.forward(ids, cache)[0];
+  EXPECT_TRUE(at::allclose(logits, expected, 0.0, kLogitTolerance)) << worst(logits, expected);
+}
+
+// The same sequence fed in pieces of 5, 1, 7, 3 and the rest, each attending to the cache the
+// earlier ones left (for the Mistral case, across its sliding window).
+TEST_P(HfModel, LogitsEqualTransformersInCachedPieces) {
+  const fs::path folder = reference_dir() / "models" / GetParam();
+  SPECDEC_REQUIRE_REFERENCE(folder);
+  const Reference r = read_reference(GetParam());
+  const at::Tensor& ids = r.tensors.at("input_ids");
+  const at::Tensor& expected = r.tensors.at("logits");
+  auto model = load_model<StaticKVCache>(r.folder);
+  auto cache = model.make_cache(1);
+  std::vector<at::Tensor> pieces;
+  int64_t start = 0;
+  for (const int64_t length : {5, 1, 7, 3}) {
+    pieces.push_back(model.forward(ids.narrow(1, start, length), cache)[0]);
+    start += length;
+  }
+  pieces.push_back(model.forward(ids.narrow(1, start, ids.size(1) - start), cache)[0]);
+  const at::Tensor logits = at::cat(pieces, 0);
+  ASSERT_EQ(logits.sizes(), expected.sizes());
+  EXPECT_TRUE(at::allclose(logits, expected, 0.0, kLogitTolerance)) << worst(logits, expected);
+}
+
+TEST_P(HfModel, GreedyTokensEqualTransformersGenerate) {
+  const fs::path folder = reference_dir() / "models" / GetParam();
+  SPECDEC_REQUIRE_REFERENCE(folder);
+  const Reference r = read_reference(GetParam());
+  const Ids prompt = to_ids(r.tensors.at("prompt"));
+  const Ids expected = to_ids(r.tensors.at("greedy"));
+  auto model = load_model<StaticKVCache>(r.folder);
+  const auto result = specdec::autoregressive_generate(
+      model, prompt, {.max_new_tokens = static_cast<int64_t>(expected.size()), .eos_token_ids = {}});
+  EXPECT_EQ(result.tokens, expected);
+}
+
+// transformers' assisted generation (assistant_model=) against speculative_generate on the same
+// pair: the same greedy tokens, at several draft lengths.
+TEST_P(HfModel, SpeculativeGenerateEqualsTransformersAssistedGeneration) {
+  const fs::path folder = reference_dir() / "models" / GetParam();
+  SPECDEC_REQUIRE_REFERENCE(folder);
+  const Reference r = read_reference(GetParam());
+  const Ids prompt = to_ids(r.tensors.at("prompt"));
+  const Ids expected = to_ids(r.tensors.at("assisted"));
+  auto target = load_model<StaticKVCache>(r.folder);
+  auto drafter = load_model<StaticKVCache>(reference_dir() / "models" / r.drafter);
+  for (const int64_t gamma : {1, 3, 5}) {
+    SCOPED_TRACE("gamma " + std::to_string(gamma));
+    const auto result = specdec::speculative_generate(
+        drafter, target, prompt,
+        {.max_new_tokens = static_cast<int64_t>(expected.size()), .eos_token_ids = {}, .gamma = gamma});
+    EXPECT_EQ(result.tokens, expected);
+    EXPECT_GT(result.stats.accepted, 0) << "the drafter never agreed with the target: the pair tests nothing";
+    EXPECT_LT(result.stats.accepted, result.stats.drafted) << "the drafter always agreed: no rejection tested";
+    std::printf("%s gamma %lld: %lld of %lld drafts accepted\n", GetParam().c_str(), static_cast<long long>(gamma),
+                static_cast<long long>(result.stats.accepted), static_cast<long long>(result.stats.drafted));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transformers, HfModel,
+                         ::testing::Values("llama_llama3_tied", "llama_linear_bias_untied", "qwen2", "mistral_window"));
+
+// ---- tokenizers: tokenizer.json of Llama 3, Qwen3 and Llama 2 ----------------------------------
+
+const nlohmann::json& tokenizer_references() {
+  static const nlohmann::json data = [] {
+    std::ifstream in(reference_dir() / "tokenizers.json");
+    return nlohmann::json::parse(in);
+  }();
+  return data;
+}
+
+class HfTokenizerReference : public ::testing::TestWithParam<std::string> {};
+
+// Every text of the corpus (the fixture texts and over 2,000 generated ones): ids with and
+// without the post-processor's special tokens, and the decoded text with and without them.
+TEST_P(HfTokenizerReference, EncodingAndDecodingEqualTheTokenizersLibrary) {
+  const fs::path file = tokenizers_dir() / ("tokenizer-" + GetParam()) / "package/models/tokenizer.json";
+  if (!fs::exists(file)) {
+    const std::string reason = "the " + GetParam() + " tokenizer.json is absent at " + file.string() +
+                               " (../shared/tokenizers, or SPECDEC_TOKENIZERS_DIR)";
+    if (in_ci()) FAIL() << reason;
+    GTEST_SKIP() << reason;
+  }
+  SPECDEC_REQUIRE_REFERENCE(reference_dir() / "tokenizers.json");
+  const nlohmann::json& data = tokenizer_references();
+  const nlohmann::json& texts = data.at("texts");
+  const nlohmann::json& expected = data.at("tokenizers").at(GetParam());
+  ASSERT_EQ(texts.size(), expected.size());
+  ASSERT_GE(texts.size(), 2000U);
+  const auto tokenizer = specdec::io::HfTokenizer::load(file);
+  int64_t mismatches = 0;
+  std::ostringstream first;
+  const auto check = [&](bool same, size_t i, const char* what) {
+    if (same) return;
+    if (++mismatches <= 5) first << "\n  text " << i << " " << texts[i].dump() << ": " << what << " differs";
+  };
+  for (size_t i = 0; i < texts.size(); ++i) {
+    const std::string text = texts[i].get<std::string>();
+    const nlohmann::json& e = expected[i];
+    const Ids ids = tokenizer.encode(text, false);
+    check(ids == e.at("ids").get<Ids>(), i, "ids");
+    check(tokenizer.encode(text) == e.at("ids_with_special_tokens").get<Ids>(), i, "ids with special tokens");
+    const Ids reference_ids = e.at("ids").get<Ids>();
+    check(tokenizer.decode(reference_ids) == e.at("decoded").get<std::string>(), i, "decoded text");
+    check(tokenizer.decode(reference_ids, true) == e.at("decoded_skipping_special").get<std::string>(), i,
+          "decoded text skipping special tokens");
+  }
+  EXPECT_EQ(mismatches, 0) << mismatches << " differences over " << texts.size() << " texts (" << data.at("generator")
+                           << "); the first:" << first.str();
+}
+
+INSTANTIATE_TEST_SUITE_P(Tokenizers, HfTokenizerReference, ::testing::Values("llama3", "qwen3", "llama2"));
+
+}  // namespace
