@@ -672,8 +672,14 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const Text
   std::vector<std::string> lines;
   for (std::string line; std::getline(in, line);) {
     // "\n" (backslash, n) in a line stands for a newline of the prompt.
-    for (size_t at = line.find("\\n"); at != std::string::npos; at = line.find("\\n", at + 1)) line.replace(at, 2, "\n");
-    lines.push_back(line);
+    std::string prompt;
+    prompt.reserve(line.size());
+    for (size_t i = 0; i < line.size(); ++i) {
+      const bool escape = line[i] == '\\' && i + 1 < line.size() && line[i + 1] == 'n';
+      prompt.push_back(escape ? '\n' : line[i]);
+      if (escape) ++i;
+    }
+    lines.push_back(std::move(prompt));
   }
   if (lines.empty()) throw std::invalid_argument("--batch-file: " + a.batch_file + " holds no prompt");
   std::vector<std::vector<int64_t>> prompts;
