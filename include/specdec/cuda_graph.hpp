@@ -24,8 +24,9 @@
 // target caches all but the sequence's last token and the drafter all but its last one or two.
 // So the prompt's prefill, a first target-only step and the steps near the length limit run
 // eagerly. On a device other than CUDA, the steps that would replay run the same static-shape
-// computation eagerly instead (slower than the usual step; it is how the tests check it). One graph is captured per generation call, at its first replayable step (after one
-// eager warm-up run of the same step on a side stream), and recaptured if a cache's storage moves.
+// computation eagerly instead (slower than the usual step; it is how the tests check it). One
+// graph is captured per generation call, at its first replayable step (after one eager warm-up
+// run of the same step on a side stream), and recaptured if a cache's storage moves.
 // Sampling runs eagerly: its random draws would have to come from generators registered with the
 // graph.
 #pragma once

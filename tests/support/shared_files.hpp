@@ -11,27 +11,28 @@
 
 namespace specdec::test {
 
+// The folder named by the environment variable `variable` when it is set, else `fallback`.
+inline std::filesystem::path folder_setting(const char* variable, const char* fallback) {
+  const char* folder = std::getenv(variable);
+  return folder != nullptr && *folder != '\0' ? std::filesystem::path(folder) : std::filesystem::path(fallback);
+}
+
+#ifndef SPECDEC_DEFAULT_MODELS_DIR
+#define SPECDEC_DEFAULT_MODELS_DIR ""
+#endif
+#ifndef SPECDEC_DEFAULT_TOKENIZERS_DIR
+#define SPECDEC_DEFAULT_TOKENIZERS_DIR ""
+#endif
+
 // The folder of the real checkpoints: SPECDEC_MODELS_DIR when set, else the configured default.
 inline std::filesystem::path models_dir() {
-  const char* folder = std::getenv("SPECDEC_MODELS_DIR");
-  if (folder != nullptr && *folder != '\0') return folder;
-#ifdef SPECDEC_DEFAULT_MODELS_DIR
-  return SPECDEC_DEFAULT_MODELS_DIR;
-#else
-  return {};
-#endif
+  return folder_setting("SPECDEC_MODELS_DIR", SPECDEC_DEFAULT_MODELS_DIR);
 }
 
 // The folder of the real tokenizers (<name>/package/models/tokenizer.json): SPECDEC_TOKENIZERS_DIR
 // when set, else the configured default.
 inline std::filesystem::path tokenizers_dir() {
-  const char* folder = std::getenv("SPECDEC_TOKENIZERS_DIR");
-  if (folder != nullptr && *folder != '\0') return folder;
-#ifdef SPECDEC_DEFAULT_TOKENIZERS_DIR
-  return SPECDEC_DEFAULT_TOKENIZERS_DIR;
-#else
-  return {};
-#endif
+  return folder_setting("SPECDEC_TOKENIZERS_DIR", SPECDEC_DEFAULT_TOKENIZERS_DIR);
 }
 
 // models_dir() / relative if it exists, else nullopt.

@@ -337,13 +337,14 @@ class LlamaModel {
     return forward_with_mask(ids, cache, tree.depth, tree.visible);
   }
 
-  // A forward of static shape, for CUDA graphs (StaticForwardModel, static_step.hpp): ids [1, T]
+  // A forward of static shape, for CUDA graphs (StaticForwardModel, cuda_graph.hpp): ids [1, T]
   // at the positions `positions` (int64 [T] on device(), consecutive, the first at most the
   // cache's length, the last below its capacity). Writes the tokens' keys and values there,
   // attends over the cache's whole capacity masked to the positions at or before each token's
   // own (and within the sliding window), and leaves cache.length() as it was: the caller commits
-  // what it keeps. Reads nothing from the device and nothing from the host but shapes, so the same
-  // call replays with other positions and tokens in the same buffers. Always the ATen forward.
+  // what it keeps. Makes no host synchronisation and reads nothing from the host but shapes, so
+  // the same call replays with other positions and tokens in the same buffers. Always the ATen
+  // forward.
   at::Tensor forward_at(const at::Tensor& ids, Cache& cache, const at::Tensor& positions)
     requires std::is_same_v<Cache, StaticKVCache>
   {
