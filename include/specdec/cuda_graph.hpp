@@ -94,8 +94,7 @@ struct GraphedOutcome {
 
 // One speculative step of a fixed gamma in static shapes, for a drafter D and a target T that
 // model StaticForwardModel. On CUDA (built with SPECDEC_HAVE_CUDA) it is captured as a CUDA graph
-// and replayed; elsewhere, or with replay false, the same computation runs eagerly (the tests run
-// it so on the CPU).
+// and replayed; elsewhere the same computation runs eagerly (the tests run it so on the CPU).
 template <StaticForwardModel D, StaticForwardModel T>
 class StaticChainStep {
  public:
@@ -125,12 +124,11 @@ class StaticChainStep {
     return target.cached() == length - 1 && (drafter_cached == length - 1 || drafter_cached == length - 2);
   }
 
-  // Runs the step after `sequence` (applies() must hold): replayed from the graph when `replay`
-  // and the device is CUDA, eagerly otherwise. Costs one device-to-host copy. Afterwards each
+  // Runs the step after `sequence` (applies() must hold): replayed from the graph on a CUDA
+  // device, eagerly otherwise. Costs one device-to-host copy. Afterwards each
   // cache holds what the eager step would have left: the target the sequence's last token and
   // the accepted drafts, the drafter those of them it has fed.
-  GraphedOutcome run(ModelRunner<D>& drafter, ModelRunner<T>& target, std::span<const int64_t> sequence,
-                     bool replay) {
+  GraphedOutcome run(ModelRunner<D>& drafter, ModelRunner<T>& target, std::span<const int64_t> sequence) {
     const auto length = static_cast<int64_t>(sequence.size());
     int64_t* host = host_inputs_.data_ptr<int64_t>();
     host[0] = sequence[static_cast<size_t>(length - 2)];
@@ -139,7 +137,7 @@ class StaticChainStep {
     inputs_.copy_(host_inputs_, /*non_blocking=*/device_.is_cuda());
     StaticKVCache& drafter_cache = drafter.writable_cache();
     StaticKVCache& target_cache = target.writable_cache();
-    if (replay && device_.is_cuda()) {
+    if (device_.is_cuda()) {
       replay_graph(drafter.model(), drafter_cache, target.model(), target_cache);
     } else {
       prepare(drafter_cache, target_cache);

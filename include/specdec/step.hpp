@@ -178,11 +178,12 @@ struct GraphableChain<T, ModelDraftSource<D>, GreedyProcessor> : std::true_type 
 };
 
 // One chain step of options.gamma drafts in static shapes (StaticChainStep): replayed from its
-// CUDA graph on a CUDA device. Returns false, having done nothing, where the step does not apply
-// (the eager chain_step then runs): near the length limit, or caches not in the expected state.
+// CUDA graph on a CUDA device, run eagerly elsewhere. Returns false, having done nothing, where
+// the step does not apply (the eager chain_step then runs): near the length limit, or caches not
+// in the expected state.
 template <StaticForwardModel T, StaticForwardModel D>
 bool static_chain_step(ModelRunner<T>& target, GenerationState& state, ModelDraftSource<D>& source,
-                       StaticChainStep<D, T>& graph, const SpeculativeOptions& options, bool replay) {
+                       StaticChainStep<D, T>& graph, const SpeculativeOptions& options) {
   const int64_t position = state.length();
   const int64_t room = std::min(state.room() - 1, source_room(source, position));
   if (std::min(options.gamma, room) != graph.gamma() || !graph.applies(source.runner(), target, state.sequence())) {
@@ -193,7 +194,7 @@ bool static_chain_step(ModelRunner<T>& target, GenerationState& state, ModelDraf
   GraphedOutcome outcome;
   {
     ScopedTimer timer(stats.target_seconds);
-    outcome = graph.run(source.runner(), target, state.sequence(), replay);
+    outcome = graph.run(source.runner(), target, state.sequence());
   }
   stats.target_calls += 1;
   stats.drafter_calls += gamma;
@@ -274,8 +275,7 @@ GenerationResult run_generation(ModelRunner<T>& target, std::vector<int64_t>& se
       const bool target_only = !draft || (first && options.first_target);
       bool done = false;
       if constexpr (Graphable::value) {
-        done = graph && !target_only &&
-               static_chain_step(target, state, source, *graph, options, /*replay=*/target.device().is_cuda());
+        done = graph && !target_only && static_chain_step(target, state, source, *graph, options);
       }
       if (!done) chain_step(target, state, source, processor, gen, options, target_only, vocab);
     }
