@@ -2,13 +2,18 @@
 // batches of 1..8 with mixed prompt lengths and gamma 1..8, on the prefix-hash toy model and on
 // Llama with both cache types; sampled rows are exactly the target's distribution (with a power
 // check); one host copy per step for the whole batch; rows that finish leave the batch; bad input.
+// Rows near the target's and the drafter's context limits, and the other places where a batch or a
+// tree meets a limit (STAND trees, beam search, sessions whose turn crosses the drafter's limit).
 #include <gtest/gtest.h>
 
 #include <map>
 #include <vector>
 
 #include "specdec/batch.hpp"
+#include "specdec/beam_search.hpp"
 #include "specdec/generate.hpp"
+#include "specdec/session.hpp"
+#include "specdec/stand.hpp"
 #include "specdec/models/llama.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
@@ -232,6 +237,141 @@ TEST(BatchSampling, EveryRowIsDistributedAsTheTarget) {
   EXPECT_FALSE(rows_pass_chi_square(/*skip_sample_adjustment=*/true));
 }
 
+// A Markov model with a context limit: max_sequence_length() states it, and a forward that would
+// hold more positions than it throws as a real model's does (so a batch that asks for padding past
+// a row's limit fails here too).
+class LimitedMarkov : public test::MarkovModel {
+ public:
+  LimitedMarkov(const at::Tensor& transitions, int64_t limit) : MarkovModel(transitions), limit_(limit) {}
+  [[nodiscard]] int64_t max_sequence_length() const { return limit_; }
+  at::Tensor forward(const at::Tensor& ids, test::TokenCache& cache) {
+    if (cache.length() + ids.size(1) > limit_) {
+      throw std::invalid_argument("cache length " + std::to_string(cache.length()) + " + " +
+                                  std::to_string(ids.size(1)) + " new tokens exceeds the limit " + std::to_string(limit_));
+    }
+    return MarkovModel::forward(ids, cache);
+  }
+
+ private:
+  int64_t limit_;
+};
+
+// Rows at different distances from the target's limit (and the drafter's): greedy rows equal
+// their single-sequence output and stop reason at gamma 1..8, with both cache types; a row past
+// the drafter's limit goes on with the target alone; the batch keeps one host copy per step.
+TYPED_TEST(BatchLlama, RowsNearTheContextLimitsEqualTheirSingleSequenceOutput) {
+  models::LlamaConfig config = test::small_llama_config();
+  config.max_seq_len = 40;
+  const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<TypeParam> target(config, weights);
+  for (const int64_t drafter_limit : {int64_t{40}, int64_t{27}}) {
+    models::LlamaConfig drafter_config = config;
+    drafter_config.max_seq_len = drafter_limit;
+    models::LlamaModel<TypeParam> drafter(drafter_config, test::perturbed(weights, 0.04, 4));
+    for (int64_t gamma = 1; gamma <= 8; ++gamma) {
+      std::vector<int64_t> lengths{39, 5, 38, 40 - gamma - 1, 3};
+      if (drafter_limit < 40) {
+        for (const int64_t l : {drafter_limit - 1, drafter_limit, drafter_limit + 1, drafter_limit - gamma - 1}) lengths.push_back(l);
+      }
+      std::vector<std::vector<int64_t>> prompts;
+      for (size_t r = 0; r < lengths.size(); ++r) {
+        std::vector<int64_t> prompt;
+        for (int64_t i = 0; i < lengths[r]; ++i) prompt.push_back((11 * static_cast<int64_t>(r) + 5 * i + 3) % config.vocab_size);
+        prompts.push_back(prompt);
+      }
+      const SpeculativeOptions options{.max_new_tokens = 64, .gamma = gamma};
+      const int64_t copies = device_to_host_copies();
+      const auto results = speculative_generate_batch(drafter, target, prompts, options);
+      const int64_t batch_copies = device_to_host_copies() - copies;
+      ASSERT_EQ(results.size(), prompts.size());
+      int64_t batch_steps = 0;
+      for (size_t r = 0; r < prompts.size(); ++r) {
+        const auto alone = speculative_generate(drafter, target, prompts[r], options);
+        EXPECT_EQ(results[r].tokens, alone.tokens) << "drafter limit " << drafter_limit << " gamma " << gamma << " row " << r;
+        EXPECT_EQ(results[r].stop_reason, StopReason::sequence_limit) << "row " << r;
+        EXPECT_EQ(static_cast<int64_t>(prompts[r].size() + results[r].tokens.size()), 40) << "row " << r;
+        batch_steps = std::max(batch_steps, results[r].stats.steps);
+      }
+      EXPECT_EQ(batch_copies, batch_steps) << "drafter limit " << drafter_limit << " gamma " << gamma;
+      const auto autoregressive = autoregressive_generate_batch(target, prompts, {.max_new_tokens = 64});
+      for (size_t r = 0; r < prompts.size(); ++r) EXPECT_EQ(autoregressive[r].tokens, results[r].tokens) << "row " << r;
+    }
+  }
+}
+
+// The model-free sources near the target's limit: n-gram storage and prompt lookup.
+TYPED_TEST(BatchLlama, NGramRowsNearTheLimitEqualTheirSingleSequenceOutput) {
+  models::LlamaConfig config = test::small_llama_config();
+  config.max_seq_len = 40;
+  models::LlamaModel<TypeParam> target(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  for (int64_t gamma = 1; gamma <= 8; ++gamma) {
+    std::vector<std::vector<int64_t>> prompts;
+    for (const int64_t length : {int64_t{39}, int64_t{4}, int64_t{38}, 40 - gamma - 1, int64_t{12}}) {
+      std::vector<int64_t> prompt;  // a repeating pattern, so that lookups find drafts
+      for (int64_t i = 0; i < length; ++i) prompt.push_back((3 * (i % 5) + length) % config.vocab_size);
+      prompts.push_back(prompt);
+    }
+    const NGramAssistedOptions options{.max_new_tokens = 64, .gamma = gamma, .filler_top_k = 1};
+    NGramStorage storage(3, config.vocab_size);
+    const auto results = ngram_assisted_generate_batch(storage, target, prompts, options);
+    PromptLookupDrafter lookup;
+    const auto looked_up = ngram_assisted_generate_batch(lookup, target, prompts, options);
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      const auto alone = autoregressive_generate(target, prompts[r], {.max_new_tokens = 64});
+      EXPECT_EQ(results[r].tokens, alone.tokens) << "gamma " << gamma << " row " << r;
+      EXPECT_EQ(results[r].stop_reason, StopReason::sequence_limit) << "row " << r;
+      EXPECT_EQ(looked_up[r].tokens, alone.tokens) << "prompt lookup, gamma " << gamma << " row " << r;
+      EXPECT_EQ(looked_up[r].stop_reason, StopReason::sequence_limit) << "row " << r;
+    }
+  }
+}
+
+// Sampled rows at the target's limit - 1 and - 2, past and at the drafter's, and a short one: each
+// row's tokens are distributed as the target's (chi-square at a tail of 1e-6). Returns whether
+// every row passed.
+bool rows_near_the_limit_pass_chi_square(bool skip_sample_adjustment) {
+  constexpr int64_t kLimit = 8, kDrafterLimit = 5;
+  LimitedMarkov target(test::markov_target_rows(), kLimit);
+  LimitedMarkov drafter(test::markov_drafter_rows(), kDrafterLimit);
+  const at::Tensor p = test::markov_target_rows();
+  // Rows: past the drafter's limit (2 tokens, target alone), 1 from the target's limit (1 token),
+  // at the drafter's limit, 1 below it, and a short one (2 tokens each).
+  const std::vector<std::vector<int64_t>> prompts{{0, 1, 2, 3, 0, 1}, {2, 1, 0, 3, 2, 1, 0}, {1, 2, 3, 0, 2}, {3, 3, 1, 0}, {0}};
+  const MultinomialProcessor processor{1.0};
+  constexpr int64_t kSamples = 2500;
+  std::vector<std::map<std::vector<int64_t>, int64_t>> observed(prompts.size());
+  for (int64_t i = 0; i < kSamples; ++i) {
+    const auto results = speculative_generate_batch(
+        drafter, target, prompts,
+        {.max_new_tokens = 2, .seed = static_cast<uint64_t>(i), .gamma = 3, .first_target = false,
+         .skip_sample_adjustment = skip_sample_adjustment},
+        processor);
+    for (size_t r = 0; r < prompts.size(); ++r) ++observed[r][results[r].tokens];
+  }
+  bool pass = true;
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    const int64_t last = prompts[r].back();
+    const int64_t count = std::min<int64_t>(2, kLimit - static_cast<int64_t>(prompts[r].size()));
+    std::map<std::vector<int64_t>, double> expected;
+    for (int64_t a = 0; a < 4; ++a) {
+      if (count == 1) {
+        expected[{a}] = p[last][a].item<double>();
+        continue;
+      }
+      for (int64_t b = 0; b < 4; ++b) expected[{a, b}] = p[last][a].item<double>() * p[a][b].item<double>();
+    }
+    const test::ChiSquare fit = test::chi_square(observed[r], expected, kSamples);
+    pass = pass && fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
+  }
+  return pass;
+}
+
+TEST(BatchSampling, RowsNearTheContextLimitsAreDistributedAsTheTarget) {
+  EXPECT_TRUE(rows_near_the_limit_pass_chi_square(/*skip_sample_adjustment=*/false));
+  // Power: rows that sample a rejected position from p instead of their own residual fail.
+  EXPECT_FALSE(rows_near_the_limit_pass_chi_square(/*skip_sample_adjustment=*/true));
+}
+
 // Caches of separate sessions joined into one batch: each row's logits and cache equal what its
 // own cache gives for the same tokens, the split rows go on as working caches, and the parts are
 // left unchanged (what the verification server's batched forward relies on).
@@ -309,6 +449,88 @@ TEST(BatchInput, RejectsBadInputNamingTheRow) {
   test::expect_invalid(
       [&] { (void)autoregressive_generate_batch(short_target, std::vector<std::vector<int64_t>>{{1}, std::vector<int64_t>(9, 1)}); },
       {"prompts[1]", "max_sequence_length 8"});
+}
+
+// --- Other places a tree or a batch of beams meets a context limit ---------------------------------
+
+// A Llama target of 40 positions and prompts ending 1, 2, 3 and 9 positions before it.
+models::LlamaConfig limited_config() {
+  models::LlamaConfig config = test::small_llama_config();
+  config.max_seq_len = 40;
+  return config;
+}
+std::vector<int64_t> limited_prompt(int64_t length, int64_t seed) {
+  std::vector<int64_t> prompt;
+  for (int64_t i = 0; i < length; ++i) prompt.push_back((3 * (i % 4) + seed) % 48);  // repeats: STAND drafts
+  return prompt;
+}
+
+// STAND trees whose budget runs into the limit: the tree is cut to the room left, the output is
+// the autoregressive one and ends with sequence_limit.
+TYPED_TEST(BatchLlama, StandTreesNearTheLimitEqualAutoregressive) {
+  const models::LlamaConfig config = limited_config();
+  models::LlamaModel<TypeParam> target(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  for (const int64_t length : {39, 38, 37, 31, 20}) {
+    const auto prompt = limited_prompt(length, length);
+    const auto reference = autoregressive_generate(target, prompt, {.max_new_tokens = 64});
+    ProbabilisticNGramStorage memory(config.vocab_size, 3);
+    (void)stand_generate(memory, target, limited_prompt(30, length), {.max_new_tokens = 64});  // teach it
+    for (const bool use_cache : {true, false}) {
+      const auto result = stand_generate(memory, target, prompt, {.max_new_tokens = 64, .use_cache = use_cache});
+      EXPECT_EQ(result.tokens, reference.tokens) << "prompt " << length;
+      EXPECT_EQ(result.stop_reason, StopReason::sequence_limit) << "prompt " << length;
+    }
+  }
+}
+
+// Beam search from prompts 1..3 positions before the limit: every hypothesis stops there.
+TYPED_TEST(BatchLlama, BeamSearchNearTheLimitStopsThere) {
+  const models::LlamaConfig config = limited_config();
+  models::LlamaModel<TypeParam> target(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  for (const int64_t length : {39, 38, 37, 36}) {
+    const auto prompt = limited_prompt(length, length);
+    const auto greedy = autoregressive_generate(target, prompt, {.max_new_tokens = 64});
+    const auto one = beam_search_generate(target, prompt, {.max_new_tokens = 64, .num_beams = 1, .top_k = 3, .alpha = 0.0});
+    EXPECT_EQ(one.tokens, greedy.tokens) << "prompt " << length;
+    const auto four = beam_search_generate(target, prompt, {.max_new_tokens = 64, .num_beams = 4, .top_k = 4});
+    ASSERT_FALSE(four.n_best.empty());
+    for (const auto& hypothesis : four.n_best) {
+      EXPECT_EQ(static_cast<int64_t>(hypothesis.tokens.size()), 40 - length) << "prompt " << length;
+    }
+  }
+}
+
+// A session whose second turn crosses the drafter's limit and whose third reaches the target's:
+// the drafter stops drafting past its own limit, the target goes on to its own, a turn at the
+// limit generates nothing and says why, and a turn that would not fit is refused unchanged.
+TYPED_TEST(BatchLlama, SessionTurnsAcrossBothLimitsEqualAutoregressive) {
+  const models::LlamaConfig config = limited_config();
+  const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<TypeParam> target(config, weights);
+  models::LlamaConfig drafter_config = config;
+  drafter_config.max_seq_len = 27;
+  models::LlamaModel<TypeParam> drafter(drafter_config, test::perturbed(weights, 0.04, 4));
+  for (int64_t gamma = 1; gamma <= 8; gamma += 3) {
+    Session<models::LlamaModel<TypeParam>> session(target);
+    ModelDraftSource<models::LlamaModel<TypeParam>> source(drafter);
+    std::vector<int64_t> all = limited_prompt(18, 5);
+    session.append(all);
+    const auto first = session.generate(source, {.max_new_tokens = 6, .gamma = gamma});
+    all.insert(all.end(), first.tokens.begin(), first.tokens.end());
+    const std::vector<int64_t> turn = limited_prompt(4, 9);  // 28 tokens: past the drafter's 27
+    session.append(turn);
+    all.insert(all.end(), turn.begin(), turn.end());
+    const auto second = session.generate(source, {.max_new_tokens = 64, .gamma = gamma});
+    std::vector<int64_t> expected = autoregressive_generate(target, all, {.max_new_tokens = 64}).tokens;
+    EXPECT_EQ(second.tokens, expected) << "gamma " << gamma;
+    EXPECT_EQ(second.stop_reason, StopReason::sequence_limit);
+    EXPECT_EQ(session.length(), 40);
+    const auto third = session.generate(source, {.max_new_tokens = 4, .gamma = gamma});
+    EXPECT_TRUE(third.tokens.empty());
+    EXPECT_EQ(third.stop_reason, StopReason::sequence_limit);
+    test::expect_invalid([&] { session.append(std::vector<int64_t>{1}); }, {"max_sequence_length 40"});
+    EXPECT_EQ(session.length(), 40);
+  }
 }
 
 }  // namespace

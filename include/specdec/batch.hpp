@@ -11,10 +11,20 @@
 // Against left padding this keeps every row's positions (RoPE) and cache writes contiguous from
 // 0, needs no per-row shift when rows accept different numbers of drafts, and lets a row be
 // pruned by moving its length alone; the cost is a per-row key mask over the longest row.
+//
+// Context limits: a padded forward writes every row's input width after the longest cached row,
+// so it must fit under the model's limit as a whole, not only row by row. Each step therefore
+// drafts no more than that rectangle leaves (BatchRunner::tail_room): while the longest row is
+// within gamma tokens of the target's limit, every row drafts at most what that row has room for
+// (a step or two, until it reaches the limit and leaves the batch). A row whose sequence outgrows
+// the drafter's limit leaves the drafter's batch and goes on with the target alone, as it would
+// alone. Rows stop at the target's limit with StopReason::sequence_limit; no forward is asked for
+// more positions than a cache can hold, and the output of every row is what it would be alone.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -127,10 +137,30 @@ class BatchRunner {
  public:
   BatchRunner(M& model, std::string_view role, int64_t batch, ForwardCounters counters)
       : model_(model), role_(role), cache_(model.make_cache(batch)), vocab_(static_cast<int64_t>(model.vocab_size())),
-        device_(model.device()), counters_(counters), lengths_(static_cast<size_t>(batch), 0) {}
+        limit_(sequence_limit(model)), device_(model.device()), counters_(counters),
+        lengths_(static_cast<size_t>(batch), 0) {}
 
   [[nodiscard]] const at::Device& device() const noexcept { return device_; }
   [[nodiscard]] std::span<const int64_t> lengths() const noexcept { return lengths_; }
+  [[nodiscard]] int64_t limit() const noexcept { return limit_; }
+
+  // The most tail tokens a forward of `sequences` can take: its padded input (the widest row of
+  // uncached tokens, then the tail) is placed after the longest cached row, and the whole must fit
+  // under the model's limit. Negative when not even the uncached tokens fit.
+  [[nodiscard]] int64_t tail_room(const std::vector<std::span<const int64_t>>& sequences) const {
+    if (limit_ == std::numeric_limits<int64_t>::max()) return limit_;
+    int64_t widest = 0;
+    for (size_t r = 0; r < sequences.size(); ++r) {
+      widest = std::max(widest, static_cast<int64_t>(sequences[r].size()) - lengths_[r]);
+    }
+    return limit_ - longest() - widest;
+  }
+
+  // The longest row the cache holds: where a forward's padded input begins.
+  [[nodiscard]] int64_t longest() const noexcept {
+    const auto rows = cache_.row_lengths();
+    return rows.empty() ? 0 : *std::max_element(rows.begin(), rows.end());
+  }
 
   // One forward over each row's uncached tokens of `sequences` followed by `tail` [b, k] (device
   // tokens, every row the same count). Returns logits [b, width, V] and, per row, the index of its
@@ -203,6 +233,7 @@ class BatchRunner {
   std::string_view role_;
   typename M::cache_type cache_;
   int64_t vocab_;
+  int64_t limit_;  // the model's max_sequence_length(), or no limit
   at::Device device_;
   ForwardCounters counters_;
   std::vector<int64_t> lengths_;  // positions each row holds that belong to its sequence
@@ -218,9 +249,11 @@ struct BatchDrafts {
   std::vector<int64_t> valid;
 };
 
-// The generation loop of a batch. Drafting: a callable (active rows, k, processor, gen) ->
-// BatchDrafts, and after(active rows, accepted, positions) after every step; k = 0 is a target-only
-// step (autoregressive decoding, a first target step).
+// The generation loop of a batch. Drafting: draft(active rows' sequences, k, processor, gen,
+// stats) -> BatchDrafts of at most k drafts per row (fewer columns where its own context allows
+// fewer), after(sequences, accepted lengths) after every step, select(rows) when rows leave; a
+// step with no drafts is target-only (autoregressive decoding, a first target step). `limit` is
+// the target's: rows stop there.
 template <BatchedLanguageModel T, class Drafting, LogitsProcessor P>
 std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<int64_t>> prompts,
                                         const SpeculativeOptions& options, const P& processor, Drafting& drafting,
@@ -271,11 +304,19 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
       rooms.push_back(draft && !(first && options.first_target) ? std::max<int64_t>(0, std::min(options.gamma, room)) : 0);
       k = std::max(k, rooms.back());
     }
+    // The target's padded forward must fit too (see the top of this file).
+    const int64_t fits = std::max<int64_t>(0, runner.tail_room(views));
+    if (k > fits) {
+      k = fits;
+      for (auto& room : rooms) room = std::min(room, fits);
+    }
     BatchDrafts drafts;
     const double drafter_before = shared.drafter_seconds;
     if (k > 0) {
       ScopedTimer timer(shared.drafter_seconds);
       drafts = drafting.draft(views, k, processor, gen, shared);
+      // A drafter near its own limit drafts fewer.
+      k = drafts.tokens.defined() ? drafts.tokens.size(1) : 0;
     }
     for (int64_t i = 0; i < b; ++i) {
       const int64_t made = k > 0 ? drafts.valid[static_cast<size_t>(i)] : 0;
@@ -357,48 +398,134 @@ struct NoBatchDrafts {
 };
 
 // A drafter model over the batch: k tokens per row, sampled row by row in batched forwards.
+// A row whose sequence no longer fits the drafter's context leaves the drafter's batch (its cache
+// row is dropped) and drafts nothing from then on: the target goes on with it alone.
 template <BatchedLanguageModel D>
 class ModelBatchDrafts {
  public:
   ModelBatchDrafts(D& drafter, int64_t batch)
-      : runner_(drafter, "drafter", batch, {.calls = &calls_, .seconds = &seconds_, .positions = &positions_}) {}
+      : runner_(drafter, "drafter", batch, {.calls = &calls_, .seconds = &seconds_, .positions = &positions_}),
+        row_of_(static_cast<size_t>(batch)) {
+    for (int64_t r = 0; r < batch; ++r) row_of_[static_cast<size_t>(r)] = r;
+  }
 
   template <LogitsProcessor P>
   BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences, int64_t k, const P& processor,
                     at::Generator& gen, GenerationStats& /*shared*/) {
     const auto b = static_cast<int64_t>(sequences.size());
+    leave_where_full(sequences);
+    members_.clear();
+    member_sequences_.clear();
+    int64_t longest = 0;
+    for (int64_t i = 0; i < b; ++i) {
+      if (row_of_[static_cast<size_t>(i)] < 0) continue;
+      members_.push_back(i);
+      member_sequences_.push_back(sequences[static_cast<size_t>(i)]);
+      longest = std::max(longest, static_cast<int64_t>(sequences[static_cast<size_t>(i)].size()));
+    }
+    // Drafting k tokens feeds the longest row k - 1 positions past its sequence.
+    if (runner_.limit() != std::numeric_limits<int64_t>::max()) k = std::min(k, runner_.limit() - longest + 1);
+    if (members_.empty() || k <= 0) return BatchDrafts{.tokens = {}, .probs = {}, .valid = std::vector<int64_t>(static_cast<size_t>(b), 0)};
+    const auto m = static_cast<int64_t>(members_.size());
     std::vector<at::Tensor> tokens, probs;
     at::Tensor next;
     for (int64_t j = 0; j < k; ++j) {
       at::Tensor last_logits;
       if (j == 0) {
-        const auto [logits, last] = runner_.forward(sequences, at::Tensor());
+        const auto [logits, last] = runner_.forward(member_sequences_, at::Tensor());
         last_logits = rows_from(logits, last, 1).squeeze(1);
         // The padding after shorter rows' inputs is no part of them.
         lengths_.clear();
-        for (const auto& s : sequences) lengths_.push_back(static_cast<int64_t>(s.size()));
+        for (const auto& s : member_sequences_) lengths_.push_back(static_cast<int64_t>(s.size()));
         runner_.prune(lengths_);
       } else {
         last_logits = runner_.forward_tail(next).select(1, 0);
       }
-      const at::Tensor q = processor(last_logits);  // [b, V]
-      next = processor.sample(q, gen).view({b, 1});
+      const at::Tensor q = processor(last_logits);  // [m, V]
+      next = processor.sample(q, gen).view({m, 1});
       tokens.push_back(next);
       probs.push_back(q.unsqueeze(1));
     }
-    return BatchDrafts{at::cat(tokens, 1), at::cat(probs, 1), std::vector<int64_t>(static_cast<size_t>(b), k)};
+    BatchDrafts result{at::cat(tokens, 1), at::cat(probs, 1), std::vector<int64_t>(static_cast<size_t>(b), 0)};
+    for (const int64_t i : members_) result.valid[static_cast<size_t>(i)] = k;
+    if (m < b) {  // rows without drafts: padding tokens and zero q, never accepted (valid 0)
+      const at::Tensor index = to_device<int64_t>(members_, {m}, result.tokens.device());
+      result.tokens = at::zeros({b, k}, result.tokens.options()).index_copy_(0, index, result.tokens);
+      result.probs = at::zeros({b, k, result.probs.size(2)}, result.probs.options()).index_copy_(0, index, result.probs);
+    }
+    return result;
   }
 
   void after(const std::vector<std::span<const int64_t>>& /*sequences*/, std::span<const int64_t> accepted_lengths) {
-    runner_.prune(accepted_lengths);
+    lengths_.clear();
+    for (size_t i = 0; i < row_of_.size(); ++i) {
+      if (row_of_[i] >= 0) lengths_.push_back(accepted_lengths[i]);
+    }
+    if (!lengths_.empty()) runner_.prune(lengths_);
   }
-  void select(std::span<const int64_t> rows) { runner_.select(rows); }
+
+  // The batch keeps the rows `rows`; the drafter keeps those of them it still drafts for.
+  void select(std::span<const int64_t> rows) {
+    std::vector<int64_t> row_of;
+    kept_.clear();
+    for (const int64_t i : rows) {
+      const int64_t row = row_of_[static_cast<size_t>(i)];
+      row_of.push_back(row < 0 ? -1 : static_cast<int64_t>(kept_.size()));
+      if (row >= 0) kept_.push_back(row);
+    }
+    if (!kept_.empty() && kept_.size() != runner_.lengths().size()) runner_.select(kept_);
+    row_of_ = std::move(row_of);
+  }
 
  private:
+  // Rows leave the drafter's batch where the drafter cannot take them: a sequence longer than its
+  // limit, or, while the first forward's padded input (the longest cached row plus the widest
+  // uncached input) would not fit, the row with the longest cache (the one nearest the limit).
+  void leave_where_full(const std::vector<std::span<const int64_t>>& sequences) {
+    const int64_t limit = runner_.limit();
+    if (limit == std::numeric_limits<int64_t>::max()) return;
+    const auto cached = runner_.lengths();
+    bool changed = false;
+    for (size_t i = 0; i < row_of_.size(); ++i) {
+      if (row_of_[i] >= 0 && static_cast<int64_t>(sequences[i].size()) > limit) {
+        row_of_[i] = -1;
+        changed = true;
+      }
+    }
+    while (true) {
+      int64_t longest = 0, widest = 0;
+      size_t nearest = row_of_.size();
+      for (size_t i = 0; i < row_of_.size(); ++i) {
+        const int64_t row = row_of_[i];
+        if (row < 0) continue;
+        const int64_t held = cached[static_cast<size_t>(row)];
+        widest = std::max(widest, static_cast<int64_t>(sequences[i].size()) - held);
+        if (nearest == row_of_.size() || held > longest) {
+          longest = held;
+          nearest = i;
+        }
+      }
+      if (nearest == row_of_.size() || longest + widest <= limit) break;
+      row_of_[nearest] = -1;
+      changed = true;
+    }
+    if (!changed) return;
+    kept_.clear();
+    int64_t next = 0;
+    for (auto& row : row_of_) {
+      if (row < 0) continue;
+      kept_.push_back(row);
+      row = next++;
+    }
+    if (!kept_.empty()) runner_.select(kept_);
+  }
+
   int64_t calls_ = 0, positions_ = 0;
   double seconds_ = 0;  // the loop times draft() as a whole
   BatchRunner<D> runner_;
-  std::vector<int64_t> lengths_;
+  std::vector<int64_t> row_of_;  // each batch row's drafter row, -1 once it left the drafter
+  std::vector<int64_t> members_, lengths_, kept_;
+  std::vector<std::span<const int64_t>> member_sequences_;
 };
 
 // N-gram drafts per row from one shared storage (host work on plain integers); the storage learns
@@ -512,7 +639,9 @@ template <Target T, LogitsProcessor P = GreedyProcessor>
 // Requires: as speculative_generate, for every row; a fixed gamma (gamma_policy fixed, no
 //   confidence stop), rejection verification and use_cache. Both models' caches model
 //   BatchedKVCache (StaticKVCache and DynamicKVCache do).
-// Returns: one GenerationResult per prompt, in order.
+// Returns: one GenerationResult per prompt, in order. Rows stop at the target's limit
+//   (sequence_limit); a row longer than the drafter's limit goes on with the target alone, as in
+//   speculative_generate.
 // Throws: std::invalid_argument naming the parameter, or the row and its problem.
 template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
   requires BatchedLanguageModel<D> && BatchedLanguageModel<T>
@@ -526,10 +655,9 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
                                   drafter.vocab_size());
   }
   detail::check_batch_options(options);
-  // Batched drafting runs every row through the drafter: the shorter context bounds the batch.
-  const int64_t limit = std::min(detail::sequence_limit(target), detail::sequence_limit(drafter));
-  detail::check_batch(options, prompts, vocab, limit,
-                      detail::sequence_limit(drafter) < detail::sequence_limit(target) ? "drafter" : "target");
+  // The target's limit: a row past the drafter's goes on with the target alone.
+  const int64_t limit = detail::sequence_limit(target);
+  detail::check_batch(options, prompts, vocab, limit);
   detail::ModelBatchDrafts<D> drafts(drafter, static_cast<int64_t>(prompts.size()));
   return detail::run_batch(target, prompts, options, processor, drafts, limit, /*draft=*/true);
 }
