@@ -486,4 +486,79 @@ TEST(Remote, ARolledBackSessionIsBatchedWithOthers) {
   EXPECT_EQ(a2.length(), static_cast<int64_t>(shorter.size()) + 1);
 }
 
+// Two sessions whose joined forward would not fit under the target's limit (512): one 3 tokens
+// from it, one short with 8 drafts. Each gets what it gets alone, none an error.
+TEST(Remote, SessionsNearTheLimitAreServedBesideShortOnes) {
+  Model target = bundled("target");
+  Model reference = bundled("target");
+  VerifierServer server(target, loopback({.max_batch = 2, .batch_delay = std::chrono::milliseconds(500)}));
+  RawClient raw(server.port());
+  std::string text;
+  while (text.size() < 505) text += "def f(x):\n    return x + 1\n";
+  const Ids near_limit = bytes(text.substr(0, 505)), short_prompt = bytes("for i in ");
+  const Ids near_next = autoregressive_generate(reference, near_limit, {.max_new_tokens = 4}).tokens;
+  const Ids short_next = autoregressive_generate(reference, short_prompt, {.max_new_tokens = 9}).tokens;
+  remote::wire::OpenReply a, b;
+  ASSERT_TRUE(raw.open(near_limit, &a).ok());
+  ASSERT_TRUE(raw.open(short_prompt, &b).ok());
+  // Drafts that the target accepts: 3 for the long session (505 + 3 + 1 = 509 tokens), 8 for the
+  // short one; the joined input would be 9 wide after 504 cached positions.
+  const auto request = [](const std::string& session, const Ids& prompt, const Ids& drafts) {
+    remote::wire::VerifyRequest r;
+    r.set_session(session);
+    r.set_length(static_cast<int64_t>(prompt.size()));
+    r.set_last_token(prompt.back());
+    r.mutable_drafts()->Add(drafts.begin(), drafts.end());
+    return r;
+  };
+  remote::wire::VerifyReply near_reply, short_reply;
+  grpc::Status short_status;
+  std::thread other([&] {
+    short_status = raw.verify(request(b.session(), short_prompt, Ids(short_next.begin(), short_next.begin() + 8)), &short_reply);
+  });
+  const grpc::Status near_status = raw.verify(request(a.session(), near_limit, Ids(near_next.begin(), near_next.begin() + 3)), &near_reply);
+  other.join();
+  ASSERT_TRUE(near_status.ok()) << near_status.error_message();
+  ASSERT_TRUE(short_status.ok()) << short_status.error_message();
+  EXPECT_EQ(near_reply.accepted(), 3);
+  EXPECT_EQ(near_reply.token(), near_next[3]);
+  EXPECT_EQ(short_reply.accepted(), 8);
+  EXPECT_EQ(short_reply.token(), short_next[8]);
+  EXPECT_EQ(server.stats().largest_batch, 2);  // they came together and were served apart
+}
+
+// A second server on a running one's port fails at start naming the address; the first keeps
+// every session and serves on.
+TEST(Remote, ASecondServerCannotShareTheRunningOnesPort) {
+  Model target = bundled("target");
+  Model other_target = bundled("target");
+  Model reference = bundled("target");
+  VerifierServer server(target, loopback());
+  const std::string address = local(server.port());
+  RawClient raw(server.port());
+  const Ids prompt = bytes("def add(a, b):");
+  remote::wire::OpenReply opened;
+  ASSERT_TRUE(raw.open(prompt, &opened).ok());
+  try {
+    VerifierServer second(other_target, {.address = address});
+    ADD_FAILURE() << "a second server started on " << address;
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot listen on " + address), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("in use"), std::string::npos) << e.what();
+  }
+  // Every new connection reaches the first server, which holds the session.
+  const Ids expected = autoregressive_generate(reference, prompt, {.max_new_tokens = 1}).tokens;
+  for (int i = 0; i < 8; ++i) {
+    RawClient fresh(server.port());
+    remote::wire::VerifyRequest request;
+    request.set_session(opened.session());
+    request.set_length(static_cast<int64_t>(prompt.size()));
+    request.set_last_token(prompt.back());
+    remote::wire::VerifyReply reply;
+    const grpc::Status status = fresh.verify(request, &reply);
+    ASSERT_TRUE(status.ok()) << "connection " << i << ": " << status.error_message();
+    EXPECT_EQ(reply.token(), expected.front());
+  }
+}
+
 }  // namespace

@@ -8,7 +8,9 @@
 #          --batch-delay-us); each gets the output it gets alone, and the server reports on
 #          SIGTERM that forwards served several verifications;
 #   tls:   the server requires TLS client certificates (tests/data/tls); a client with one
-#          generates, a client without one exits with status 1 and the failed call.
+#          generates, a client without one exits with status 1 and the failed call;
+#   port:  a second server on the running one's port exits with status 2 and a message naming the
+#          address; the first serves every client that connects afterwards.
 set -u
 verifier="$1"
 generate="$2"
@@ -37,6 +39,27 @@ for _ in $(seq 1 300); do
 done
 if [ -z "$port" ]; then echo "the server did not start:"; cat "$work/server.log"; exit 1; fi
 
+stop_server() {
+  kill -TERM "$server"
+  wait "$server"
+  server=""
+  grep -q "stopping" "$work/server.log" || { echo "the server did not stop on SIGTERM"; cat "$work/server.log"; exit 1; }
+}
+
+if [ "$case" = "port" ]; then
+  timeout 60 "$verifier" --address "127.0.0.1:$port" > "$work/second.log" 2>&1
+  status=$?
+  cat "$work/second.log"
+  [ "$status" -eq 2 ] || { echo "the second server's exit status is $status, expected 2"; exit 1; }
+  grep -q "cannot listen on 127.0.0.1:$port" "$work/second.log" || exit 1
+  for i in 1 2 3 4 5 6; do
+    "$generate" --verifier "127.0.0.1:$port" --prompt "def f$i(x):" --max-new-tokens 12 > "$work/client.$i" 2>&1 ||
+      { echo "client $i failed:"; cat "$work/client.$i"; exit 1; }
+  done
+  stop_server
+  exit 0
+fi
+
 if [ "$case" = "ok" ]; then
   output="$("$generate" --verifier "127.0.0.1:$port" --prompt "def add(a, b):" --max-new-tokens 60 --trace 2>&1)"
   status=$?
@@ -47,13 +70,6 @@ if [ "$case" = "ok" ]; then
   stop_server
   exit 0
 fi
-
-stop_server() {
-  kill -TERM "$server"
-  wait "$server"
-  server=""
-  grep -q "stopping" "$work/server.log" || { echo "the server did not stop on SIGTERM"; cat "$work/server.log"; exit 1; }
-}
 
 if [ "$case" = "tls" ]; then
   grep -q "TLS with client certificates" "$work/server.log" || { cat "$work/server.log"; exit 1; }

@@ -337,19 +337,51 @@ class VerifierService final : public wire::Verifier::Service {
     return job.status;
   }
 
-  // Serves `batch` with one target forward; every job gets its status (nothing throws).
+  // Serves `batch`, in one target forward where its rows fit together; every job gets its status
+  // (nothing throws). A joined forward places every row's padded input after the longest cached
+  // row, so it must fit under the target's limit as a whole: while it does not, the session with
+  // the longest cache (the one nearest the limit) is served alone first.
   void run(std::span<Job* const> batch) noexcept {
     try {
       const std::lock_guard model(model_mutex_);
-      if (batch.size() == 1) {
-        run_alone(*batch.front());
-      } else if constexpr (kJoinable) {
-        run_joined(batch);
+      if constexpr (kJoinable) {
+        std::vector<Job*> joined(batch.begin(), batch.end());
+        const int64_t limit = specdec::detail::sequence_limit(target_);
+        while (joined.size() > 1) {
+          int64_t longest = 0, widest = 0;
+          size_t nearest = 0;
+          for (size_t r = 0; r < joined.size(); ++r) {
+            const State& state = *joined[r]->state;
+            const int64_t length = state.session->length();
+            const int64_t keep = std::min<int64_t>(state.cache->length(), length - 1);  // as run_joined
+            widest = std::max(widest, length - keep + static_cast<int64_t>(joined[r]->drafts.size()));
+            if (keep > longest) {
+              longest = keep;
+              nearest = r;
+            }
+          }
+          if (longest + widest <= limit) break;
+          serve({joined.begin() + static_cast<std::ptrdiff_t>(nearest), 1}, [&] { run_alone(*joined[nearest]); });
+          joined.erase(joined.begin() + static_cast<std::ptrdiff_t>(nearest));
+        }
+        serve(joined, [&] { joined.size() == 1 ? run_alone(*joined.front()) : run_joined(joined); });
+      } else {
+        serve(batch, [&] { run_alone(*batch.front()); });
       }
-    } catch (const std::invalid_argument& e) {
-      for (Job* job : batch) job->status = invalid(e.what());
-    } catch (const std::exception& e) {
+    } catch (const std::exception& e) {  // the model's lock
       for (Job* job : batch) job->status = {grpc::StatusCode::INTERNAL, e.what()};
+    }
+  }
+
+  // Runs `serving`; if it throws, every job of `jobs` gets the error as its status.
+  template <class F>
+  static void serve(std::span<Job* const> jobs, F&& serving) noexcept {
+    try {
+      serving();
+    } catch (const std::invalid_argument& e) {
+      for (Job* job : jobs) job->status = invalid(e.what());
+    } catch (const std::exception& e) {
+      for (Job* job : jobs) job->status = {grpc::StatusCode::INTERNAL, e.what()};
     }
   }
 
@@ -538,9 +570,14 @@ class VerifierServer {
     builder.AddListeningPort(service_.options().address, credentials(service_.options().tls), &port_);
     builder.RegisterService(&service_);
     builder.SetMaxReceiveMessageSize(static_cast<int>(service_.options().limits.max_request_bytes));
+    // The port is this server's alone. gRPC binds with SO_REUSEPORT by default, which lets a second
+    // process of the same user bind the same port and take a share of new connections (and of the
+    // sessions' traffic); without it, binding a taken port fails here.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     server_ = builder.BuildAndStart();
     if (!server_ || port_ == 0) {
       throw std::runtime_error("cannot listen on " + service_.options().address +
+                               ": the address is in use by another process, or not an address of this machine" +
                                (service_.options().tls.enabled() ? " (or the TLS certificate and key are not valid)" : ""));
     }
     reaper_ = std::thread([this] {
