@@ -174,6 +174,33 @@ TEST(Session, UsesTheCallersCacheAsItIs) {
   EXPECT_EQ(next.tokens, autoregressive_generate(m.target, all, {.max_new_tokens = 5}).tokens);
 }
 
+// A caller's cache smaller than the model's context (128) is the session's limit: generation
+// ends there with sequence_limit, a turn that would not fit is refused unchanged, and a drafter
+// on a caller's cache smaller still stops drafting at its end while the target goes on.
+TEST(Session, ACallersCacheSmallerThanTheContextIsTheLimit) {
+  Models<StaticKVCache> m;
+  StaticKVCache cache = m.target.make_cache(1, 30);
+  Session session(m.target, cache);
+  session.append(kFirstTurn);
+  const auto first = session.generate({.max_new_tokens = 64});
+  EXPECT_EQ(first.stop_reason, StopReason::sequence_limit);
+  EXPECT_EQ(first.tokens, autoregressive_generate(m.target, kFirstTurn, {.max_new_tokens = 25}).tokens);
+  EXPECT_EQ(session.length(), 30);
+  test::expect_invalid([&] { session.append(std::vector<int64_t>{1}); }, {"capacity 30"});
+  EXPECT_EQ(session.length(), 30);
+
+  StaticKVCache target_cache = m.target.make_cache(1, 40);
+  StaticKVCache drafter_cache = m.drafter.make_cache(1, 20);
+  Session drafted(m.target, target_cache);
+  ModelDraftSource source(m.drafter, drafter_cache);
+  drafted.append(kFirstTurn);
+  const auto result = drafted.generate(source, {.max_new_tokens = 64, .gamma = 4});
+  EXPECT_EQ(result.stop_reason, StopReason::sequence_limit);
+  EXPECT_EQ(result.tokens, autoregressive_generate(m.target, kFirstTurn, {.max_new_tokens = 35}).tokens);
+  EXPECT_GT(result.stats.accepted, 0);
+  EXPECT_LE(drafter_cache.length(), 20);
+}
+
 TEST(Session, NGramDraftsLearnAcrossTurnsAndStayExact) {
   Models<StaticKVCache> m;
   NGramStorage storage(3, m.config.vocab_size);

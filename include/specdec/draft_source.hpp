@@ -122,7 +122,8 @@ class ModelDraftSource {
   ModelDraftSource(D& drafter, typename D::cache_type& cache) : runner_(drafter, "drafter", cache) {}
 
   [[nodiscard]] int64_t vocab_size() const { return static_cast<int64_t>(runner_.model().vocab_size()); }
-  [[nodiscard]] int64_t max_sequence_length() const { return detail::sequence_limit(runner_.model()); }
+  // The drafter's limit, or its cache's capacity where that is smaller.
+  [[nodiscard]] int64_t max_sequence_length() const { return detail::sequence_limit(runner_.model(), runner_.cache()); }
   [[nodiscard]] const typename D::cache_type& cache() const noexcept { return runner_.cache(); }
   // The drafter with its cache, for a step that runs the drafter itself (a CUDA graph step).
   [[nodiscard]] detail::ModelRunner<D>& runner() noexcept { return runner_; }

@@ -63,11 +63,16 @@ class Session {
 
   // Appends tokens (a new turn). They are computed by the next prefill() or generate().
   // Throws std::invalid_argument for a token outside the vocabulary or a conversation longer than
-  // the target's max_sequence_length(); the session is then unchanged.
+  // the target's max_sequence_length() (or the capacity of a caller's smaller cache); the session
+  // is then unchanged. Generation ends at the same limit with StopReason::sequence_limit.
   void append(std::span<const int64_t> tokens) {
     detail::check_tokens("tokens", tokens, vocab());
-    const int64_t limit = detail::sequence_limit(runner_.model());
+    const int64_t limit = this->limit();
     if (static_cast<int64_t>(tokens.size()) > limit - length()) {
+      if (limit < detail::sequence_limit(runner_.model())) {
+        detail::throw_invalid_message("session length ", length(), " + ", tokens.size(),
+                                      " appended tokens must not exceed the cache's capacity ", limit);
+      }
       detail::throw_invalid_message("session length ", length(), " + ", tokens.size(),
                                     " appended tokens must not exceed the target's max_sequence_length ", limit);
     }
@@ -114,11 +119,13 @@ class Session {
 
  private:
   [[nodiscard]] int64_t vocab() const { return static_cast<int64_t>(runner_.model().vocab_size()); }
+  // The target's limit, or the cache's capacity where that is smaller.
+  [[nodiscard]] int64_t limit() const { return detail::sequence_limit(runner_.model(), runner_.cache()); }
 
   template <class S, LogitsProcessor P>
   GenerationResult run(S& source, const SpeculativeOptions& options, const P& processor, bool draft) {
     detail::check_source(source, vocab(), options);
-    const int64_t limit = detail::sequence_limit(runner_.model());  // sources bound only their drafts
+    const int64_t limit = this->limit();  // sources bound only their drafts
     detail::check_common(options, tokens_, vocab(), limit);
     return detail::run_generation(runner_, tokens_, source, options, processor, limit, draft);
   }

@@ -27,6 +27,18 @@ int64_t sequence_limit(const M& model) {
   }
 }
 
+// The most positions `model` can hold in `cache`: the model's limit, or the cache's capacity where
+// it states one and it is smaller (a caller's StaticKVCache preallocated for fewer positions).
+template <LanguageModel M>
+int64_t sequence_limit(const M& model, const typename M::cache_type& cache) {
+  const int64_t limit = sequence_limit(model);
+  if constexpr (requires { { cache.capacity() } -> std::convertible_to<int64_t>; }) {
+    return std::min(limit, static_cast<int64_t>(cache.capacity()));
+  } else {
+    return limit;
+  }
+}
+
 // Checks a model's output: floating-point logits [batch, count, vocab]. Throws
 // std::invalid_argument naming the model's role and the call.
 inline void check_model_logits(const at::Tensor& logits, int64_t batch, int64_t count, int64_t vocab,
