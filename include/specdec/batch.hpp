@@ -584,13 +584,12 @@ class NGramBatchDrafts {
 
 // Validates a batch: non-empty, every row valid (the message names the row).
 template <class Options>
-void check_batch(const Options& options, std::span<const std::vector<int64_t>> prompts, int64_t vocab, int64_t limit,
-                 const char* limit_owner = "target") {
+void check_batch(const Options& options, std::span<const std::vector<int64_t>> prompts, int64_t vocab, int64_t limit) {
   if (prompts.empty()) throw std::invalid_argument("prompts must not be empty");
   if (options.max_new_tokens < 0) throw_invalid("max_new_tokens", "be >= 0", options.max_new_tokens);
   for (size_t r = 0; r < prompts.size(); ++r) {
     try {
-      check_common(options, prompts[r], vocab, limit, limit_owner);
+      check_common(options, prompts[r], vocab, limit);
     } catch (const std::invalid_argument& e) {
       throw_invalid_message("prompts[", r, "]: ", e.what());
     }

@@ -18,12 +18,11 @@
 
 namespace specdec::detail {
 
-// Validates what every generation function takes; `limit_owner` names whose sequence limit
-// applies ("target", or "drafter" when a batch's drafter has the shorter context). Throws
+// Validates what every generation function takes (the target's sequence limit applies). Throws
 // std::invalid_argument.
 template <class Options>
 void check_common(const Options& options, std::span<const int64_t> prompt, int64_t vocab,
-                  int64_t sequence_limit, const char* limit_owner = "target") {
+                  int64_t sequence_limit) {
   if (prompt.empty()) throw std::invalid_argument("prompt must not be empty");
   check_tokens("prompt", prompt, vocab);
   check_tokens("eos_token_ids", options.eos_token_ids, vocab);
@@ -37,7 +36,7 @@ void check_common(const Options& options, std::span<const int64_t> prompt, int64
   if (options.max_new_tokens < 0) throw_invalid("max_new_tokens", "be >= 0", options.max_new_tokens);
   if (static_cast<int64_t>(prompt.size()) > sequence_limit) {
     throw_invalid_message("prompt length ", prompt.size(),
-                          " must not exceed the ", limit_owner, "'s max_sequence_length ", sequence_limit);
+                          " must not exceed the target's max_sequence_length ", sequence_limit);
   }
 }
 
