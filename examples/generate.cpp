@@ -485,9 +485,9 @@ class Text {
 
 // The prompt, stop sequences and end tokens of a run, through its tokenizer.
 struct Request {
-  std::vector<int64_t> prompt;
-  std::vector<std::vector<int64_t>> stops;
-  std::vector<int64_t> eos;
+  std::vector<int64_t> prompt{};
+  std::vector<std::vector<int64_t>> stops{};
+  std::vector<int64_t> eos{};
 };
 Request encode_request(const Arguments& a, const Text& text) {
   Request request{.prompt = text.encode(a.prompt), .eos = a.eos};

@@ -244,9 +244,9 @@ class BatchRunner {
 // Drafts of a batch step: tokens [b, k], their q [b, k, V] (or undefined), valid [b] drafts per
 // row (host), drafter calls.
 struct BatchDrafts {
-  at::Tensor tokens;
-  at::Tensor probs;
-  std::vector<int64_t> valid;
+  at::Tensor tokens{};
+  at::Tensor probs{};
+  std::vector<int64_t> valid{};
 };
 
 // The generation loop of a batch. Drafting: draft(active rows' sequences, k, processor, gen,

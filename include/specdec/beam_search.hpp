@@ -24,28 +24,28 @@ namespace specdec {
 
 // Options of beam_search_generate (seed 002's beam_search_generate).
 struct BeamSearchOptions {
-  int64_t max_new_tokens = 40;         // most tokens a hypothesis generates (>= 0)
-  std::vector<int64_t> eos_token_ids;  // tokens that finish a hypothesis (kept in it)
-  bool use_cache = true;               // false recomputes every beam's whole sequence each step
-  int64_t num_beams = 4;               // hypotheses kept per step (>= 1)
-  int64_t top_k = 4;                   // candidates taken from each beam per step (>= 1)
-  int64_t min_length = 0;              // end tokens are suppressed before this many new tokens
-  double alpha = 1.0;                  // length penalty: score = log-probability / length^alpha
-                                       // (>= 0; 0 ranks by log-probability alone)
+  int64_t max_new_tokens = 40;           // most tokens a hypothesis generates (>= 0)
+  std::vector<int64_t> eos_token_ids{};  // tokens that finish a hypothesis (kept in it)
+  bool use_cache = true;                 // false recomputes every beam's whole sequence each step
+  int64_t num_beams = 4;                 // hypotheses kept per step (>= 1)
+  int64_t top_k = 4;                     // candidates taken from each beam per step (>= 1)
+  int64_t min_length = 0;                // end tokens are suppressed before this many new tokens
+  double alpha = 1.0;                    // length penalty: score = log-probability / length^alpha
+                                         // (>= 0; 0 ranks by log-probability alone)
 };
 
 struct BeamHypothesis {
-  std::vector<int64_t> tokens;  // generated tokens (prompt excluded), an end token included
-  double log_probability = 0;   // sum of the target's log-probabilities of the tokens
-  double score = 0;             // log_probability / tokens.size()^alpha
-  bool finished = false;        // ended with an end token (false: stopped at the length limit)
+  std::vector<int64_t> tokens{};  // generated tokens (prompt excluded), an end token included
+  double log_probability = 0;     // sum of the target's log-probabilities of the tokens
+  double score = 0;               // log_probability / tokens.size()^alpha
+  bool finished = false;          // ended with an end token (false: stopped at the length limit)
 };
 
 struct BeamSearchResult {
-  std::vector<int64_t> tokens;         // the best hypothesis' tokens
-  std::vector<BeamHypothesis> n_best;  // at most num_beams hypotheses, best score first
-  GenerationStats stats;               // target_calls, steps, generated (best hypothesis), times
-  int64_t tokens_scored = 0;           // tokens fed through the target, all beams together
+  std::vector<int64_t> tokens{};         // the best hypothesis' tokens
+  std::vector<BeamHypothesis> n_best{};  // at most num_beams hypotheses, best score first
+  GenerationStats stats{};               // target_calls, steps, generated (best hypothesis), times
+  int64_t tokens_scored = 0;             // tokens fed through the target, all beams together
 };
 
 // Beam search over `target` from `prompt`.
@@ -127,9 +127,9 @@ template <class T>
     const double* top = values + beams * k;
     if (values[2 * beams * k] == 0.0) detail::throw_non_finite("beam_search_generate", "target", /*logits_finite=*/false);
     struct Candidate {
-      double log_probability;
-      int64_t beam;
-      int64_t token;
+      double log_probability{};
+      int64_t beam{};
+      int64_t token{};
     };
     std::vector<Candidate> candidates;
     for (int64_t b = 0; b < beams; ++b) {

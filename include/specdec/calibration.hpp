@@ -24,7 +24,7 @@ struct CalibrationOptions {
 // The measurements of one threshold, summed over the prompts.
 struct CalibrationPoint {
   double threshold = 0;
-  GenerationStats stats;  // the summed counters and times of all the prompts' generations
+  GenerationStats stats{};  // the summed counters and times of all the prompts' generations
 
   [[nodiscard]] double acceptance_rate() const noexcept { return stats.acceptance_rate(); }
   [[nodiscard]] double tokens_per_target_call() const noexcept { return stats.tokens_per_target_call(); }
@@ -32,7 +32,7 @@ struct CalibrationPoint {
 };
 
 struct CalibrationResult {
-  std::vector<CalibrationPoint> points;  // one per threshold, in grid order
+  std::vector<CalibrationPoint> points{};  // one per threshold, in grid order
   double best_threshold = 0;  // acceptance closest to the target; on a tie, the larger threshold
 };
 

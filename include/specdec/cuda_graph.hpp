@@ -88,8 +88,8 @@ inline bool graph_options(const SpeculativeOptions& options) {
 
 // The outcome of a static-shape step, on the host.
 struct GraphedOutcome {
-  VerifiedStep step;
-  std::vector<int64_t> drafts;  // the gamma drafts
+  VerifiedStep step{};
+  std::vector<int64_t> drafts{};  // the gamma drafts
 };
 
 // One speculative step of a fixed gamma in static shapes, for a drafter D and a target T that

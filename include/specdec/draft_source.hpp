@@ -34,22 +34,22 @@ namespace specdec {
 
 // What the step asks a draft source for.
 struct DraftRequest {
-  std::span<const int64_t> sequence;  // prompt and output so far: the drafts continue it
-  int64_t gamma = 0;                  // drafts the options ask for (>= 1, within room)
-  int64_t room = 0;                   // the most drafts this step can verify (>= gamma)
-  at::Device device = at::kCPU;       // the target's device, where verification runs
+  std::span<const int64_t> sequence{};  // prompt and output so far: the drafts continue it
+  int64_t gamma = 0;                    // drafts the options ask for (>= 1, within room)
+  int64_t room = 0;                     // the most drafts this step can verify (>= gamma)
+  at::Device device = at::kCPU;         // the target's device, where verification runs
 };
 
 // A chain of drafts, as a draft source proposes them.
 struct Drafts {
-  at::Tensor tokens;               // int64 [k], k in [0, room], on any device; undefined: k = 0
-  at::Tensor probs;                // [k, vocab]: the processed distributions the tokens were
+  at::Tensor tokens{};             // int64 [k], k in [0, room], on any device; undefined: k = 0
+  at::Tensor probs{};              // [k, vocab]: the processed distributions the tokens were
                                    // sampled from (q); undefined: deterministic drafts (q one-hot)
-  at::Tensor finite;               // bool []: whether the drafter's logits behind deterministic
+  at::Tensor finite{};             // bool []: whether the drafter's logits behind deterministic
                                    // drafts were finite (verification reports a drafter error when
                                    // not); undefined: nothing to check
   int64_t calls = 0;               // drafter calls made (forwards, look-ups), for stats
-  std::optional<int64_t> gamma;    // the source's chosen length (StepInfo::gamma); default k
+  std::optional<int64_t> gamma{};  // the source's chosen length (StepInfo::gamma); default k
   double entropy = std::numeric_limits<double>::quiet_NaN();  // StepInfo::entropy
 
   // Deterministic drafts from host tokens, on `device` without blocking the host.
@@ -63,15 +63,15 @@ struct Drafts {
 
 // What verification decided, for the source to learn from and to prune its own state.
 struct VerifiedDrafts {
-  std::span<const int64_t> sequence;       // the sequence after the step
-  int64_t position = 0;                    // position of the step's first draft (= its first
-                                           // emitted token)
-  int64_t drafted = 0;                     // drafts verified
-  int64_t accepted = 0;                    // leading drafts accepted
-  std::span<const int64_t> target_top_k;   // [drafted + 1, top_k] row-major: the target's most
-                                           // probable tokens at each verified position, when
-                                           // the source asked for them (target_top_k())
-  int64_t top_k = 0;                       // min(target_top_k(), vocab); 0: not asked for
+  std::span<const int64_t> sequence{};      // the sequence after the step
+  int64_t position = 0;                     // position of the step's first draft (= its first
+                                            // emitted token)
+  int64_t drafted = 0;                      // drafts verified
+  int64_t accepted = 0;                     // leading drafts accepted
+  std::span<const int64_t> target_top_k{};  // [drafted + 1, top_k] row-major: the target's most
+                                            // probable tokens at each verified position, when
+                                            // the source asked for them (target_top_k())
+  int64_t top_k = 0;                        // min(target_top_k(), vocab); 0: not asked for
 };
 
 // DraftSource: proposes a chain of drafts for each speculative step.

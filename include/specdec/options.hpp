@@ -26,10 +26,10 @@ namespace specdec {
 struct StepInfo {
   int64_t step = 0;                      // 0-based index of the step in this generation
   int64_t position = 0;                  // sequence position of the first token emitted by the step
-  std::span<const int64_t> drafts;       // the tokens drafted in this step (empty: target only)
+  std::span<const int64_t> drafts{};     // the tokens drafted in this step (empty: target only)
   int64_t accepted = 0;                  // how many leading drafts the target accepted
   int64_t token = 0;                     // the token the target sampled after the accepted drafts
-  std::span<const int64_t> emitted;      // tokens appended to the output (accepted drafts + token,
+  std::span<const int64_t> emitted{};    // tokens appended to the output (accepted drafts + token,
                                          // cut after an end token or at the length limit)
   int64_t gamma = 0;                     // drafts the draft-length policy chose for the step (a
                                          // confidence stop may draft fewer; see drafts.size())
@@ -106,15 +106,15 @@ inline std::ostream& operator<<(std::ostream& out, StopReason reason) {
 
 // Options of autoregressive_generate.
 struct GenerationOptions {
-  int64_t max_new_tokens = 40;          // most tokens to generate (>= 0); the seeds' max_gen_len
-  std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output); empty:
-                                        // generate until max_new_tokens
-  std::vector<std::vector<int64_t>> stop_sequences;  // token sequences that end generation when
-                                        // generated (kept in the output); matched over
-                                        // the generated tokens, across step boundaries
-  std::optional<uint64_t> seed;         // seed of the sampling generator; unset: nondeterministic
-  bool use_cache = true;                // false recomputes the whole sequence at every forward
-  StepCallback on_step;                 // called after every step (may stop); empty: not called
+  int64_t max_new_tokens = 40;           // most tokens to generate (>= 0); the seeds' max_gen_len
+  std::vector<int64_t> eos_token_ids{};  // tokens that end generation (kept in the output); empty:
+                                         // generate until max_new_tokens
+  std::vector<std::vector<int64_t>> stop_sequences{};  // token sequences that end generation when
+                                         // generated (kept in the output); matched over
+                                         // the generated tokens, across step boundaries
+  std::optional<uint64_t> seed{};        // seed of the sampling generator; unset: nondeterministic
+  bool use_cache = true;                 // false recomputes the whole sequence at every forward
+  StepCallback on_step{};                // called after every step (may stop); empty: not called
 };
 
 // How speculative_generate chooses the number of drafts of each step.
@@ -136,21 +136,21 @@ enum class Verification {
 
 // Options of speculative_generate (seeds 001, 002, 003).
 struct SpeculativeOptions {
-  int64_t max_new_tokens = 40;          // most tokens to generate (>= 0); the seeds' max_gen_len
-  std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output)
-  std::vector<std::vector<int64_t>> stop_sequences;  // token sequences that end generation when
-                                        // generated (kept in the output); matched over
-                                        // the generated tokens, across step boundaries
-  std::optional<uint64_t> seed;         // seed of the sampling generator; unset: nondeterministic
-  bool use_cache = true;                // false recomputes the whole sequence at every forward
-  StepCallback on_step;                 // called after every step (may stop); empty: not called
-  int64_t gamma = 5;                    // drafts per step (>= 1); fewer near the length limit
-  bool first_target = true;             // the first token comes from the target alone (seed 002)
-  bool skip_sample_adjustment = false;  // after a rejection sample from p instead of the residual
-                                        // max(0, p - q): biased, for experiments only (seed 002)
+  int64_t max_new_tokens = 40;           // most tokens to generate (>= 0); the seeds' max_gen_len
+  std::vector<int64_t> eos_token_ids{};  // tokens that end generation (kept in the output)
+  std::vector<std::vector<int64_t>> stop_sequences{};  // token sequences that end generation when
+                                         // generated (kept in the output); matched over
+                                         // the generated tokens, across step boundaries
+  std::optional<uint64_t> seed{};        // seed of the sampling generator; unset: nondeterministic
+  bool use_cache = true;                 // false recomputes the whole sequence at every forward
+  StepCallback on_step{};                // called after every step (may stop); empty: not called
+  int64_t gamma = 5;                     // drafts per step (>= 1); fewer near the length limit
+  bool first_target = true;              // the first token comes from the target alone (seed 002)
+  bool skip_sample_adjustment = false;   // after a rejection sample from p instead of the residual
+                                         // max(0, p - q): biased, for experiments only (seed 002)
   GammaPolicy gamma_policy = GammaPolicy::fixed;
   int64_t gamma_min = 1;                // egag, schedule: fewest drafts per step (>= 1)
-  std::optional<int64_t> gamma_max;     // egag, schedule: most drafts per step; unset: gamma
+  std::optional<int64_t> gamma_max{};   // egag, schedule: most drafts per step; unset: gamma
   double egag_ema_beta = 0.0;           // egag: H_t = beta * H_(t-1) + (1 - beta) * H, in [0, 1);
                                         // 0 uses each step's entropy as it is
   // Confidence stop (seed 003's entropy gating), with any policy: drafting ends before a position
@@ -175,26 +175,26 @@ struct SpeculativeOptions {
 
 // Options of ngram_assisted_generate (seed 000, NASD).
 struct NGramAssistedOptions {
-  int64_t max_new_tokens = 40;          // most tokens to generate (>= 0)
-  std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output)
-  std::vector<std::vector<int64_t>> stop_sequences;  // token sequences that end generation when
-                                        // generated (kept in the output); matched over
-                                        // the generated tokens, across step boundaries
-  std::optional<uint64_t> seed;         // seed of the sampling generator; unset: nondeterministic
-  bool use_cache = true;                // false recomputes the whole sequence at every forward
-  StepCallback on_step;                 // called after every step (may stop); empty: not called
-  int64_t gamma = 5;                    // most drafts per step (>= 1)
-  int64_t filler_top_k = 3;             // after verification, also teach the storage the target's
-                                        // top-k tokens at every verified position (>= 1; 1: only
-                                        // the emitted tokens, NAPD-style)
-  bool stop_if_unknown = false;         // stop drafting at a context the storage does not know;
-                                        // false drafts the context's last token again there
-  NGramDraftRule draft_rule{};          // confident drafting: stop a draft where the storage's
-                                        // counts are not confident (NGramStorage and
-                                        // OneLevelNGramStorage); neutral: draft while known.
-                                        // {.min_share = 0.9, .min_context = n - 1} reached 2.66
-                                        // accepted tokens per draft at n = 4 (bench_ngram)
-  bool first_target = true;             // the first token comes from the target alone
+  int64_t max_new_tokens = 40;           // most tokens to generate (>= 0)
+  std::vector<int64_t> eos_token_ids{};  // tokens that end generation (kept in the output)
+  std::vector<std::vector<int64_t>> stop_sequences{};  // token sequences that end generation when
+                                         // generated (kept in the output); matched over
+                                         // the generated tokens, across step boundaries
+  std::optional<uint64_t> seed{};        // seed of the sampling generator; unset: nondeterministic
+  bool use_cache = true;                 // false recomputes the whole sequence at every forward
+  StepCallback on_step{};                // called after every step (may stop); empty: not called
+  int64_t gamma = 5;                     // most drafts per step (>= 1)
+  int64_t filler_top_k = 3;              // after verification, also teach the storage the target's
+                                         // top-k tokens at every verified position (>= 1; 1: only
+                                         // the emitted tokens, NAPD-style)
+  bool stop_if_unknown = false;          // stop drafting at a context the storage does not know;
+                                         // false drafts the context's last token again there
+  NGramDraftRule draft_rule{};           // confident drafting: stop a draft where the storage's
+                                         // counts are not confident (NGramStorage and
+                                         // OneLevelNGramStorage); neutral: draft while known.
+                                         // {.min_share = 0.9, .min_context = n - 1} reached 2.66
+                                         // accepted tokens per draft at n = 4 (bench_ngram)
+  bool first_target = true;              // the first token comes from the target alone
 };
 
 }  // namespace specdec

@@ -75,8 +75,8 @@ struct GenerationStats {
 };
 
 struct GenerationResult {
-  std::vector<int64_t> tokens;  // generated tokens, prompt excluded; an end token is included
-  GenerationStats stats;
+  std::vector<int64_t> tokens{};  // generated tokens, prompt excluded; an end token is included
+  GenerationStats stats{};
   StopReason stop_reason = StopReason::max_new_tokens;  // why generation ended
 };
 

@@ -36,23 +36,23 @@ namespace specdec {
 
 // Options of stand_generate. The common fields come first, as in every options struct.
 struct StandOptions {
-  int64_t max_new_tokens = 40;          // most tokens to generate (>= 0)
-  std::vector<int64_t> eos_token_ids;   // tokens that end generation (kept in the output)
-  std::vector<std::vector<int64_t>> stop_sequences;  // token sequences that end generation when
-                                        // generated (kept in the output)
-  std::optional<uint64_t> seed;         // seed of the sampling and drafting randomness
-  bool use_cache = true;                // false recomputes the whole sequence at every forward
-  StepCallback on_step;                 // called after every step; drafts = the accepted path and
-                                        // the first rejected sibling after it, gamma = tree size
+  int64_t max_new_tokens = 40;           // most tokens to generate (>= 0)
+  std::vector<int64_t> eos_token_ids{};  // tokens that end generation (kept in the output)
+  std::vector<std::vector<int64_t>> stop_sequences{};  // token sequences that end generation when
+                                         // generated (kept in the output)
+  std::optional<uint64_t> seed{};        // seed of the sampling and drafting randomness
+  bool use_cache = true;                 // false recomputes the whole sequence at every forward
+  StepCallback on_step{};                // called after every step; drafts = the accepted path and
+                                         // the first rejected sibling after it, gamma = tree size
   TreeTemplate tree = TreeTemplate::default_tree();  // the shape bound of every draft tree
-  int64_t max_depth = 0;                // deepest draft (>= 0); 0: the template's depth
-  bool stochastic = true;               // children drawn by Gumbel-top-k from the memory's
-                                        // distribution (STAND); false: its most probable tokens
-  bool learn = true;                    // update the memory from the target's distributions at
-                                        // verified positions (the prompt's included)
+  int64_t max_depth = 0;                 // deepest draft (>= 0); 0: the template's depth
+  bool stochastic = true;                // children drawn by Gumbel-top-k from the memory's
+                                         // distribution (STAND); false: its most probable tokens
+  bool learn = true;                     // update the memory from the target's distributions at
+                                         // verified positions (the prompt's included)
   std::vector<int64_t>* node_acceptances = nullptr;  // when set: one counter per template node
-                                        // (resized to tree.size() if empty), incremented for each
-                                        // accepted draft, for TreeTemplate::learned()
+                                         // (resized to tree.size() if empty), incremented for each
+                                         // accepted draft, for TreeTemplate::learned()
 };
 
 namespace detail {
@@ -74,8 +74,8 @@ struct DraftTree {
     std::array<int64_t, kStandTop> q_tokens{};
     std::array<double, kStandTop> q_probs{};
   };
-  std::vector<int64_t> tokens, parents, template_nodes, depth;  // per draft node
-  std::vector<Position> positions;                             // root, then one per node
+  std::vector<int64_t> tokens{}, parents{}, template_nodes{}, depth{};  // per draft node
+  std::vector<Position> positions{};                                    // root, then one per node
   int64_t lookups = 0;
 
   [[nodiscard]] int64_t nodes() const noexcept { return static_cast<int64_t>(tokens.size()); }
@@ -174,14 +174,14 @@ class TreeDrafter {
 // What the host needs of the target for one tree: at each position, p at q's tokens, the mass of
 // p outside them and a token sampled from p restricted to outside them.
 struct TreeTargetView {
-  std::span<const double> at_q;            // [positions, kStandTop]
-  std::span<const double> outside_mass;    // [positions]
-  std::span<const double> outside_sample;  // [positions]
+  std::span<const double> at_q{};            // [positions, kStandTop]
+  std::span<const double> outside_mass{};    // [positions]
+  std::span<const double> outside_sample{};  // [positions]
 };
 
 // The accepted path of a verified tree and the token sampled after it.
 struct TreeWalk {
-  std::vector<int64_t> path;  // accepted draft nodes, root to leaf
+  std::vector<int64_t> path{};  // accepted draft nodes, root to leaf
   int64_t token = 0;
   int64_t rejected = -1;      // the first rejected child at the last position, -1 if none
 };

@@ -39,17 +39,17 @@ namespace specdec {
 // A draft tree, as a TreeDraftSource proposes it: node i is tokens[i], hanging below node
 // parents[i] or, for -1, below the sequence's last token; parents[i] < i.
 struct TreeDrafts {
-  std::span<const int64_t> tokens;
-  std::span<const int64_t> parents;
+  std::span<const int64_t> tokens{};
+  std::span<const int64_t> parents{};
   int64_t calls = 0;  // look-ups made, for stats
 };
 
 // What walking a scored tree decided, on the host.
 struct TreeVerdict {
-  std::span<const int64_t> path;    // accepted nodes, root to leaf
-  std::span<const int64_t> drafts;  // what StepInfo::drafts reports (the accepted path's tokens
-                                    // and the first rejected sibling after it)
-  int64_t token = 0;                // the token sampled after the path
+  std::span<const int64_t> path{};    // accepted nodes, root to leaf
+  std::span<const int64_t> drafts{};  // what StepInfo::drafts reports (the accepted path's tokens
+                                      // and the first rejected sibling after it)
+  int64_t token = 0;                  // the token sampled after the path
 };
 
 // TreeDraftSource: proposes a draft tree per step and verifies it exactly (STAND).
@@ -150,7 +150,7 @@ void chain_step(ModelRunner<T>& target, GenerationState& state, S& source, const
 
   target.truncate(position + step.accepted);
   EmittedStep emitted{.drafts = step.drafts, .accepted = step.accepted, .token = step.token, .entropy = drafts.entropy};
-  if (!target_only) emitted.gamma = drafts.gamma;
+  if (!target_only) emitted.gamma = drafts.gamma.value_or(-1);
   state.emit(emitted, [&] {
     ScopedTimer timer(stats.drafter_seconds);
     source.verified(VerifiedDrafts{

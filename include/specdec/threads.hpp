@@ -35,9 +35,9 @@ namespace specdec {
 // its thread setting, e.g. a statically linked one).
 struct ThreadSettings {
   int torch = 1;
-  std::optional<int> blas;
-  std::string blas_name;  // "openblas", "mkl" or empty
-  std::string blas_core;  // the kernels OpenBLAS chose for this CPU ("SkylakeX", "Prescott", ...)
+  std::optional<int> blas{};
+  std::string blas_name{};  // "openblas", "mkl" or empty
+  std::string blas_core{};  // the kernels OpenBLAS chose for this CPU ("SkylakeX", "Prescott", ...)
 
   friend std::ostream& operator<<(std::ostream& out, const ThreadSettings& s) {
     out << "torch " << s.torch;

@@ -38,8 +38,8 @@ inline void check_parents(std::span<const int64_t> parents) {
 // below the cached positions) and visible [T, T] (bool; visible[i][j] when j is i or one of its
 // ancestors), both on the host.
 struct TreeAttention {
-  at::Tensor depth;
-  at::Tensor visible;
+  at::Tensor depth{};
+  at::Tensor visible{};
 };
 
 // The tree-attention layout of `parents` (parents[i] in [-1, i)); `count` must equal
@@ -156,7 +156,7 @@ class TreeTemplate {
       }
     }
     struct Candidate {
-      double score;
+      double score{};
       int64_t parent, rank, depth, order;
       bool operator<(const Candidate& other) const {  // max-heap on score, then first pushed
         return score != other.score ? score < other.score : order > other.order;

@@ -31,9 +31,9 @@ namespace specdec {
 
 // The outcome of verify_drafts, on the host.
 struct VerifiedStep {
-  int64_t accepted = 0;         // leading drafts accepted, in [0, gamma]
-  int64_t token = 0;            // the token sampled after the accepted drafts
-  std::vector<int64_t> drafts;  // the drafts that were verified (host copy)
+  int64_t accepted = 0;           // leading drafts accepted, in [0, gamma]
+  int64_t token = 0;              // the token sampled after the accepted drafts
+  std::vector<int64_t> drafts{};  // the drafts that were verified (host copy)
 };
 
 namespace detail {
@@ -82,7 +82,7 @@ inline at::Tensor finite_code(const at::Tensor& target_finite, const at::Tensor&
 // drafts ([2 gamma + 2]), and read_step finds the first mismatch on the host: a dozen fewer
 // dispatched operations per step than computing it on the device, for the same single copy.
 struct PendingStep {
-  at::Tensor packed;
+  at::Tensor packed{};
   int64_t gamma = 0;
   const char* caller = "";
   bool argmax_rows = false;  // packed holds the greedy layout

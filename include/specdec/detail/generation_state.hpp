@@ -43,15 +43,15 @@ void check_common(const Options& options, std::span<const int64_t> prompt, int64
 // What one step emits: the drafts it reports, how many leading drafts were accepted, the token
 // the target sampled after them, and what the step callback and stats see beyond that.
 struct EmittedStep {
-  std::span<const int64_t> drafts;   // StepInfo::drafts
+  std::span<const int64_t> drafts{};  // StepInfo::drafts
   int64_t accepted = 0;
   int64_t token = 0;
-  std::optional<int64_t> gamma;      // drafts the policy chose; default drafts.size()
+  int64_t gamma = -1;                 // drafts the policy chose; -1: drafts.size()
   double entropy = std::numeric_limits<double>::quiet_NaN();
-  std::optional<int64_t> verified;   // draft tokens the target scored (stats.drafted); default
-                                     // drafts.size() (a tree verifies more than it reports)
-  double rtt_seconds = 0;            // remote verification: StepInfo::rtt_seconds
-  double prefill_seconds = 0;        // remote verification: StepInfo::prefill_seconds
+  int64_t verified = -1;              // draft tokens the target scored (stats.drafted); -1:
+                                      // drafts.size() (a tree verifies more than it reports)
+  double rtt_seconds = 0;             // remote verification: StepInfo::rtt_seconds
+  double prefill_seconds = 0;         // remote verification: StepInfo::prefill_seconds
 };
 
 // The sequence being generated (prompt plus output, in a vector the caller owns: a session's
@@ -108,7 +108,7 @@ class GenerationState {
     append(step.token);
     const auto reported = static_cast<int64_t>(step.drafts.size());
     ++stats_.steps;
-    stats_.drafted += step.verified.value_or(reported);
+    stats_.drafted += step.verified >= 0 ? step.verified : reported;
     stats_.accepted += step.accepted;
     stats_.rtt_seconds += step.rtt_seconds;
     stats_.prefill_seconds += step.prefill_seconds;
@@ -121,7 +121,7 @@ class GenerationState {
           .accepted = step.accepted,
           .token = step.token,
           .emitted = std::span<const int64_t>(sequence_).subspan(static_cast<size_t>(position)),
-          .gamma = step.gamma.value_or(reported),
+          .gamma = step.gamma >= 0 ? step.gamma : reported,
           .entropy = step.entropy,
           .target_seconds = stats_.target_seconds - reported_target_seconds_,
           .drafter_seconds = stats_.drafter_seconds - reported_drafter_seconds_,

@@ -286,9 +286,9 @@ class CompactNGramCounts {
   // smaller token.
   void merge(const CompactNGramCounts& other) {
     struct Entry {
-      Key context;
+      Key context{};
       uint32_t follower, count;
-      bool leader;
+      bool leader{};
     };
     std::vector<Entry> entries;
     entries.reserve(other.size());

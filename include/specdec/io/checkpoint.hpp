@@ -16,9 +16,9 @@
 namespace specdec::io {
 
 struct LlamaCheckpoint {
-  models::LlamaConfig config;
-  models::LlamaWeights weights;
-  std::string format;  // "huggingface" or "llama2.c v<N>"
+  models::LlamaConfig config{};
+  models::LlamaWeights weights{};
+  std::string format{};  // "huggingface" or "llama2.c v<N>"
 };
 
 // Loads the checkpoint at `path` with weights of `options`, within `limits`. A folder is read as a

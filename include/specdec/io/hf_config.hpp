@@ -60,7 +60,7 @@ inline int64_t config_integer(const nlohmann::json& config, const std::filesyste
 // high_freq_factor and original_max_position_embeddings. Errors name the field as the file has it.
 struct RotarySettings {
   double theta = 10000.0;
-  models::RopeScaling scaling;
+  models::RopeScaling scaling{};
 };
 
 inline models::RopeScaling rope_scaling(const nlohmann::json& r, const std::filesystem::path& path, const char* field) {

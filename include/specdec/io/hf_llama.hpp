@@ -71,8 +71,8 @@ inline void require_inside(const std::filesystem::path& folder, const std::files
 }  // namespace detail
 
 struct HfLlamaCheckpoint {
-  models::LlamaConfig config;
-  models::LlamaWeights weights;
+  models::LlamaConfig config{};
+  models::LlamaWeights weights{};
   bool tied_classifier = false;
 };
 

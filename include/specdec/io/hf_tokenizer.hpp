@@ -87,8 +87,8 @@ inline void require_utf8(std::string_view text, const char* what) {
 // GPT-2's byte-to-unicode table: bytes that are printable Latin-1 characters stand for
 // themselves, the other 68 bytes for the code points 256, 257, ... in byte order.
 struct ByteLevelTable {
-  std::array<std::string, 256> to_char;
-  std::unordered_map<int32_t, uint8_t> to_byte;
+  std::array<std::string, 256> to_char{};
+  std::unordered_map<int32_t, uint8_t> to_byte{};
   ByteLevelTable() {
     int32_t next = 256;
     for (int b = 0; b < 256; ++b) {
@@ -265,9 +265,9 @@ class HfTokenizer {
   enum class SplitBehavior { isolated, removed, merged_with_previous, merged_with_next };
   enum class Prepend { always, first, never };
   struct Step {
-    Kind kind;
-    std::string a, b;  // prepend: a; replace: a -> b; metaspace: a = replacement; strip: a = content
-    std::optional<detail::Regex> regex;
+    Kind kind{};
+    std::string a{}, b{};  // prepend: a; replace: a -> b; metaspace: a = replacement; strip: a = content
+    std::optional<detail::Regex> regex{};
     SplitBehavior behavior = SplitBehavior::isolated;
     bool flag = false;  // byte_level: add_prefix_space; metaspace: split
     bool use_regex = false;
@@ -275,13 +275,13 @@ class HfTokenizer {
     int64_t start = 0, stop = 0;
   };
   struct Added {
-    std::string content;
-    int64_t id;
+    std::string content{};
+    int64_t id{};
     bool lstrip, rstrip, single_word;
   };
   struct Merge {
-    int32_t rank;
-    int32_t merged;
+    int32_t rank{};
+    int32_t merged{};
   };
 
   // ---- reading -------------------------------------------------------------------------------
@@ -878,10 +878,10 @@ class HfTokenizer {
 // tokenizer_config.json's add_bos_token, bos_token and eos_token, generation_config.json's
 // bos_token_id and eos_token_id (one id or a list), and the chat format its template uses.
 struct HfTextSettings {
-  std::optional<bool> add_bos_token;
-  std::optional<int64_t> bos_token_id;
-  std::vector<int64_t> eos_token_ids;
-  std::optional<ChatTemplate> chat;
+  std::optional<bool> add_bos_token{};
+  std::optional<int64_t> bos_token_id{};
+  std::vector<int64_t> eos_token_ids{};
+  std::optional<ChatTemplate> chat{};
 };
 
 namespace detail {

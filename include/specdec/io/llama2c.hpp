@@ -21,8 +21,8 @@
 namespace specdec::io {
 
 struct Llama2cCheckpoint {
-  models::LlamaConfig config;
-  models::LlamaWeights weights;
+  models::LlamaConfig config{};
+  models::LlamaWeights weights{};
   int version = 0;               // 0 legacy, 1 fp32, 2 Q8_0
   bool shared_classifier = true; // the classifier is the token embedding
 };

@@ -18,7 +18,7 @@
 namespace specdec::io {
 
 struct Llama2cLayout {
-  models::LlamaConfig config;
+  models::LlamaConfig config{};
   int version = 0;                // 0 legacy, 1 fp32, 2 Q8_0
   bool shared_classifier = true;  // the classifier is the token embedding
   int32_t group_size = 0;         // Q8_0 group size (version 2)

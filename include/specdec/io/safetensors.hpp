@@ -52,8 +52,8 @@ inline std::string safetensors_name(at::ScalarType type) {
 }  // namespace detail
 
 struct SafetensorsContents {
-  std::map<std::string, at::Tensor> tensors;      // CPU tensors in their stored dtype
-  std::map<std::string, std::string> metadata;    // the "__metadata__" strings
+  std::map<std::string, at::Tensor> tensors{};    // CPU tensors in their stored dtype
+  std::map<std::string, std::string> metadata{};  // the "__metadata__" strings
 };
 
 // Reads every tensor of a safetensors file (the header is validated by parse_safetensors first).

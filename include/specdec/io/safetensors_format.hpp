@@ -20,16 +20,16 @@
 namespace specdec::io {
 
 struct SafetensorsEntry {
-  std::string name;
-  std::string dtype;            // "F32", "F16", "BF16", ...
-  std::vector<int64_t> shape;
+  std::string name{};
+  std::string dtype{};          // "F32", "F16", "BF16", ...
+  std::vector<int64_t> shape{};
   uint64_t begin = 0;           // byte range in the data buffer
   uint64_t end = 0;
 };
 
 struct SafetensorsHeader {
-  std::vector<SafetensorsEntry> entries;
-  std::map<std::string, std::string> metadata;
+  std::vector<SafetensorsEntry> entries{};
+  std::map<std::string, std::string> metadata{};
   uint64_t data_start = 0;  // file offset of the data buffer
 };
 

@@ -42,28 +42,28 @@ namespace specdec::models {
 
 // One decoder layer's weights, [out, in] for every projection.
 struct LlamaLayerWeights {
-  at::Tensor attention_norm;  // [dim]
-  at::Tensor wq;              // [dim, dim]
-  at::Tensor wk;              // [kv_dim, dim]
-  at::Tensor wv;              // [kv_dim, dim]
-  at::Tensor wo;              // [dim, dim]
-  at::Tensor ffn_norm;        // [dim]
-  at::Tensor w1;              // [hidden_dim, dim]  gate
-  at::Tensor w2;              // [dim, hidden_dim]  down
-  at::Tensor w3;              // [hidden_dim, dim]  up
+  at::Tensor attention_norm{};  // [dim]
+  at::Tensor wq{};              // [dim, dim]
+  at::Tensor wk{};              // [kv_dim, dim]
+  at::Tensor wv{};              // [kv_dim, dim]
+  at::Tensor wo{};              // [dim, dim]
+  at::Tensor ffn_norm{};        // [dim]
+  at::Tensor w1{};              // [hidden_dim, dim]  gate
+  at::Tensor w2{};              // [dim, hidden_dim]  down
+  at::Tensor w3{};              // [hidden_dim, dim]  up
   // Biases, undefined where the family has none: q, k, v all three with config.qkv_bias (Qwen2),
   // o with config.o_bias.
-  at::Tensor bq;              // [dim]
-  at::Tensor bk;              // [kv_dim]
-  at::Tensor bv;              // [kv_dim]
-  at::Tensor bo;              // [dim]
+  at::Tensor bq{};              // [dim]
+  at::Tensor bk{};              // [kv_dim]
+  at::Tensor bv{};              // [kv_dim]
+  at::Tensor bo{};              // [dim]
 };
 
 struct LlamaWeights {
-  at::Tensor token_embedding;  // [vocab, dim]
-  std::vector<LlamaLayerWeights> layers;
-  at::Tensor norm;    // [dim]
-  at::Tensor output;  // [vocab, dim]; the token embedding itself when the classifier is tied
+  at::Tensor token_embedding{};  // [vocab, dim]
+  std::vector<LlamaLayerWeights> layers{};
+  at::Tensor norm{};    // [dim]
+  at::Tensor output{};  // [vocab, dim]; the token embedding itself when the classifier is tied
 
   // Random weights for `config`, scaled so that logits are well spread (for tests and benchmarks).
   static LlamaWeights random(const LlamaConfig& config, uint64_t seed,
@@ -680,11 +680,11 @@ class LlamaModel {
   }
 
   struct FusedLayer {
-    at::Tensor wqkv;  // [dim + 2 kv_dim, dim]: wq, wk, wv
-    at::Tensor w13;   // [2 hidden_dim, dim]: w1 (gate), w3 (up)
-    at::Tensor bqkv;  // [dim + 2 kv_dim]: bq, bk, bv (undefined without qkv_bias)
+    at::Tensor wqkv{};  // [dim + 2 kv_dim, dim]: wq, wk, wv
+    at::Tensor w13{};   // [2 hidden_dim, dim]: w1 (gate), w3 (up)
+    at::Tensor bqkv{};  // [dim + 2 kv_dim]: bq, bk, bv (undefined without qkv_bias)
     // The CPU loops' products (kernels_apply()): q|k|v, o, gate|up, down.
-    detail::CpuLinear qkv, o, gate_up, down;
+    detail::CpuLinear qkv{}, o{}, gate_up{}, down{};
   };
 
   // Forwards of up to this many new tokens attend through the loops of detail::attend, longer

@@ -49,7 +49,7 @@ struct LlamaConfig {
   int64_t max_seq_len = 512;    // most positions; also the StaticKVCache capacity by default
   double rope_theta = 10000.0;  // rotary embedding base
   double norm_eps = 1e-5;       // RMSNorm epsilon
-  RopeScaling rope_scaling;     // none: the frequencies rope_theta gives (Llama 3.1/3.2: llama3)
+  RopeScaling rope_scaling{};   // none: the frequencies rope_theta gives (Llama 3.1/3.2: llama3)
   int64_t sliding_window = 0;   // > 0: position i attends to positions (i - sliding_window, i]
                                 // only (Mistral); 0: to every earlier position
   bool qkv_bias = false;        // q, k and v projections have biases (Qwen2, Llama attention_bias)

@@ -45,7 +45,7 @@
 namespace specdec::remote {
 
 struct RemoteOptions {
-  std::string token;                            // the server's shared secret, if it has one
+  std::string token{};                          // the server's shared secret, if it has one
   std::chrono::milliseconds timeout{30000};     // deadline of each call
   std::chrono::microseconds added_latency{0};   // a simulation of a slower link: sleeps this long
                                                 // before each call (benchmarks, not deployments)
@@ -53,8 +53,8 @@ struct RemoteOptions {
   // TLS: trusted_ca (the CAs that sign the server's certificate) connects over TLS; with
   // certificate_chain and private_key the client also presents its own certificate (servers that
   // require client certificates). Empty: plaintext.
-  TlsOptions tls;
-  std::string tls_server_name;                  // the name the server's certificate must carry,
+  TlsOptions tls{};
+  std::string tls_server_name{};                // the name the server's certificate must carry,
                                                 // when not the address's host
 };
 
@@ -78,7 +78,7 @@ class RemoteError : public std::runtime_error {
 class RemoteVerifier {
  public:
   struct Opened {
-    std::string session;
+    std::string session{};
     int64_t vocab_size = 0;
     int64_t max_sequence_length = 0;
     int64_t max_gamma = 0;
@@ -256,7 +256,7 @@ GenerationResult remote_generate(S& source, RemoteVerifier& verifier, std::span<
       stats.target_seconds += reply.prefill_seconds();
       stats.target_positions += k + 1;
       state.emit({.drafts = draft_tokens, .accepted = reply.accepted(), .token = reply.token(),
-                  .gamma = drafts.gamma, .entropy = drafts.entropy, .rtt_seconds = rtt,
+                  .gamma = drafts.gamma.value_or(-1), .entropy = drafts.entropy, .rtt_seconds = rtt,
                   .prefill_seconds = reply.prefill_seconds()},
                  [&] {
                    specdec::detail::ScopedTimer timer(stats.drafter_seconds);

@@ -186,10 +186,10 @@ inline uint64_t step_seed(uint64_t seed, uint64_t step) noexcept {
 // TLS material, PEM text (not file names; read_pem reads a file): a side's own certificate chain
 // and private key, and the certificates it trusts to sign the other side's.
 struct TlsOptions {
-  std::string certificate_chain;  // this side's certificate, then its intermediates
-  std::string private_key;        // the key of that certificate
-  std::string trusted_ca;         // server: CAs that sign client certificates (required of every
-                                  // client when set); client: CAs that sign the server's
+  std::string certificate_chain{};  // this side's certificate, then its intermediates
+  std::string private_key{};        // the key of that certificate
+  std::string trusted_ca{};         // server: CAs that sign client certificates (required of every
+                                    // client when set); client: CAs that sign the server's
   [[nodiscard]] bool enabled() const noexcept {
     return !certificate_chain.empty() || !private_key.empty() || !trusted_ca.empty();
   }

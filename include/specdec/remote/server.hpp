@@ -77,12 +77,12 @@ struct ServerStats {
 
 struct ServerOptions {
   std::string address = "127.0.0.1:50051";  // host:port; port 0 picks a free one (VerifierServer::port)
-  std::string token;                        // shared secret; a non-loopback address needs it or
+  std::string token{};                      // shared secret; a non-loopback address needs it or
                                             // TLS with client certificates
-  ServerLimits limits;
+  ServerLimits limits{};
   // TLS: certificate_chain and private_key serve over TLS; trusted_ca then also requires every
   // client to present a certificate signed by one of those CAs. Empty: plaintext.
-  TlsOptions tls;
+  TlsOptions tls{};
 };
 
 // Whether `address` (host:port) names the loopback interface: localhost, 127.0.0.0/8 or [::1].
@@ -278,27 +278,27 @@ class VerifierService final : public wire::Verifier::Service {
   static constexpr bool kJoinable = JoinableKVCache<cache_type>;
 
   struct State {
-    std::mutex mutex;
-    std::unique_ptr<cache_type> cache;  // the session's cache (declared first: the session uses it)
-    std::optional<Session<T>> session;
-    AnyProcessor processor;
+    std::mutex mutex{};
+    std::unique_ptr<cache_type> cache{};  // the session's cache (declared first: the session uses it)
+    std::optional<Session<T>> session{};
+    AnyProcessor processor{};
     uint64_t seed = 0;
     bool threshold = false;
     double tau = 0;
     uint64_t steps = 0;
-    std::chrono::steady_clock::time_point last_used;
+    std::chrono::steady_clock::time_point last_used{};
   };
 
   // One verification: the session (whose tokens already hold the request's context), the drafts,
   // their q and the step's options; then the outcome, written by the forward that served it.
   struct Job {
     State* state = nullptr;
-    std::vector<int64_t> drafts;
-    at::Tensor q;  // [k, vocab] float, or undefined when verification needs none
-    SpeculativeOptions options;
+    std::vector<int64_t> drafts{};
+    at::Tensor q{};  // [k, vocab] float, or undefined when verification needs none
+    SpeculativeOptions options{};
     int64_t accepted = 0, token = 0;
     double seconds = 0;  // the target forward's time
-    grpc::Status status;
+    grpc::Status status{};
     bool done = false;
   };
 

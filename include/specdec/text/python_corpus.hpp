@@ -16,9 +16,9 @@
 namespace specdec::text {
 
 struct PythonCorpus {
-  std::vector<uint8_t> train;
-  std::vector<uint8_t> held_out;
-  std::vector<std::filesystem::path> held_out_paths;
+  std::vector<uint8_t> train{};
+  std::vector<uint8_t> held_out{};
+  std::vector<std::filesystem::path> held_out_paths{};
   int64_t train_files = 0;
   int64_t held_out_files = 0;
 };

@@ -24,7 +24,7 @@ struct TokenStreamOptions {
 };
 
 struct TokenStream {
-  std::vector<int64_t> tokens;
+  std::vector<int64_t> tokens{};
   int64_t copied = 0;  // tokens that lie in copied spans
 };
 

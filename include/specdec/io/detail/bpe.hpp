@@ -27,8 +27,8 @@ inline std::optional<int> byte_of(std::string_view piece) {
 // What merging an adjacent pair gives: the merged token, and the pair's priority (the highest
 // merges first).
 struct PairMerge {
-  double priority;
-  int64_t merged;
+  double priority{};
+  int64_t merged{};
 };
 
 // Merges tokens[first..] in place: repeatedly the adjacent pair of highest priority, the leftmost
@@ -43,7 +43,7 @@ void merge_pairs(std::vector<int64_t>& tokens, size_t first, Lookup&& lookup) {
   std::vector<bool> alive(n, true);
   for (size_t i = 0; i < n; ++i) next[i] = i + 1, previous[i] = i == 0 ? n : i - 1;
   struct Candidate {
-    double priority;
+    double priority{};
     size_t left, right;
     int64_t left_token, right_token, merged;
     bool operator<(const Candidate& other) const {  // the heap's top: highest priority, then leftmost
