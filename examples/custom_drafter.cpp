@@ -38,12 +38,17 @@ class RepeatDrafter {
   void verified(const specdec::VerifiedDrafts& outcome) { accepted_ += outcome.accepted; }
   [[nodiscard]] int64_t accepted() const noexcept { return accepted_; }
 
+  // An optional hook: called before each generation's first step (the count starts again).
+  void start(std::span<const int64_t> /*sequence*/, const specdec::SpeculativeOptions& /*options*/) { accepted_ = 0; }
+
  private:
   int64_t period_;
   int64_t accepted_ = 0;
   std::vector<int64_t> drafts_;
 };
 static_assert(specdec::DraftSource<RepeatDrafter, specdec::GreedyProcessor>);
+// The step calls an optional hook only when its concept holds: stating it catches a misspelling.
+static_assert(specdec::HasStartHook<RepeatDrafter>);
 
 int main() {
   try {

@@ -2,8 +2,11 @@
 #include <gtest/gtest.h>
 
 #include "specdec/concepts.hpp"
+#include "specdec/draft_source.hpp"
 #include "specdec/kv_cache.hpp"
 #include "specdec/logits_processor.hpp"
+#include "specdec/step.hpp"
+#include "support/toy_models.hpp"
 
 namespace {
 
@@ -108,6 +111,65 @@ TEST(Concepts, LogitsProcessorClauses) {
   static_assert(!LogitsProcessor<ProcessorWithoutCall>);
   static_assert(!LogitsProcessor<ProcessorWithMutatingCall>);
   SUCCEED();
+}
+
+// A draft source with every optional hook, counting the calls the step makes to them.
+struct HookedSource {
+  int64_t starts = 0, finishes = 0, top_k_seen = 0;
+  template <specdec::LogitsProcessor P>
+  specdec::Drafts draft(const specdec::DraftRequest& request, const P&, at::Generator&) {
+    const std::vector<int64_t> tokens(static_cast<size_t>(request.gamma), request.sequence.back());
+    return specdec::Drafts::from_host(tokens, request.device);
+  }
+  void verified(const specdec::VerifiedDrafts& verified) { top_k_seen += verified.top_k; }
+  void start(std::span<const int64_t>, const specdec::SpeculativeOptions&) { ++starts; }
+  void finish(std::span<const int64_t>) { ++finishes; }
+  [[nodiscard]] int64_t target_top_k() const { return 2; }
+  [[nodiscard]] int64_t vocab_size() const { return 40; }
+  [[nodiscard]] int64_t max_sequence_length() const { return 12; }
+};
+// The same hooks misspelled or mistyped: each is a member the step never calls.
+struct MisspelledSource {
+  int64_t starts = 0, finishes = 0;
+  template <specdec::LogitsProcessor P>
+  specdec::Drafts draft(const specdec::DraftRequest&, const P&, at::Generator&) { return {}; }
+  void verified(const specdec::VerifiedDrafts&) {}
+  void strat(std::span<const int64_t>, const specdec::SpeculativeOptions&) { ++starts; }
+  void finish(const std::vector<int64_t>&) { ++finishes; }  // a span does not convert to a vector
+  [[nodiscard]] std::string target_top_k() const { return "2"; }
+  [[nodiscard]] int64_t vocab_size() { return 40; }  // not const
+};
+
+TEST(Concepts, DraftSourceHooksAreCheckedAndCalledExactlyWhenTheirConceptsHold) {
+  static_assert(specdec::DraftSource<HookedSource, specdec::GreedyProcessor>);
+  static_assert(specdec::HasStartHook<HookedSource> && specdec::HasFinishHook<HookedSource> &&
+                specdec::HasTargetTopK<HookedSource> && specdec::HasVocabSize<HookedSource> &&
+                specdec::HasMaxSequenceLength<HookedSource>);
+  static_assert(specdec::DraftSource<MisspelledSource, specdec::GreedyProcessor>);
+  static_assert(!specdec::HasStartHook<MisspelledSource> && !specdec::HasFinishHook<MisspelledSource> &&
+                !specdec::HasTargetTopK<MisspelledSource> && !specdec::HasVocabSize<MisspelledSource> &&
+                !specdec::HasMaxSequenceLength<MisspelledSource>);
+  specdec::test::PrefixHashModel target(40, 1);
+  const std::vector<int64_t> prompt{1, 2, 3};
+  HookedSource hooked;
+  // max_sequence_length() 12: a step after `position` tokens drafts at most 12 - position + 1
+  // (feeding the source up to 12 positions), and nothing once the sequence is longer.
+  int64_t past_the_limit = 0;
+  const auto check = [&](const specdec::StepInfo& step) {
+    EXPECT_LE(static_cast<int64_t>(step.drafts.size()), std::max<int64_t>(0, 12 - step.position + 1)) << step.position;
+    if (step.position > 12) past_the_limit += static_cast<int64_t>(step.drafts.size()) + 1;
+  };
+  const auto result = specdec::generate_with(hooked, target, prompt, {.max_new_tokens = 20, .on_step = check, .gamma = 4});
+  EXPECT_EQ(hooked.starts, 1);
+  EXPECT_EQ(hooked.finishes, 1);
+  EXPECT_EQ(hooked.top_k_seen, 2 * result.stats.steps);
+  EXPECT_GT(past_the_limit, 0);
+  MisspelledSource misspelled;
+  (void)specdec::generate_with(misspelled, target, prompt, {.max_new_tokens = 5, .gamma = 4});
+  EXPECT_EQ(misspelled.starts, 0);
+  EXPECT_EQ(misspelled.finishes, 0);
+  specdec::test::PrefixHashModel other_vocabulary(30, 1);
+  EXPECT_THROW((void)specdec::generate_with(hooked, other_vocabulary, prompt), std::invalid_argument);
 }
 
 }  // namespace

@@ -81,7 +81,8 @@ struct VerifiedDrafts {
 //      request.room tokens; with probs, drawn from probs using `gen` (verification is then exact
 //      rejection sampling against q = probs); without, q is one-hot at each token.
 //   2. `s.verified(verified)` takes the outcome of each step (also steps that drafted nothing).
-// Optional members, used when present:
+// Optional members, used when present (each is a concept below, which is exactly what the step
+// checks):
 //   `s.start(sequence, options)`: before a generation's first step (options: SpeculativeOptions);
 //   `s.finish(sequence)`: after its last; `cs.target_top_k()`: how many of the target's top
 //   tokens per verified position verified() should see (one extra host copy costs nothing: they
@@ -97,6 +98,26 @@ concept DraftSource =
       { s.draft(request, processor, gen) } -> std::same_as<Drafts>;
       s.verified(verified);
     };
+
+// The optional members of a draft source, one concept each. The step calls a hook exactly when
+// its concept holds, so a hook with a misspelled name or a wrong signature is silently never
+// called; state the hooks a source means to have and the compiler checks them:
+//   static_assert(specdec::HasStartHook<MySource> && specdec::HasFinishHook<MySource>);
+template <class S>
+concept HasStartHook = requires(S& s, std::span<const int64_t> sequence, const SpeculativeOptions& options) {
+  s.start(sequence, options);
+};
+template <class S>
+concept HasFinishHook = requires(S& s, std::span<const int64_t> sequence) { s.finish(sequence); };
+template <class S>
+concept HasTargetTopK = requires(const S& cs) {
+  { cs.target_top_k() } -> std::convertible_to<int64_t>;
+};
+template <class S>
+concept HasVocabSize = requires(const S& cs) {
+  { cs.vocab_size() } -> std::convertible_to<int64_t>;
+};
+// `cs.max_sequence_length()`: HasMaxSequenceLength (concepts.hpp), as for models.
 
 // Drafts nothing: every step samples from the target alone (autoregressive decoding).
 struct NoDrafts {

@@ -77,7 +77,7 @@ namespace detail {
 
 template <class S>
 int64_t source_top_k(const S& source) {
-  if constexpr (requires { source.target_top_k(); }) {
+  if constexpr (HasTargetTopK<S>) {
     return static_cast<int64_t>(source.target_top_k());
   } else {
     return 0;
@@ -88,7 +88,7 @@ int64_t source_top_k(const S& source) {
 // max_sequence_length() leaves (drafting k tokens feeds it length + k - 1 positions).
 template <class S>
 int64_t source_room(const S& source, int64_t length) {
-  if constexpr (requires { source.max_sequence_length(); }) {
+  if constexpr (HasMaxSequenceLength<S>) {
     return std::max<int64_t>(0, static_cast<int64_t>(source.max_sequence_length()) - length + 1);
   } else {
     return std::numeric_limits<int64_t>::max();
@@ -252,7 +252,7 @@ GenerationResult run_generation(ModelRunner<T>& target, std::vector<int64_t>& se
                        .positions = &stats.target_positions});
   target.set_use_cache(options.use_cache);
   target.resume(sequence);
-  if constexpr (requires { source.start(std::span<const int64_t>(sequence), options); }) {
+  if constexpr (HasStartHook<S>) {
     ScopedTimer timer(stats.drafter_seconds);
     source.start(std::span<const int64_t>(sequence), options);
   }
@@ -283,7 +283,7 @@ GenerationResult run_generation(ModelRunner<T>& target, std::vector<int64_t>& se
   }
   target.record(sequence);
   target.set_counters({});
-  if constexpr (requires { source.finish(std::span<const int64_t>(sequence)); }) {
+  if constexpr (HasFinishHook<S>) {
     source.finish(std::span<const int64_t>(sequence));
   }
   return std::move(state).finish();
@@ -307,7 +307,7 @@ SpeculativeOptions step_options(const Options& options) {
 // Validates a draft source against the target (vocabulary) and the options.
 template <class S>
 void check_source(const S& source, int64_t vocab, const SpeculativeOptions& options) {
-  if constexpr (requires { source.vocab_size(); }) {
+  if constexpr (HasVocabSize<S>) {
     if (static_cast<int64_t>(source.vocab_size()) != vocab) {
       throw_invalid_message("drafter.vocab_size() must equal target.vocab_size() = ", vocab, ", got ",
                             source.vocab_size());

@@ -199,7 +199,7 @@ GenerationResult remote_generate(S& source, RemoteVerifier& verifier, std::span<
   }
   specdec::detail::GenerationState state(sequence, options, session.max_sequence_length);
   GenerationStats& stats = state.stats();
-  if constexpr (requires { source.start(std::span<const int64_t>(sequence), options); }) {
+  if constexpr (HasStartHook<S>) {
     specdec::detail::ScopedTimer timer(stats.drafter_seconds);
     source.start(std::span<const int64_t>(sequence), options);
   }
@@ -268,7 +268,7 @@ GenerationResult remote_generate(S& source, RemoteVerifier& verifier, std::span<
     error.set_partial(std::move(state).finish());
     throw;
   }
-  if constexpr (requires { source.finish(std::span<const int64_t>(sequence)); }) {
+  if constexpr (HasFinishHook<S>) {
     source.finish(std::span<const int64_t>(sequence));
   }
   GenerationResult result = std::move(state).finish();
