@@ -86,6 +86,7 @@ struct Arguments {
   int64_t max_seq_len = io::LoadLimits{}.max_sequence_length;
   int threads = 1;
   bool compare = false, trace = false, json = false;
+  int compare_runs = 3;
   std::string verifier, verifier_token_file;
   std::string verifier_tls_ca, verifier_tls_cert, verifier_tls_key;
   double added_latency_ms = 0;
@@ -326,7 +327,13 @@ Arguments parse(int argc, char** argv) {
                  "generate for every line of FILE as one batch (speculative, autoregressive, ngram); \\n in a line "
                  "stands for a newline")
       ->group(output);
-  app.add_flag("--compare", a.compare, "also run autoregressive decoding and print the speedup")->group(output);
+  app.add_flag("--compare", a.compare,
+               "also run autoregressive decoding and print the speedup: both warmed up by one untimed run, then "
+               "--compare-runs timed runs of each in alternating order, neither streaming its text, medians compared")
+      ->group(output);
+  app.add_option("--compare-runs", a.compare_runs, "timed runs of each mode with --compare (default 3)")
+      ->check(CLI::Range(1, 100))
+      ->group(output);
   app.add_flag("--trace", a.trace, "show every step: accepted drafts, rejected drafts, the target's token")
       ->group(output);
   app.add_flag("--json", a.json, "print the statistics as one JSON object instead of text")->group(output);
@@ -890,9 +897,13 @@ int run(const Arguments& a) {
   const Colors colors = color ? Colors{"\033[32m", "\033[9;31m", "\033[1;34m", "\033[0m"} : Colors{};
   const bool show_text = !a.json;
 
+  // A step as the printer needs it, copied out of StepInfo (whose spans live for the callback only).
+  struct Printed {
+    std::vector<int64_t> drafts, emitted;
+    int64_t accepted = 0, token = 0;
+  };
   int64_t previous = prompt.back();
-  const auto on_step = [&](const StepInfo& step) {
-    if (!show_text) return;
+  const auto print_step = [&](const Printed& step) {
     if (a.trace) {
       const size_t accepted = std::min(step.emitted.size(), static_cast<size_t>(step.accepted));
       std::cout << colors.accepted;
@@ -920,6 +931,17 @@ int run(const Arguments& a) {
     }
     std::cout << std::flush;
   };
+  const auto copy_step = [](const StepInfo& step) {
+    return Printed{.drafts = {step.drafts.begin(), step.drafts.end()},
+                   .emitted = {step.emitted.begin(), step.emitted.end()},
+                   .accepted = step.accepted,
+                   .token = step.token};
+  };
+  // Without --compare the text streams as it is generated; with it, every timed run (of either
+  // mode) records its steps the same way and the text is printed after the timing.
+  const auto on_step = [&](const StepInfo& step) {
+    if (show_text) print_step(copy_step(step));
+  };
 
   if (show_text) {
     std::cout << "target:  " << a.target << " (" << target_checkpoint.format << ", " << target.config() << ", "
@@ -942,43 +964,88 @@ int run(const Arguments& a) {
     }
     std::cout << "\n" << a.prompt << std::flush;
   }
-  std::optional<NGramStorage> storage;
+  std::optional<NGramStorage> initial_storage;
   if (a.mode == "ngram") {
-    storage.emplace(a.storage.empty() ? NGramStorage(a.ngram_order, target.vocab_size()) : NGramStorage::load(a.storage));
-    if (storage->vocab_size() != target.vocab_size()) {
-      throw std::invalid_argument("--storage was built for vocabulary " + std::to_string(storage->vocab_size()) +
+    initial_storage.emplace(a.storage.empty() ? NGramStorage(a.ngram_order, target.vocab_size())
+                                              : NGramStorage::load(a.storage));
+    if (initial_storage->vocab_size() != target.vocab_size()) {
+      throw std::invalid_argument("--storage was built for vocabulary " + std::to_string(initial_storage->vocab_size()) +
                                   ", the target has " + std::to_string(target.vocab_size()));
     }
   }
-  const GenerationResult result = std::visit(
-      [&](const auto& p) {
-        const NGramAssistedOptions ngram_options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
-                                                 .stop_sequences = stops, .seed = a.seed, .on_step = on_step,
-                                                 .gamma = a.gamma, .filler_top_k = a.filler,
-                                                 .draft_rule = a.draft_rule};
-        if (storage) return ngram_assisted_generate(*storage, target, prompt, ngram_options, p);
-        if (a.mode == "prompt-lookup") {
-          PromptLookupDrafter lookup;
-          return ngram_assisted_generate(lookup, target, prompt, ngram_options, p);
-        }
-        if (drafter) {
-          SpeculativeOptions options = speculative_options;
-          options.on_step = on_step;
-          return speculative_generate(*drafter, target, prompt, options, p);
-        }
-        return autoregressive_generate(target, prompt,
-                                       {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
-                                        .stop_sequences = stops, .seed = a.seed, .on_step = on_step}, p);
-      },
-      processor);
-  if (storage && !a.save_storage.empty()) storage->save(a.save_storage);
+  // One run of the chosen mode (`baseline`: autoregressive decoding instead). Each run of the
+  // n-gram mode starts from the same storage (its own copy), so that every run drafts alike.
+  std::optional<NGramStorage> storage;
+  const auto generate = [&](bool baseline, const StepCallback& callback) {
+    return std::visit(
+        [&](const auto& p) {
+          const GenerationOptions plain{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                        .stop_sequences = stops, .seed = a.seed, .on_step = callback};
+          if (baseline) return autoregressive_generate(target, prompt, plain, p);
+          const NGramAssistedOptions ngram_options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                                   .stop_sequences = stops, .seed = a.seed, .on_step = callback,
+                                                   .gamma = a.gamma, .filler_top_k = a.filler,
+                                                   .draft_rule = a.draft_rule};
+          if (initial_storage) {
+            storage.emplace(*initial_storage);
+            return ngram_assisted_generate(*storage, target, prompt, ngram_options, p);
+          }
+          if (a.mode == "prompt-lookup") {
+            PromptLookupDrafter lookup;
+            return ngram_assisted_generate(lookup, target, prompt, ngram_options, p);
+          }
+          if (drafter) {
+            SpeculativeOptions options = speculative_options;
+            options.on_step = callback;
+            return speculative_generate(*drafter, target, prompt, options, p);
+          }
+          return autoregressive_generate(target, prompt, plain, p);
+        },
+        processor);
+  };
+  const bool comparing = a.compare && a.mode != "autoregressive";
   std::optional<GenerationResult> baseline;
-  if (a.compare && a.mode != "autoregressive") {
-    baseline = std::visit([&](const auto& p) {
-      return autoregressive_generate(target, prompt, {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
-                                                      .stop_sequences = stops, .seed = a.seed}, p);
-    }, processor);
+  std::vector<double> mode_seconds, baseline_seconds;
+  GenerationResult result;
+  if (!comparing) {
+    result = generate(false, on_step);
+  } else {
+    // A fair comparison: both modes warmed up (first forwards of each shape, page faults, the
+    // products' first use), then alternated, each timed run recording its steps the same way.
+    (void)generate(false, {});
+    (void)generate(true, {});
+    std::vector<std::vector<Printed>> mode_steps;
+    std::vector<GenerationResult> mode_results, baseline_results;
+    for (int run = 0; run < a.compare_runs; ++run) {
+      for (const bool is_baseline : {run % 2 == 1, run % 2 == 0}) {
+        std::vector<Printed> steps;
+        GenerationResult timed = generate(is_baseline, [&](const StepInfo& step) { steps.push_back(copy_step(step)); });
+        if (is_baseline) {
+          baseline_results.push_back(std::move(timed));
+        } else {
+          mode_results.push_back(std::move(timed));
+          mode_steps.push_back(std::move(steps));
+        }
+      }
+    }
+    // The runs with the median times stand for their mode (an odd count: the middle one).
+    const auto median = [](const std::vector<GenerationResult>& runs) {
+      std::vector<size_t> order(runs.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(),
+                [&](size_t x, size_t y) { return runs[x].stats.total_seconds < runs[y].stats.total_seconds; });
+      return order[(order.size() - 1) / 2];
+    };
+    const size_t mode_median = median(mode_results), baseline_median = median(baseline_results);
+    for (const auto& r : mode_results) mode_seconds.push_back(r.stats.total_seconds);
+    for (const auto& r : baseline_results) baseline_seconds.push_back(r.stats.total_seconds);
+    result = std::move(mode_results[mode_median]);
+    baseline = std::move(baseline_results[baseline_median]);
+    if (show_text) {
+      for (const Printed& step : mode_steps[mode_median]) print_step(step);
+    }
   }
+  if (storage && !a.save_storage.empty()) storage->save(a.save_storage);
 
   const GenerationStats& s = result.stats;
   if (a.json) {
@@ -1003,6 +1070,12 @@ int run(const Arguments& a) {
       out["autoregressive"] = stats_json(baseline->stats);
       out["speedup"] = baseline->stats.total_seconds / s.total_seconds;
       out["identical_to_autoregressive"] = baseline->tokens == result.tokens;
+      // What was measured: stats and autoregressive are the median runs of these.
+      out["compare"] = {{"warmup_runs", 1},
+                        {"timed_runs", a.compare_runs},
+                        {"order", "alternating, " + std::string(a.mode) + " first"},
+                        {"seconds", mode_seconds},
+                        {"autoregressive_seconds", baseline_seconds}};
     }
     std::cout << out.dump(2) << "\n";
     return 0;
@@ -1019,7 +1092,9 @@ int run(const Arguments& a) {
     const auto& b = baseline->stats;
     std::cout << "autoregressive: " << b.generated << " tokens in " << b.total_seconds << " s: "
               << b.generated / b.total_seconds << " tokens/s; speedup " << b.total_seconds / s.total_seconds
-              << "x; output identical: " << (baseline->tokens == result.tokens ? "yes" : "no") << "\n";
+              << "x; output identical: " << (baseline->tokens == result.tokens ? "yes" : "no") << "\n"
+              << "(medians of " << a.compare_runs << " timed runs of each mode, alternated, after one untimed "
+              << "warm-up run of each; the text is printed after the timing)\n";
   }
   return 0;
 }
