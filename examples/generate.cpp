@@ -217,7 +217,7 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--dtype", a.dtype, "float32 (default), float16 or bfloat16 (norms, softmax and verification stay float32)")
       ->check(in({"float32", "float16", "bfloat16"}))->group(models);
   app.add_option("--threads", a.threads,
-                 "CPU threads of libtorch and of the loaded BLAS together (default 1: see README, Threads)")
+                 "CPU threads of libtorch and of the loaded BLAS together (default 1: see docs/performance.md)")
       ->check(cli::integer<int>(1, 1024))->group(models);
   app.add_option("--max-seq-len", a.max_seq_len,
                  "the longest context a checkpoint may declare (default 131072; raise it for longer ones)")
@@ -319,7 +319,7 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--added-latency-ms", a.added_latency_ms,
                  "simulate a slower link: sleep this long before each call (default 0)")
       ->check(cli::real(0.0, 60000.0))->group(remote);
-  app.add_flag("--half-q", a.half_q, "send dense drafter distributions as float16 (half the bytes, see README)")
+  app.add_flag("--half-q", a.half_q, "send dense drafter distributions as float16 (half the bytes, see docs/remote.md)")
       ->group(remote);
 
   const std::string output = "Output";

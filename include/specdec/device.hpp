@@ -30,7 +30,7 @@ inline std::atomic<int64_t>& host_copy_counter() noexcept {
 
 // The number of device-to-host copies (each one a synchronisation on an asynchronous device) the
 // library has made in this process so far, from all threads. A generation step makes one; see
-// the README for the documented extras (the EGAG and confidence-stop signals).
+// docs/architecture.md for the documented extras (the EGAG and confidence-stop signals).
 [[nodiscard]] inline int64_t device_to_host_copies() noexcept {
   return detail::host_copy_counter().load(std::memory_order_relaxed);
 }
