@@ -51,7 +51,7 @@ examples=(quickstart specdec-demo specdec-generate custom_model custom_drafter)
 
 # ---- 1. libtorch 1.13 (Debian), sanitizers ----------------------------------------------------
 cmake -S "$root" -B "$root/build-sanitize" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DSPECDEC_SANITIZE=ON -DSPECDEC_BUILD_TESTS=ON \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DSPECDEC_SANITIZE=ON -DSPECDEC_REQUIRE_ONEDNN=ON -DSPECDEC_BUILD_TESTS=ON \
   -DSPECDEC_BUILD_EXAMPLES=ON -DSPECDEC_BUILD_BENCHMARKS=OFF -DSPECDEC_BUILD_TOOLS=OFF
 sanitized=(specdec_tests "${examples[@]}")
 if grep -q "specdec-verifier" "$root/build-sanitize/build.ninja"; then
