@@ -917,7 +917,8 @@ int run(const Arguments& a) {
     int64_t accepted = 0, token = 0;
   };
   int64_t previous = prompt.back();
-  const auto print_step = [&](const Printed& step) {
+  // Prints a StepInfo as it streams, or a recorded step (the same fields).
+  const auto print_step = [&](const auto& step) {
     if (a.trace) {
       const size_t accepted = std::min(step.emitted.size(), static_cast<size_t>(step.accepted));
       std::cout << colors.accepted;
@@ -954,7 +955,7 @@ int run(const Arguments& a) {
   // Without --compare the text streams as it is generated; with it, every timed run (of either
   // mode) records its steps the same way and the text is printed after the timing.
   const auto on_step = [&](const StepInfo& step) {
-    if (show_text) print_step(copy_step(step));
+    if (show_text) print_step(step);
   };
 
   if (show_text) {

@@ -199,35 +199,48 @@ TEST(BatchHostCopies, OnePerStepForTheWholeBatch) {
   EXPECT_EQ(steps, batch_steps);
 }
 
+// Whether `observed` (how often each sequence of `count` tokens followed `last`, out of `samples`)
+// fits the Markov target's distribution by chi-square at a tail of 1e-6.
+bool fits_markov_target(const std::map<std::vector<int64_t>, int64_t>& observed, int64_t last, int64_t count,
+                        int64_t samples) {
+  const at::Tensor p = test::markov_target_rows();
+  std::map<std::vector<int64_t>, double> expected{{{}, 1.0}};
+  for (int64_t step = 0; step < count; ++step) {
+    std::map<std::vector<int64_t>, double> longer;
+    for (const auto& [prefix, probability] : expected) {
+      const int64_t from = prefix.empty() ? last : prefix.back();
+      for (int64_t token = 0; token < p.size(0); ++token) {
+        std::vector<int64_t> sequence = prefix;
+        sequence.push_back(token);
+        longer[sequence] = probability * p[from][token].item<double>();
+      }
+    }
+    expected = std::move(longer);
+  }
+  const test::ChiSquare fit = test::chi_square(observed, expected, samples);
+  return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
+}
+
 // Samples 2 tokens after prompts {0} and {2, 1} in batches, row by row, and checks each row's
 // distribution against the Markov target's by chi-square at a tail of 1e-6. Returns whether
 // every row passed.
 bool rows_pass_chi_square(bool skip_sample_adjustment) {
   test::MarkovModel target(test::markov_target_rows());
   test::MarkovModel drafter(test::markov_drafter_rows());
-  const at::Tensor p = test::markov_target_rows();
   const std::vector<std::vector<int64_t>> prompts{{0}, {2, 1}};
   const MultinomialProcessor processor{1.0};
   constexpr int64_t kSamples = 2500;
-  std::vector<std::map<std::pair<int64_t, int64_t>, int64_t>> observed(prompts.size());
+  std::vector<std::map<std::vector<int64_t>, int64_t>> observed(prompts.size());
   for (int64_t i = 0; i < kSamples; ++i) {
     const auto results = speculative_generate_batch(
         drafter, target, prompts,
         {.max_new_tokens = 2, .seed = static_cast<uint64_t>(i), .gamma = 2, .first_target = false,
          .skip_sample_adjustment = skip_sample_adjustment},
         processor);
-    for (size_t r = 0; r < prompts.size(); ++r) ++observed[r][{results[r].tokens[0], results[r].tokens[1]}];
+    for (size_t r = 0; r < prompts.size(); ++r) ++observed[r][results[r].tokens];
   }
   bool pass = true;
-  for (size_t r = 0; r < prompts.size(); ++r) {
-    const int64_t last = prompts[r].back();
-    std::map<std::pair<int64_t, int64_t>, double> expected;
-    for (int64_t a = 0; a < 4; ++a) {
-      for (int64_t b = 0; b < 4; ++b) expected[{a, b}] = p[last][a].item<double>() * p[a][b].item<double>();
-    }
-    const test::ChiSquare fit = test::chi_square(observed[r], expected, kSamples);
-    pass = pass && fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
-  }
+  for (size_t r = 0; r < prompts.size(); ++r) pass = fits_markov_target(observed[r], prompts[r].back(), 2, kSamples) && pass;
   return pass;
 }
 
@@ -333,7 +346,6 @@ bool rows_near_the_limit_pass_chi_square(bool skip_sample_adjustment) {
   constexpr int64_t kLimit = 8, kDrafterLimit = 5;
   LimitedMarkov target(test::markov_target_rows(), kLimit);
   LimitedMarkov drafter(test::markov_drafter_rows(), kDrafterLimit);
-  const at::Tensor p = test::markov_target_rows();
   // Rows: past the drafter's limit (2 tokens, target alone), 1 from the target's limit (1 token),
   // at the drafter's limit, 1 below it, and a short one (2 tokens each).
   const std::vector<std::vector<int64_t>> prompts{{0, 1, 2, 3, 0, 1}, {2, 1, 0, 3, 2, 1, 0}, {1, 2, 3, 0, 2}, {3, 3, 1, 0}, {0}};
@@ -350,18 +362,8 @@ bool rows_near_the_limit_pass_chi_square(bool skip_sample_adjustment) {
   }
   bool pass = true;
   for (size_t r = 0; r < prompts.size(); ++r) {
-    const int64_t last = prompts[r].back();
     const int64_t count = std::min<int64_t>(2, kLimit - static_cast<int64_t>(prompts[r].size()));
-    std::map<std::vector<int64_t>, double> expected;
-    for (int64_t a = 0; a < 4; ++a) {
-      if (count == 1) {
-        expected[{a}] = p[last][a].item<double>();
-        continue;
-      }
-      for (int64_t b = 0; b < 4; ++b) expected[{a, b}] = p[last][a].item<double>() * p[a][b].item<double>();
-    }
-    const test::ChiSquare fit = test::chi_square(observed[r], expected, kSamples);
-    pass = pass && fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
+    pass = fits_markov_target(observed[r], prompts[r].back(), count, kSamples) && pass;
   }
   return pass;
 }

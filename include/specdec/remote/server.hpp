@@ -352,9 +352,8 @@ class VerifierService final : public wire::Verifier::Service {
           size_t nearest = 0;
           for (size_t r = 0; r < joined.size(); ++r) {
             const State& state = *joined[r]->state;
-            const int64_t length = state.session->length();
-            const int64_t keep = std::min<int64_t>(state.cache->length(), length - 1);  // as run_joined
-            widest = std::max(widest, length - keep + static_cast<int64_t>(joined[r]->drafts.size()));
+            const int64_t keep = joined_prefix(state);
+            widest = std::max(widest, state.session->length() - keep + static_cast<int64_t>(joined[r]->drafts.size()));
             if (keep > longest) {
               longest = keep;
               nearest = r;
@@ -371,6 +370,12 @@ class VerifierService final : public wire::Verifier::Service {
     } catch (const std::exception& e) {  // the model's lock
       for (Job* job : batch) job->status = {grpc::StatusCode::INTERNAL, e.what()};
     }
+  }
+
+  // The positions of a session's cache that a joined forward keeps: all but its last token, which
+  // is never cached between steps (after a rollback it may be, and is computed again).
+  static int64_t joined_prefix(const State& state) {
+    return std::min<int64_t>(state.cache->length(), state.session->length() - 1);
   }
 
   // Runs `serving`; if it throws, every job of `jobs` gets the error as its status.
@@ -424,8 +429,7 @@ class VerifierService final : public wire::Verifier::Service {
     for (Job* job : batch) {
       State& state = *job->state;
       const int64_t length = state.session->length();
-      // The session's last token is never cached between steps; after a rollback it may be.
-      const int64_t keep = std::min<int64_t>(state.cache->length(), length - 1);
+      const int64_t keep = joined_prefix(state);
       prune_cache(*state.cache, state.cache->length() - keep);
       parts.push_back(state.cache.get());
       cached.push_back(keep);
