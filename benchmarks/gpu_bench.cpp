@@ -40,14 +40,14 @@ Model load(const fs::path& folder, const at::TensorOptions& options) {
 
 // One way of generating, and what its runs measured.
 struct Mode {
-  std::string name;
+  std::string name{};
   Model* drafter = nullptr;  // nullptr: autoregressive decoding, or n-gram drafting where ngram
   bool graph = false;
   bool ngram = false;        // drafts from a fresh n-gram storage (n = 3) taught by the target
   double seconds = 0;
-  specdec::GenerationStats stats;
+  specdec::GenerationStats stats{};
   int64_t copies = 0;
-  std::vector<int64_t> tokens;
+  std::vector<int64_t> tokens{};
 };
 
 void synchronize(const at::Device& device) {

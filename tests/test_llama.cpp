@@ -4,6 +4,10 @@
 
 #include <c10/core/InferenceMode.h>
 
+#include <cmath>
+#include <limits>
+#include <vector>
+
 #include "specdec/generate.hpp"
 #include "specdec/models/llama.hpp"
 #include "support/llama_fixtures.hpp"
@@ -268,6 +272,69 @@ TEST(CpuLinear, BothRoutesComputeTheProductOnEveryLayout) {
   EXPECT_FALSE(at::allclose(specdec::detail::CpuLinear(weight, at::Tensor())(x, true),
                             specdec::detail::CpuLinear(weight, bias)(x, true), 1e-5, 1e-5));
 }
+
+// The CPU forward's attention loops (the AVX2/FMA ones where this CPU has them) against
+// softmax(q k^T / sqrt(head_dim) + bias) v in ATen: grouped heads, several new tokens with a
+// causal bias, lengths that are not a multiple of the vector width, several tasks per thread.
+TEST(LlamaCpuKernels, AttentionLoopsMatchTheAtenFormula) {
+  at::manual_seed(3);
+  for (const int64_t past : {0, 5, 37}) {
+    for (const int64_t count : {1, 4}) {
+      const specdec::detail::AttentionShape shape{.batch = 2, .count = count, .past = past, .heads = 4, .kv_heads = 2, .head_dim = 16};
+      const int64_t keys_total = past + count, group = 2;
+      const at::Tensor queries = at::randn({2 * count, 4 * 16});
+      const at::Tensor keys = at::randn({2, 2, keys_total, 16}) * 2;
+      const at::Tensor values = at::randn({2, 2, keys_total, 16});
+      const at::Tensor causal = at::zeros({count, count}).masked_fill(
+          at::ones({count, count}, at::kBool).tril().logical_not(), -std::numeric_limits<double>::infinity());
+      at::Tensor out = at::empty({2 * count, 4 * 16});
+      specdec::detail::attend(shape, queries.data_ptr<float>(), 4 * 16, keys, values,
+                     count > 1 ? causal.contiguous().data_ptr<float>() : nullptr, out.data_ptr<float>());
+      // The formula: query head h of token t in row b reads key/value head h / group.
+      const at::Tensor q = queries.view({2, count, 4, 16}).permute({0, 2, 1, 3});  // [b, h, t, d]
+      const at::Tensor k = keys.repeat_interleave(group, 1), v = values.repeat_interleave(group, 1);
+      at::Tensor scores = at::matmul(q, k.transpose(2, 3)) / 4.0;
+      scores.narrow(3, past, count).add_(causal);
+      const at::Tensor expected = at::matmul(scores.softmax(-1), v).permute({0, 2, 1, 3}).reshape({2 * count, 4 * 16});
+      EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-5))
+          << "past " << past << ", count " << count << ": max difference " << (out - expected).abs().max().item<float>();
+    }
+  }
+}
+
+// The SwiGLU loop against ATen's silu(gate) * up, over values that reach both tails of e^x.
+TEST(LlamaCpuKernels, SwigluLoopMatchesAten) {
+  const at::Tensor gate_up = at::cat({at::linspace(-120, 120, 3 * 40).view({3, 40}), at::randn({3, 40}) * 3}, 1);
+  at::Tensor out = at::empty({3, 40});
+  specdec::detail::swiglu_rows(gate_up.contiguous().data_ptr<float>(), 3, 40, out.data_ptr<float>());
+  const at::Tensor expected = at::silu(gate_up.narrow(1, 0, 40)) * gate_up.narrow(1, 40, 40);
+  EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-6)) << (out - expected).abs().max().item<float>();
+}
+
+#ifdef SPECDEC_X86_KERNELS
+// The AVX2 e^x within 2 ulp-scale relative error of std::exp over the normal range, 0 below it,
+// NaN for NaN.
+TEST(LlamaCpuKernels, Avx2ExpMatchesStdExp) {
+  if (!specdec::detail::cpu_has_avx2_fma()) GTEST_SKIP() << "this CPU has no AVX2 and FMA: the portable loops run";
+  std::vector<float> x;
+  for (int i = 0; i <= 8000; ++i) x.push_back(-87.0F + 175.0F * static_cast<float>(i) / 8000.0F);
+  x.insert(x.end(), {0.0F, -0.0F, -90.0F, -1000.0F, -std::numeric_limits<float>::infinity(),
+                     std::numeric_limits<float>::quiet_NaN(), 1e-8F, -1e-8F});
+  while (x.size() % 8 != 0) x.push_back(1.0F);
+  std::vector<float> y(x.size());
+  for (size_t i = 0; i < x.size(); i += 8) specdec::detail::store_exp_avx2(x.data() + i, y.data() + i);
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(x[i])) {
+      EXPECT_TRUE(std::isnan(y[i]));
+    } else if (x[i] < -87.3F) {
+      EXPECT_EQ(y[i], 0.0F) << x[i];
+    } else {
+      const double expected = std::exp(static_cast<double>(x[i]));
+      EXPECT_NEAR(y[i] / expected, 1.0, 4e-7) << x[i];
+    }
+  }
+}
+#endif
 
 // The forward with oneDNN products and with BLAS products: the same logits for a prefill, steps
 // and a verification, up to fp32 rounding, and greedy decoding picks the same tokens.

@@ -78,25 +78,40 @@ class CpuLinear {
 
   // x [rows, in] fp32, contiguous: [rows, out].
   [[nodiscard]] at::Tensor operator()(const at::Tensor& x, bool use_onednn) const {
+    at::Tensor y = at::empty({x.size(0), weight_.size(0)}, x.options());
+    into(x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), use_onednn);
+    return y;
+  }
+
+  // y = x times the weight, transposed, plus the bias, for x `rows` contiguous rows of `in` floats
+  // and y as many of `out`, on the CPU; x and y do not overlap. No tensor is made on the oneDNN
+  // route: the forward's products write into its own buffers.
+  void into(const float* x, int64_t rows, float* y, bool use_onednn) const {
+    const int64_t in = weight_.size(1), out = weight_.size(0);
 #if defined(SPECDEC_HAVE_ONEDNN)
     if (use_onednn && onednn_) {
       using dnnl::memory;
-      const memory::dim rows = x.size(0), in = x.size(1), out = weight_.size(0);
-      at::Tensor y = at::empty({rows, out}, x.options());
-      const memory source(memory::desc({rows, in}, memory::data_type::f32, {in, 1}), engine(), x.data_ptr());
+      const memory source(memory::desc({rows, in}, memory::data_type::f32, {in, 1}), engine(), const_cast<float*>(x));
       const memory weights(weights_, engine(), weight_.data_ptr());
-      const memory target(memory::desc({rows, out}, memory::data_type::f32, {out, 1}), engine(), y.data_ptr());
+      const memory target(memory::desc({rows, out}, memory::data_type::f32, {out, 1}), engine(), y);
       std::unordered_map<int, memory> arguments{
           {DNNL_ARG_SRC, source}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, target}};
       if (bias_.defined()) arguments.emplace(DNNL_ARG_BIAS, memory(bias_desc_, engine(), bias_.data_ptr()));
       thread_local dnnl::stream stream(engine());
       primitive_.execute(stream, arguments);
-      return y;
+      return;
     }
 #else
     (void)use_onednn;
 #endif
-    return bias_.defined() ? at::addmm(bias_, x, weight_.t()) : at::mm(x, weight_.t());
+    const auto options = at::TensorOptions().dtype(at::kFloat);
+    const at::Tensor source = at::from_blob(const_cast<float*>(x), {rows, in}, options);
+    at::Tensor target = at::from_blob(y, {rows, out}, options);
+    if (bias_.defined()) {
+      at::addmm_out(target, bias_, source, weight_.t());
+    } else {
+      at::mm_out(target, source, weight_.t());
+    }
   }
 
  private:

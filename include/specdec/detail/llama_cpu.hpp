@@ -1,11 +1,14 @@
 // The element-wise and attention parts of a Llama layer as plain loops over fp32 rows, for the
 // CPU forward. At decoding sizes (a handful of new tokens, a model of a few hundred dimensions) a
 // forward made of ATen operations spends most of its time dispatching them: about 80 per layer,
-// against 4 matrix products. These loops replace the RMSNorms, the rotary embedding and the
-// attention over the cache with one pass each; the matrix products stay with ATen's BLAS, and the
-// SwiGLU product with ATen's vectorised silu (its exponentials are faster there than in a portable
-// loop). The loops are written for the compiler to vectorise (contiguous inner loops, no
-// intrinsics) and accumulate in fp32, as llama2.c does.
+// against 4 matrix products. These loops replace the RMSNorms, the rotary embedding, the attention
+// over the cache and the SwiGLU gate with one pass each; the matrix products stay with oneDNN or
+// BLAS (cpu_linear.hpp). The attention and SwiGLU loops have AVX2/FMA versions, compiled for
+// those instructions whatever the caller's flags and chosen at run time on a CPU that has them
+// (attention was the largest part of a 5-token verification forward after the products: its
+// portable loops, compiled for generic x86-64, reduce every score across SSE lanes); elsewhere
+// the portable loops and ATen's vectorised softmax and silu run. The loops accumulate in fp32, as
+// llama2.c does.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -16,10 +19,20 @@
 #define SPECDEC_HAS_MXCSR 1
 #endif
 
+// AVX2 and FMA versions of the attention loops, compiled for those instructions whatever the
+// caller's flags (a build for generic x86-64 gets SSE2 from its compiler) and chosen at run time
+// where the CPU has them. GCC and Clang on x86-64 only; elsewhere the portable loops run.
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define SPECDEC_X86_KERNELS 1
+#define SPECDEC_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "specdec/detail/torch_compat.hpp"
 
@@ -94,9 +107,163 @@ inline void rotate_heads(float* x, int64_t heads, int64_t head_dim, int64_t posi
   }
 }
 
+// Whether this CPU runs the AVX2/FMA attention kernels (asked once per process).
+inline bool cpu_has_avx2_fma() {
+#ifdef SPECDEC_X86_KERNELS
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+#ifdef SPECDEC_X86_KERNELS
+// The sum of a vector's 8 lanes.
+SPECDEC_TARGET_AVX2 inline float lane_sum(__m256 v) {
+  const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+}
+
+// out[j] = dot(query, keys + j * key_step) * scale for j < n, head_dim a multiple of 8. Four
+// keys at a time, their four sums reduced together (one horizontal reduction per four scores).
+SPECDEC_TARGET_AVX2 inline void query_scores_avx2(const float* query, const float* keys, int64_t key_step, int64_t n,
+                                                  int64_t head_dim, float scale, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* k = keys + j * key_step;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < head_dim; i += 8) {
+      const __m256 q = _mm256_loadu_ps(query + i);
+      a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + i), a0);
+      a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + key_step + i), a1);
+      a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 2 * key_step + i), a2);
+      a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 3 * key_step + i), a3);
+    }
+    // [a0 a1 a2 a3] summed lane-wise in pairs twice, then the two 128-bit halves.
+    const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+    _mm_storeu_ps(out + j, _mm_mul_ps(four, _mm_set1_ps(scale)));
+  }
+  for (; j < n; ++j) {
+    const float* k = keys + j * key_step;
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < head_dim; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(query + i), _mm256_loadu_ps(k + i), a);
+    out[j] = lane_sum(a) * scale;
+  }
+}
+
+// e^x lane by lane: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial (the
+// classic Cephes expf coefficients), 2^n put into the exponent bits. Relative error about 2e-7.
+// Below -87.3 (where e^x is no longer a normal float) the result is 0; above 88.3 it saturates
+// at about 2^127; NaN stays NaN.
+SPECDEC_TARGET_AVX2 inline __m256 exp_avx2(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.3365448F), highest = _mm256_set1_ps(88.3762626F);
+  const __m256 below = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(x, lowest), highest);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504088896341F)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln 2, with ln 2 in two parts so that n * (first part) is exact.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375F), clamped);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4F), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4F);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3F));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3F));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2F));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1F));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1F));
+  const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0F));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_andnot_ps(below, _mm256_mul_ps(e, _mm256_castsi256_ps(exponent)));
+  return _mm256_blendv_ps(result, x, nan);
+}
+
+// out[0, 8) = e^x[0, 8), for tests.
+SPECDEC_TARGET_AVX2 inline void store_exp_avx2(const float* x, float* out) {
+  _mm256_storeu_ps(out, exp_avx2(_mm256_loadu_ps(x)));
+}
+
+// The softmax of row[0, n) in place; row[n, padded) must hold -inf (padded: n rounded up to 8).
+SPECDEC_TARGET_AVX2 inline void softmax_row_avx2(float* row, int64_t padded) {
+  __m256 most = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < padded; j += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(row + j));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  const __m256 shift = _mm256_set1_ps(_mm_cvtss_f32(m));
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+    _mm256_storeu_ps(row + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  const __m256 inverse = _mm256_set1_ps(1.0F / lane_sum(total));
+  for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), inverse));
+}
+
+// out[r][i] = silu(gate[r][i]) * up[r][i] for `rows` rows of gate | up ([rows, 2 * hidden]),
+// hidden a multiple of 8; silu(g) = g / (1 + e^-g).
+SPECDEC_TARGET_AVX2 inline void swiglu_rows_avx2(const float* gate_up, int64_t rows, int64_t hidden, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0F), zero = _mm256_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = gate_up + r * 2 * hidden;
+    const float* up = gate + hidden;
+    float* o = out + r * hidden;
+    for (int64_t i = 0; i < hidden; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(zero, g))));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    }
+  }
+}
+
+// out[0, 8 * Vectors) = sum over j < n of weights[j] * values[j * value_step + i], skipping
+// weights below `negligible`; the sums stay in registers across the keys.
+template <int Vectors>
+SPECDEC_TARGET_AVX2 inline void weighted_values_avx2(const float* weights, const float* values, int64_t value_step,
+                                                     int64_t n, float negligible, float* out) {
+  __m256 acc[Vectors];
+  for (int v = 0; v < Vectors; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float weight = weights[j];
+    if (weight < negligible) continue;  // as attend() below: NaN is kept
+    const __m256 w = _mm256_set1_ps(weight);
+    const float* value = values + j * value_step;
+    for (int v = 0; v < Vectors; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < Vectors; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+}
+
+// out[0, head_dim) = the weighted sum of n value rows, head_dim a multiple of 8, in slices of
+// up to 32 floats.
+SPECDEC_TARGET_AVX2 inline void weighted_sum_avx2(const float* weights, const float* values, int64_t value_step,
+                                                  int64_t n, int64_t head_dim, float negligible, float* out) {
+  int64_t i = 0;
+  for (; i + 32 <= head_dim; i += 32) weighted_values_avx2<4>(weights, values + i, value_step, n, negligible, out + i);
+  for (; i + 16 <= head_dim; i += 16) weighted_values_avx2<2>(weights, values + i, value_step, n, negligible, out + i);
+  for (; i < head_dim; i += 8) weighted_values_avx2<1>(weights, values + i, value_step, n, negligible, out + i);
+}
+#endif
+
 // x[i] += y[i] for n floats.
 inline void add_into(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+// out [rows, hidden] = silu(gate) * up for gate_up [rows, 2 * hidden] (gate | up per row), as the
+// AVX2 loop above where the CPU has it, through ATen's vectorised silu otherwise.
+inline void swiglu_rows(const float* gate_up, int64_t rows, int64_t hidden, float* out) {
+#ifdef SPECDEC_X86_KERNELS
+  if (cpu_has_avx2_fma() && hidden % 8 == 0) {
+    swiglu_rows_avx2(gate_up, rows, hidden, out);
+    return;
+  }
+#endif
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor both = at::from_blob(const_cast<float*>(gate_up), {rows, 2 * hidden}, options);
+  at::Tensor result = at::from_blob(out, {rows, hidden}, options);
+  at::mul_out(result, at::silu(both.narrow(1, 0, hidden)), both.narrow(1, hidden, hidden));
 }
 
 // The shape of one attention call: `count` new tokens per batch row after `past` cached positions,
@@ -115,9 +282,10 @@ struct AttentionShape {
 inline constexpr float kNegligibleWeight = 0x1p-60F;
 
 // Scaled dot-product attention of `count` new tokens per batch row over the cache's keys and
-// values (which hold them last), in three passes: every score (a loop), their softmax (one ATen
-// call, vectorised, as the ATen forward computes it), and the weighted sums of the values (a
-// loop).
+// values (which hold them last). With AVX2/FMA and a head size that is a multiple of 8: one pass
+// per (token, head) task, its scores, softmax and weighted sum of the values in a row of scratch
+// floats. Otherwise three passes: every score (a loop), their softmax (one ATen call, vectorised,
+// as the ATen forward computes it), and the weighted sums of the values (a loop).
 //
 // Requires: queries at query_rows + (b * count + t) * query_stride + h * head_dim (head h of new
 //   token t of row b); keys and values [batch, kv_heads, past + count, head_dim] fp32 with a
@@ -133,10 +301,35 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
   const int64_t head_dim = shape.head_dim;
   const float scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
   const int64_t tasks = shape.batch * count * shape.heads;  // task (b * count + t) * heads + h
-  const at::Tensor scores = at::empty({tasks, keys_total}, keys.options());
-  float* const score_rows = scores.data_ptr<float>();
   // Split across libtorch's intra-op threads only when a task is worth a thread's start.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, keys_total * head_dim));
+#ifdef SPECDEC_X86_KERNELS
+  if (cpu_has_avx2_fma() && head_dim % 8 == 0) {  // one pass per task: scores, softmax, values
+    const int64_t padded = (keys_total + 7) / 8 * 8;
+    at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> scratch;
+      if (static_cast<int64_t>(scratch.size()) < padded) scratch.resize(static_cast<size_t>(padded));
+      float* const row = scratch.data();
+      for (int64_t task = begin; task < end; ++task) {
+        std::fill(row + keys_total, row + padded, -std::numeric_limits<float>::infinity());  // the softmax's padding
+        const int64_t token_row = task / shape.heads, h = task % shape.heads;
+        const int64_t b = token_row / count, t = token_row % count;
+        const float* k = keys.data_ptr<float>() + b * keys.stride(0) + (h / group) * keys.stride(1);
+        const float* v = values.data_ptr<float>() + b * values.stride(0) + (h / group) * values.stride(1);
+        query_scores_avx2(query_rows + token_row * query_stride + h * head_dim, k, keys.stride(2), keys_total,
+                          head_dim, scale, row);
+        if (new_bias != nullptr) {
+          for (int64_t u = 0; u < count; ++u) row[past + u] += new_bias[t * count + u];
+        }
+        softmax_row_avx2(row, padded);
+        weighted_sum_avx2(row, v, values.stride(2), keys_total, head_dim, kNegligibleWeight, out + task * head_dim);
+      }
+    });
+    return;
+  }
+#endif
+  const at::Tensor scores = at::empty({tasks, keys_total}, keys.options());
+  float* const score_rows = scores.data_ptr<float>();
   const float* const key_data = keys.data_ptr<float>();
   const int64_t key_step = keys.stride(2);
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {

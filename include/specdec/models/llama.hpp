@@ -9,9 +9,10 @@
 // The forward attends over the cache and the new tokens with a causal mask; forward_with_mask()
 // takes explicit positions and a mask over the new tokens (tree attention).
 //
-// On the CPU in fp32 the forward runs its norms, rotary embedding and attention as fused loops
-// (detail/llama_cpu.hpp) around BLAS products: at decoding sizes a forward of ATen operations
-// spends most of its time dispatching them. Every other device and dtype, rows of
+// On the CPU in fp32 the forward runs its norms, rotary embedding, attention and SwiGLU gate as
+// fused loops (detail/llama_cpu.hpp) around oneDNN or BLAS products, over activations in one
+// scratch buffer per thread: at decoding sizes a forward of ATen operations spends most of its
+// time dispatching them and allocating. Every other device and dtype, rows of
 // different lengths and sliding windows take the ATen forward; use_cpu_kernels(false) forces it.
 #pragma once
 
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numbers>
 #include <optional>
 #include <ostream>
@@ -465,49 +467,105 @@ class LlamaModel {
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     const detail::AttentionShape shape{.batch = batch, .count = count, .past = cache.length(), .heads = heads,
                                        .kv_heads = kv_heads, .head_dim = head_dim};
-    const auto options = weights_.token_embedding.options();
-    at::Tensor x = weights_.token_embedding.index_select(0, ids.reshape({rows}));  // [rows, dim], our own copy
-    const at::Tensor normed = at::empty({rows, dim}, options);
-    const at::Tensor attended = at::empty({rows, dim}, options);
-    at::Tensor gated = at::empty({rows, hidden}, options);
-    float* const x_data = x.data_ptr<float>();
-    float* const normed_data = normed.data_ptr<float>();
+    // Every activation of the forward lies in one scratch buffer (see Scratch): the residual
+    // stream x, its norm, q | k | v, the attention's output, a product's output, gate | up and
+    // the gated hidden state, [rows, width] each.
+    Scratch scratch(rows * (4 * dim + qkv_width + 3 * hidden));
+    float* const x = scratch.data();
+    float* const normed = x + rows * dim;
+    float* const qkv = normed + rows * dim;
+    float* const attended = qkv + rows * qkv_width;
+    float* const product = attended + rows * dim;
+    float* const gate_up = product + rows * dim;
+    float* const gated = gate_up + rows * 2 * hidden;
+    gather_embeddings(ids, x);
     const float* const cos = rope_cos_.data_ptr<float>();
     const float* const sin = rope_sin_.data_ptr<float>();
+    const auto fp32 = at::TensorOptions().dtype(at::kFloat);
     for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
       const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
       const FusedLayer& fused = fused_[static_cast<size_t>(layer)];
-      detail::rms_norm_rows(x_data, w.attention_norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
-      const at::Tensor qkv = fused.qkv(normed, use_onednn);  // [rows, q | k | v]
-      float* const qkv_data = qkv.data_ptr<float>();
+      detail::rms_norm_rows(x, w.attention_norm.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
+      fused.qkv.into(normed, rows, qkv, use_onednn);  // [rows, q | k | v]
       for (int64_t r = 0; r < rows; ++r) {  // q and k heads lie side by side: rotate them together
-        detail::rotate_heads(qkv_data + r * qkv_width, heads + kv_heads, head_dim,
-                             positions[static_cast<size_t>(r % count)], cos, sin);
+        detail::rotate_heads(qkv + r * qkv_width, heads + kv_heads, head_dim, positions[static_cast<size_t>(r % count)],
+                             cos, sin);
       }
-      // k | v as [2, batch, kv_heads, T, head_dim], a view of the product.
-      const at::Tensor keys_and_values =
-          qkv.narrow(1, q_width, 2 * kv_width).view({batch, count, 2, kv_heads, head_dim}).permute({2, 0, 3, 1, 4});
+      // k | v as [2, batch, kv_heads, T, head_dim], a view of the scratch rows. A StaticKVCache
+      // copies it into its storage; any other cache gets its own copy, which it may keep.
+      at::Tensor keys_and_values =
+          at::from_blob(qkv + q_width, {2, batch, kv_heads, count, head_dim},
+                        {kv_width, count * qkv_width, head_dim, qkv_width, 1}, fp32);
+      if constexpr (!std::is_same_v<Cache, StaticKVCache>) keys_and_values = keys_and_values.clone();
       auto [keys, values] = write_layer(cache, layer, keys_and_values);
       // A cache of the caller's own making may hold another dtype; the loops read fp32 rows.
       if (keys.scalar_type() != at::kFloat || keys.stride(3) != 1) keys = keys.to(at::kFloat).contiguous();
       if (values.scalar_type() != at::kFloat || values.stride(3) != 1) values = values.to(at::kFloat).contiguous();
       if (count <= kLoopAttentionTokens) {
-        detail::attend(shape, qkv_data, qkv_width, keys, values, count > 1 ? grouped_bias.data_ptr<float>() : nullptr,
-                       attended.data_ptr<float>());
+        detail::attend(shape, qkv, qkv_width, keys, values, count > 1 ? grouped_bias.data_ptr<float>() : nullptr,
+                       attended);
       } else {
-        detail::attend_batched(shape, qkv.narrow(1, 0, q_width), keys, values, grouped_bias, attended);
+        detail::attend_batched(shape, at::from_blob(qkv, {rows, q_width}, {qkv_width, 1}, fp32), keys, values,
+                               grouped_bias, at::from_blob(attended, {rows, dim}, fp32));
       }
-      const at::Tensor out = fused.o(attended, use_onednn);
-      detail::add_into(x_data, out.data_ptr<float>(), rows * dim);
-      detail::rms_norm_rows(x_data, w.ffn_norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
-      const at::Tensor gate_up = fused.gate_up(normed, use_onednn);
-      at::mul_out(gated, at::silu(gate_up.narrow(1, 0, hidden)), gate_up.narrow(1, hidden, hidden));
-      const at::Tensor down = fused.down(gated, use_onednn);
-      detail::add_into(x_data, down.data_ptr<float>(), rows * dim);
+      fused.o.into(attended, rows, product, use_onednn);
+      detail::add_into(x, product, rows * dim);
+      detail::rms_norm_rows(x, w.ffn_norm.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
+      fused.gate_up.into(normed, rows, gate_up, use_onednn);
+      detail::swiglu_rows(gate_up, rows, hidden, gated);
+      fused.down.into(gated, rows, product, use_onednn);
+      detail::add_into(x, product, rows * dim);
     }
     cache.commit(count);
-    detail::rms_norm_rows(x_data, weights_.norm.data_ptr<float>(), normed_data, rows, dim, config_.norm_eps);
-    return classifier_(normed, use_onednn).view({batch, count, config_.vocab_size});
+    detail::rms_norm_rows(x, weights_.norm.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
+    at::Tensor logits = at::empty({batch, count, config_.vocab_size}, weights_.token_embedding.options());
+    classifier_.into(normed, rows, logits.data_ptr<float>(), use_onednn);
+    return logits;
+  }
+
+  // The CPU forward's scratch floats: a buffer kept per thread and reused by every forward on
+  // it (no allocation per forward) up to kKeptScratchFloats, a buffer of this forward's own
+  // beyond (long prefills of large models).
+  class Scratch {
+   public:
+    explicit Scratch(int64_t floats) {
+      if (floats <= kKeptScratchFloats) {
+        thread_local std::vector<float> kept;
+        if (static_cast<int64_t>(kept.size()) < floats) kept.resize(static_cast<size_t>(floats));
+        data_ = kept.data();
+      } else {
+        own_ = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(floats));
+        data_ = own_.get();
+      }
+    }
+    [[nodiscard]] float* data() const noexcept { return data_; }
+
+   private:
+    static constexpr int64_t kKeptScratchFloats = int64_t{4} << 20;  // 16 MiB
+    std::unique_ptr<float[]> own_;
+    float* data_ = nullptr;
+  };
+
+  // The embedding rows of `ids` (int64 [batch, T] on the CPU) into x [batch * T, dim].
+  void gather_embeddings(const at::Tensor& ids, float* x) const {
+    const at::Tensor flat = ids.contiguous();
+    const int64_t* tokens = flat.data_ptr<int64_t>();
+    const at::Tensor& table = weights_.token_embedding;
+    const float* rows = table.data_ptr<float>();
+    const int64_t dim = config_.dim, row_step = table.stride(0), column_step = table.stride(1);
+    for (int64_t r = 0; r < flat.numel(); ++r) {
+      const int64_t token = tokens[r];
+      if (token < 0 || token >= config_.vocab_size) {
+        detail::throw_invalid_message("ids must be token ids in [0, ", config_.vocab_size, "), got ", token);
+      }
+      const float* row = rows + token * row_step;
+      float* out = x + r * dim;
+      if (column_step == 1) {
+        std::copy(row, row + dim, out);
+      } else {
+        for (int64_t i = 0; i < dim; ++i) out[i] = row[i * column_step];
+      }
+    }
   }
 
   // One layer's new keys and values into the cache: in one write where the cache takes them
