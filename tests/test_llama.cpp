@@ -336,6 +336,22 @@ TEST(LlamaCpuKernels, Avx2ExpMatchesStdExp) {
 }
 #endif
 
+// The product route is measured once per shape and row count, and kept: every later product of
+// that key (of any CpuLinear) takes it without measuring again.
+TEST(CpuLinear, RouteIsMeasuredOncePerShapeAndRowCount) {
+  const specdec::detail::ProductRoutes::Key key{.in = 7, .out = 5, .row_stride = 7, .column_stride = 1, .rows = 3};
+  int measured = 0;
+  const bool first = specdec::detail::ProductRoutes::onednn_faster(key, [&] { ++measured; return true; });
+  const bool second = specdec::detail::ProductRoutes::onednn_faster(key, [&] { ++measured; return false; });
+  EXPECT_TRUE(first);
+  EXPECT_TRUE(second);
+  EXPECT_EQ(measured, 1);
+  auto other = key;
+  other.rows = 4;
+  EXPECT_FALSE(specdec::detail::ProductRoutes::onednn_faster(other, [&] { ++measured; return false; }));
+  EXPECT_EQ(measured, 2);
+}
+
 // The forward with oneDNN products and with BLAS products: the same logits for a prefill, steps
 // and a verification, up to fp32 rounding, and greedy decoding picks the same tokens.
 TEST(LlamaCpuKernels, OneDnnAndBlasProductsGiveTheSameForward) {

@@ -11,6 +11,11 @@
 // oneDNN is 3-5x faster for every row count (docs/benchmarks.md, BM_SmallLinear).
 #pragma once
 
+#include <algorithm>
+#include <chrono>
+#include <compare>
+#include <map>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -40,6 +45,48 @@ inline std::string onednn_version() {
   return {};
 #endif
 }
+
+// Which route multiplies a few rows faster, for products of one shape and weight layout: measured
+// once per process, on the first product of each row count, and kept for every CpuLinear of that
+// shape, so that two models built alike compute alike (bit for bit) in one process. Neither route
+// wins everywhere: on one machine measured here BLAS on the pre-transposed weight took 26 us for a
+// layer's products at 1 and 2 rows against oneDNN's 29 and 38 us, and oneDNN 39 us at 3 rows
+// against BLAS's 47 (bench_forward, BM_SmallLinear); on another oneDNN was 3-5x faster at every
+// row count. Beyond kMeasuredRows rows (prefills) oneDNN's blocked kernels are taken unmeasured.
+class ProductRoutes {
+ public:
+  static constexpr int64_t kMeasuredRows = 16;
+
+  struct Key {
+    int64_t in = 0, out = 0, row_stride = 0, column_stride = 0, rows = 0;
+    bool bias = false;
+    auto operator<=>(const Key&) const = default;
+  };
+
+  // Whether oneDNN is the faster route for `key`: the recorded answer, or `measure()`'s (true
+  // for oneDNN), recorded. Two threads that measure one key at once keep the first answer.
+  template <class Measure>
+  static bool onednn_faster(const Key& key, Measure measure) {
+    {
+      const std::lock_guard lock(mutex());
+      const auto found = table().find(key);
+      if (found != table().end()) return found->second;
+    }
+    const bool faster = measure();
+    const std::lock_guard lock(mutex());
+    return table().emplace(key, faster).first->second;
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<Key, bool>& table() {
+    static std::map<Key, bool> t;
+    return t;
+  }
+};
 
 class CpuLinear {
  public:
@@ -76,17 +123,44 @@ class CpuLinear {
   // Whether products can take the oneDNN route.
   [[nodiscard]] bool has_onednn() const noexcept { return onednn_; }
 
-  // x [rows, in] fp32, contiguous: [rows, out].
+  // x [rows, in] fp32, contiguous: [rows, out], through oneDNN (where it has its primitive) or
+  // BLAS as `use_onednn` says, unmeasured.
   [[nodiscard]] at::Tensor operator()(const at::Tensor& x, bool use_onednn) const {
     at::Tensor y = at::empty({x.size(0), weight_.size(0)}, x.options());
-    into(x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), use_onednn);
+    run(x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), use_onednn);
     return y;
   }
 
   // y = x times the weight, transposed, plus the bias, for x `rows` contiguous rows of `in` floats
-  // and y as many of `out`, on the CPU; x and y do not overlap. No tensor is made on the oneDNN
-  // route: the forward's products write into its own buffers.
+  // and y as many of `out`, on the CPU; x and y do not overlap. With `use_onednn`, the route that
+  // ProductRoutes measured faster for this shape and row count; without, BLAS. No tensor is made
+  // on the oneDNN route: the forward's products write into its own buffers.
   void into(const float* x, int64_t rows, float* y, bool use_onednn) const {
+    if (use_onednn && onednn_ && rows <= ProductRoutes::kMeasuredRows) {
+      const ProductRoutes::Key key{.in = weight_.size(1), .out = weight_.size(0), .row_stride = weight_.stride(0),
+                                   .column_stride = weight_.stride(1), .rows = rows, .bias = bias_.defined()};
+      use_onednn = ProductRoutes::onednn_faster(key, [&] { return measure_onednn_faster(x, rows, y); });
+    }
+    run(x, rows, y, use_onednn);
+  }
+
+ private:
+  // Both routes on this input, alternated after one untimed run of each: whether oneDNN's best of
+  // five is faster than BLAS's. y is overwritten.
+  bool measure_onednn_faster(const float* x, int64_t rows, float* y) const {
+    using Clock = std::chrono::steady_clock;
+    double best[2] = {1e30, 1e30};
+    for (int round = 0; round < 6; ++round) {
+      for (const int route : {0, 1}) {
+        const auto start = Clock::now();
+        run(x, rows, y, route == 1);
+        if (round > 0) best[route] = std::min(best[route], std::chrono::duration<double>(Clock::now() - start).count());
+      }
+    }
+    return best[1] < best[0];
+  }
+
+  void run(const float* x, int64_t rows, float* y, bool use_onednn) const {
     const int64_t in = weight_.size(1), out = weight_.size(0);
 #if defined(SPECDEC_HAVE_ONEDNN)
     if (use_onednn && onednn_) {
@@ -114,7 +188,6 @@ class CpuLinear {
     }
   }
 
- private:
 #if defined(SPECDEC_HAVE_ONEDNN)
   static dnnl::engine& engine() {
     static dnnl::engine cpu(dnnl::engine::kind::cpu, 0);

@@ -240,9 +240,11 @@ class LlamaModel {
     return cpu_kernels_ && kernels_apply() && !(trainable_ && at::GradMode::is_enabled());
   }
 
-  // Whether the CPU loops' weight products run through oneDNN's matmul (true by default where
-  // specdec was built with oneDNN, see detail/cpu_linear.hpp; false runs them as BLAS products).
-  // onednn() is false where oneDNN is not built in or the model is not CPU fp32.
+  // Whether the CPU loops' weight products may run through oneDNN's matmul (true by default where
+  // specdec was built with oneDNN, see detail/cpu_linear.hpp; false runs them all as BLAS
+  // products). Where they may, each product of up to 16 rows takes the route measured faster for
+  // its shape and row count on this machine, once per process (detail::ProductRoutes); longer ones
+  // take oneDNN. onednn() is false where oneDNN is not built in or the model is not CPU fp32.
   void use_onednn(bool enabled) noexcept { onednn_ = enabled; }
   [[nodiscard]] bool onednn() const noexcept { return onednn_ && onednn_built_; }
 
