@@ -9,7 +9,8 @@
 // beside it for models too large for the caches.
 //
 // BM_Forward/T/products:0 runs the same forward with its products as BLAS products
-// (use_onednn(false)), products:1 through oneDNN (the default where built in).
+// (use_onednn(false)), products:1 as the default does where oneDNN is built in: each product
+// takes the route measured faster for its shape and row count (detail::ProductRoutes).
 //
 // BM_SmallLinear: the products the forward is made of, by five routes, to choose the forward's:
 // one layer's four weight products of the bundled target (fused q|k|v, o, fused gate|up, down)
