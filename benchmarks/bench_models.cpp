@@ -16,7 +16,7 @@
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/tokenizer.hpp"
 #include "specdec/text/prompts.hpp"
-#include "specdec/text/python_corpus.hpp"
+#include "text/python_corpus.hpp"
 
 namespace {
 

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "specdec/detail/cpu_linear.hpp"
+#include "specdec/models/detail/cpu_linear.hpp"
 #include "specdec/specdec.hpp"
 
 namespace specdec::bench {

@@ -20,7 +20,7 @@
 #include "support/shared_files.hpp"
 #include "support/naive_llama.hpp"
 #include "specdec/text/prompts.hpp"
-#include "specdec/text/python_corpus.hpp"
+#include "text/python_corpus.hpp"
 
 namespace {
 

@@ -24,7 +24,7 @@
 #include "../examples/support/cli.hpp"
 #include "specdec/io/hf_llama.hpp"
 #include "specdec/models/llama.hpp"
-#include "specdec/text/python_corpus.hpp"
+#include "text/python_corpus.hpp"
 
 namespace {
 

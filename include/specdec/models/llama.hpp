@@ -10,7 +10,7 @@
 // takes explicit positions and a mask over the new tokens (tree attention).
 //
 // On the CPU in fp32 the forward runs its norms, rotary embedding, attention and SwiGLU gate as
-// fused loops (detail/llama_cpu.hpp) around oneDNN or BLAS products, over activations in one
+// fused loops (models/detail/llama_cpu.hpp) around oneDNN or BLAS products, over activations in one
 // scratch buffer per thread: at decoding sizes a forward of ATen operations spends most of its
 // time dispatching them and allocating. Every other device and dtype, rows of
 // different lengths and sliding windows take the ATen forward; use_cpu_kernels(false) forces it.
@@ -33,10 +33,10 @@
 
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
-#include "specdec/detail/cpu_linear.hpp"
 #include "specdec/detail/torch_compat.hpp"
 #include "specdec/kv_cache.hpp"
-#include "specdec/detail/llama_cpu.hpp"
+#include "specdec/models/detail/cpu_linear.hpp"
+#include "specdec/models/detail/llama_cpu.hpp"
 #include "specdec/models/llama_config.hpp"
 #include "specdec/tree.hpp"
 
@@ -241,7 +241,7 @@ class LlamaModel {
   }
 
   // Whether the CPU loops' weight products may run through oneDNN's matmul (true by default where
-  // specdec was built with oneDNN, see detail/cpu_linear.hpp; false runs them all as BLAS
+  // specdec was built with oneDNN, see models/detail/cpu_linear.hpp; false runs them all as BLAS
   // products). Where they may, each product of up to 16 rows takes the route measured faster for
   // its shape and row count on this machine, once per process (detail::ProductRoutes); longer ones
   // take oneDNN. onednn() is false where oneDNN is not built in or the model is not CPU fp32.

@@ -1,6 +1,7 @@
 // The bundled models' text: the top-level *.py files of a Python standard library folder
 // (Debian's /usr/lib/python3.11), sorted by name; every tenth file (index % 10 == 0) is held out
-// for evaluation, the rest is training text. Files are joined as raw bytes.
+// for evaluation, the rest is training text. Files are joined as raw bytes. A helper of the
+// trainer (tools/train_bundled_pair.cpp), the tests and the benchmarks, not a public header.
 #pragma once
 
 #include <algorithm>

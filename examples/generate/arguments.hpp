@@ -1,0 +1,421 @@
+// specdec-generate's command line: the options (Arguments), their parsing and checks, and the
+// sampling policy they choose.
+#pragma once
+
+#include <specdec/io/checkpoint.hpp>
+#include <specdec/io/hf_tokenizer.hpp>
+#include <specdec/io/tokenizer.hpp>
+#include <specdec/models/llama.hpp>
+#include <specdec/specdec.hpp>
+#include <specdec/text/prompts.hpp>
+#ifdef SPECDEC_HAVE_REMOTE
+#include <specdec/remote/client.hpp>
+#endif
+
+#include <torch/version.h>
+#include <unistd.h>
+
+#include "../support/cli.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <variant>
+
+#ifndef SPECDEC_BUNDLED_MODELS_DIR
+#define SPECDEC_BUNDLED_MODELS_DIR "models/bundled"
+#endif
+
+namespace {
+
+using namespace specdec;
+using Model = models::LlamaModel<StaticKVCache>;
+
+struct Arguments {
+  std::string target = SPECDEC_BUNDLED_MODELS_DIR "/target";
+  std::string drafter = SPECDEC_BUNDLED_MODELS_DIR "/drafter";
+  std::string tokenizer;
+  bool chat = false;
+  std::string mode = "speculative";
+  std::string prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n";
+  int64_t gamma = 4;
+  std::string gamma_policy = "fixed";
+  int64_t gamma_min = 1;
+  std::optional<int64_t> gamma_max;
+  double egag_beta = 0.0;
+  double p_min = 0.0;
+  double entropy_gate = 1.0;
+  std::string verify = "rejection";
+  double threshold = 0.25;
+  bool calibrate = false;
+  std::string dev_file;
+  std::vector<double> thresholds{0.15, 0.2, 0.25, 0.3, 0.35};
+  double target_acceptance = 0.7;
+  int64_t num_beams = 4;
+  int64_t trajectories = 1;
+  bool deterministic = false;
+  int64_t tree_nodes = 64;
+  int64_t ngram_order = 3;
+  int64_t filler = 3;
+  NGramDraftRule draft_rule;
+  std::string storage, save_storage;
+  double length_penalty = 1.0;
+  int64_t max_new_tokens = 200;
+  double temperature = 0.0;
+  int64_t top_k = 0;
+  double top_p = 1.0;
+  uint64_t seed = 0;
+  std::vector<int64_t> eos;
+  std::vector<std::string> stops;
+  std::string batch_file;
+  std::string device = "cpu";
+  std::string dtype = "float32";
+  int64_t max_seq_len = io::LoadLimits{}.max_sequence_length;
+  int threads = 1;
+  bool compare = false, trace = false, json = false;
+  int compare_runs = 3;
+  std::string verifier, verifier_token_file;
+  std::string verifier_tls_ca, verifier_tls_cert, verifier_tls_key;
+  double added_latency_ms = 0;
+  bool half_q = false;
+};
+
+// --device: "cpu", "cuda" or "cuda:N", with a CUDA device present.
+at::Device parse_device(const std::string& text) {
+  if (text != "cpu" && text.rfind("cuda", 0) != 0) {
+    throw std::invalid_argument("--device must be cpu or cuda[:N], got " + text);
+  }
+  std::optional<at::Device> device;
+  try {
+    device.emplace(text);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("--device must be cpu or cuda[:N], got " + text);
+  }
+  if (device->is_cuda() && !at::hasCUDA()) {
+    throw std::invalid_argument("--device " + text + ": this libtorch build sees no CUDA device");
+  }
+  return *device;
+}
+
+// --dtype: float32, float16 or bfloat16.
+at::ScalarType parse_dtype(const std::string& text) {
+  if (text == "float32") return at::kFloat;
+  if (text == "float16") return at::kHalf;
+  if (text == "bfloat16") return at::kBFloat16;
+  throw std::invalid_argument("--dtype must be float32, float16 or bfloat16, got " + text);
+}
+
+// Whether this libtorch multiplies matrices of `dtype` on `device` (libtorch 1.13 has no float16
+// matrix products on the CPU; 2.x has).
+bool has_matrix_products(at::ScalarType dtype, const at::Device& device) {
+  try {
+    const at::Tensor x = at::ones({2, 2}, at::TensorOptions().dtype(dtype).device(device));
+    (void)at::linear(x, x);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// Which modes each mode-specific flag applies to; giving one in another mode is an error.
+struct FlagModes {
+  const char* flag;
+  std::vector<std::string> modes;
+};
+
+const std::vector<FlagModes>& flag_modes() {
+  static const std::vector<std::string> drafting{"speculative", "ngram", "prompt-lookup"};
+  static const std::vector<FlagModes> table{
+      {"--drafter", {"speculative"}},
+      {"--gamma", {"speculative", "ngram", "prompt-lookup"}},
+      {"--gamma-policy", {"speculative"}},
+      {"--gamma-min", {"speculative"}},
+      {"--gamma-max", {"speculative"}},
+      {"--egag-beta", {"speculative"}},
+      {"--p-min", {"speculative"}},
+      {"--entropy-gate", {"speculative"}},
+      {"--verify", {"speculative"}},
+      {"--threshold", {"speculative"}},
+      {"--calibrate", {"speculative"}},
+      {"--dev-file", {"speculative"}},
+      {"--thresholds", {"speculative"}},
+      {"--target-acceptance", {"speculative"}},
+      {"--ngram-order", {"ngram"}},
+      {"--filler", drafting},
+      {"--draft-min-count", {"ngram"}},
+      {"--draft-min-share", {"ngram"}},
+      {"--draft-min-context", {"ngram"}},
+      {"--storage", {"ngram", "stand"}},
+      {"--save-storage", {"ngram", "stand"}},
+      {"--trajectories", {"stand"}},
+      {"--deterministic", {"stand"}},
+      {"--tree-nodes", {"stand"}},
+      {"--num-beams", {"beam"}},
+      {"--length-penalty", {"beam"}},
+      {"--batch-file", {"speculative", "autoregressive", "ngram"}},
+      {"--temperature", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
+      {"--top-k", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
+      {"--top-p", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
+      {"--seed", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
+      {"--stop", {"speculative", "autoregressive", "ngram", "prompt-lookup"}},
+      {"--compare", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
+      {"--trace", {"speculative", "autoregressive", "ngram", "prompt-lookup"}},
+  };
+  return table;
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) out += (i == 0 ? "" : i + 1 == items.size() ? " or " : ", ") + items[i];
+  return out;
+}
+
+// Throws std::invalid_argument naming `flag` unless `path` is a readable regular file.
+void require_file(const std::string& flag, const std::string& path) {
+  std::error_code error;
+  if (!std::filesystem::exists(path, error)) throw std::invalid_argument(flag + " " + path + ": no such file");
+  if (!std::filesystem::is_regular_file(path, error)) {
+    throw std::invalid_argument(flag + " " + path + ": not a regular file");
+  }
+}
+
+// Parses the command line with CLI11. Exits 0 after --help; throws CLI::ParseError (a bad flag or
+// value, named) or std::invalid_argument (a flag that does not apply to the mode, or a bad
+// combination).
+Arguments parse(int argc, char** argv) {
+  Arguments a;
+  CLI::App app("Generates a continuation of a prompt and prints it as it is produced, then statistics.",
+               "specdec-generate");
+  app.get_formatter()->column_width(30);
+  const auto in = [](const std::vector<std::string>& choices) { return CLI::IsMember(choices); };
+  constexpr int64_t kMaxTokens = int64_t{1} << 40;
+
+  const std::string models = "Models";
+  app.add_option("--target", a.target, "target: llama2.c .bin file or Hugging Face Llama folder (default: the bundled target)")
+      ->group(models);
+  app.add_option("--drafter", a.drafter, "drafter, same formats (default: the bundled drafter)")->group(models);
+  app.add_option("--tokenizer", a.tokenizer,
+                 "llama2.c tokenizer file, or tokenizer.json or its folder (default: the target folder's "
+                 "tokenizer.json; without one the models are byte-level)")
+      ->group(models);
+  app.add_flag("--chat", a.chat, "wrap the prompt in the tokenizer's chat format (Llama 3, ChatML, Zephyr, [INST])")
+      ->group(models);
+  app.add_option("--device", a.device, "cpu (default) or cuda[:N]: where the models run")->group(models);
+  app.add_option("--dtype", a.dtype, "float32 (default), float16 or bfloat16 (norms, softmax and verification stay float32)")
+      ->check(in({"float32", "float16", "bfloat16"}))->group(models);
+  app.add_option("--threads", a.threads,
+                 "CPU threads of libtorch and of the loaded BLAS together (default 1: see docs/performance.md)")
+      ->check(cli::integer<int>(1, 1024))->group(models);
+  app.add_option("--max-seq-len", a.max_seq_len,
+                 "the longest context a checkpoint may declare (default 131072; raise it for longer ones)")
+      ->check(cli::integer<int64_t>(1, int64_t{1} << 24))->group(models);
+
+  const std::string common = "Decoding (every mode)";
+  app.add_option("--mode", a.mode, "speculative (default), autoregressive, ngram, prompt-lookup, stand or beam")
+      ->check(in({"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "beam"}))->group(common);
+  app.add_option("--prompt", a.prompt, "the prompt (default: a line of Python)")->group(common);
+  app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate (default 200)")
+      ->check(cli::integer<int64_t>(0, kMaxTokens))->group(common);
+  app.add_option("--eos", a.eos, "an end token id (repeatable; llama2.c models default to 2)")
+      ->check(cli::integer<int64_t>(0, kMaxTokens))->group(common);
+
+  const std::string sampling = "Sampling (all modes but beam)";
+  app.add_option("--temperature", a.temperature, "0 = greedy (default); > 0 samples")
+      ->check(cli::real(0.0, 1e6))->group(sampling);
+  app.add_option("--top-k", a.top_k, "keep the K most probable tokens (needs --temperature > 0)")
+      ->check(cli::integer<int64_t>(1, kMaxTokens))->group(sampling);
+  app.add_option("--top-p", a.top_p, "keep the nucleus of mass P (needs --temperature > 0)")
+      ->check(cli::real(0.0, 1.0, /*low_open=*/true))->group(sampling);
+  app.add_option("--seed", a.seed, "sampling seed (default 0)")
+      ->check(cli::integer<uint64_t>(0, std::numeric_limits<uint64_t>::max()))->group(sampling);
+  app.add_option("--stop", a.stops, "stop when the output contains TEXT's tokens (repeatable; kept in the output)")
+      ->group(sampling);
+
+  const std::string speculative = "Speculative decoding (--mode speculative; --gamma also ngram, prompt-lookup)";
+  app.add_option("--gamma", a.gamma, "drafts per step (default 4)")
+      ->check(cli::integer<int64_t>(1, 1024))->group(speculative);
+  app.add_option("--gamma-policy", a.gamma_policy, "fixed (default), egag (entropy-adaptive) or schedule (+2 / -1)")
+      ->check(in({"fixed", "egag", "schedule"}))->group(speculative);
+  app.add_option("--gamma-min", a.gamma_min, "egag, schedule: fewest drafts per step (default 1)")
+      ->check(cli::integer<int64_t>(1, 1024))->group(speculative);
+  app.add_option("--gamma-max", a.gamma_max, "egag, schedule: most drafts per step (default: --gamma)")
+      ->check(cli::integer<int64_t>(1, 1024))->group(speculative);
+  app.add_option("--egag-beta", a.egag_beta, "egag: EMA smoothing of the drafter's entropy (default 0)")
+      ->check(cli::real(0.0, 1.0, false, /*high_open=*/true))->group(speculative);
+  app.add_option("--p-min", a.p_min, "stop drafting where the drafter's top probability is below P")
+      ->check(cli::real(0.0, 1.0))->group(speculative);
+  app.add_option("--entropy-gate", a.entropy_gate, "stop drafting where the drafter's normalised entropy is above H")
+      ->check(cli::real(0.0, 1.0))->group(speculative);
+  app.add_option("--verify", a.verify, "rejection (default, exact) or threshold (lossy)")
+      ->check(in({"rejection", "threshold"}))->group(speculative);
+  app.add_option("--threshold", a.threshold, "threshold verification's tau (default 0.25)")
+      ->check(cli::real(0.0, 1.0))->group(speculative);
+  app.add_flag("--calibrate", a.calibrate, "choose --threshold first: run the grid on the dev prompts and print it")
+      ->group(speculative);
+  app.add_option("--dev-file", a.dev_file, "dev prompts for --calibrate: 8 windows of this text (default: the prompt)")
+      ->group(speculative);
+  std::string thresholds;
+  app.add_option("--thresholds", thresholds, "the --calibrate grid (default 0.15,0.2,0.25,0.3,0.35)")->group(speculative);
+  app.add_option("--target-acceptance", a.target_acceptance, "--calibrate aims at this acceptance rate (default 0.7)")
+      ->check(cli::real(0.0, 1.0))->group(speculative);
+
+  const std::string ngram = "N-gram drafting (--mode ngram; --filler also prompt-lookup; storages also stand)";
+  app.add_option("--ngram-order", a.ngram_order, "n of a new n-gram storage (default 3)")
+      ->check(cli::integer<int64_t>(2, 8))->group(ngram);
+  app.add_option("--filler", a.filler, "teach the storage the target's top-K per position (default 3; 1 = off)")
+      ->check(cli::integer<int64_t>(1, 64))->group(ngram);
+  app.add_option("--draft-min-count", a.draft_rule.min_count,
+                 "confident drafting: stop where the best follower was seen fewer times (default 1 = off)")
+      ->check(cli::integer<int64_t>(1, int64_t{1} << 31))->group(ngram);
+  app.add_option("--draft-min-share", a.draft_rule.min_share,
+                 "confident drafting: stop where the best follower has a smaller share of its context "
+                 "(default 0 = off; 0.9 with --draft-min-context n-1 drafts best on bench_ngram's stream)")
+      ->check(cli::real(0.0, 1.0))->group(ngram);
+  app.add_option("--draft-min-context", a.draft_rule.min_context,
+                 "confident drafting: back off to contexts of at least this many tokens (default 1)")
+      ->check(cli::integer<int64_t>(1, 128))->group(ngram);
+  app.add_option("--storage", a.storage, "start from a storage saved with --save-storage")->group(ngram);
+  app.add_option("--save-storage", a.save_storage, "save the storage after generating")->group(ngram);
+
+  const std::string stand = "STAND (--mode stand)";
+  app.add_option("--trajectories", a.trajectories, "sample N generations of the prompt sharing one memory")
+      ->check(cli::integer<int64_t>(1, 1 << 20))->group(stand);
+  app.add_flag("--deterministic", a.deterministic, "draft the memory's most probable tokens, not Gumbel draws")
+      ->group(stand);
+  app.add_option("--tree-nodes", a.tree_nodes, "nodes of the default tree template (default 64)")
+      ->check(cli::integer<int64_t>(1, 1024))->group(stand);
+
+  const std::string beam = "Beam search (--mode beam)";
+  app.add_option("--num-beams", a.num_beams, "beams (default 4; at most 64: each holds a cache)")
+      ->check(cli::integer<int64_t>(1, 64))->group(beam);
+  app.add_option("--length-penalty", a.length_penalty, "beam score = log-probability / length^A (default 1)")
+      ->check(cli::real(-100.0, 100.0))->group(beam);
+
+  const std::string remote = "Remote verification (the target on a specdec-verifier; speculative, autoregressive)";
+  app.add_option("--verifier", a.verifier, "HOST:PORT of a specdec-verifier: --drafter drafts here, the server verifies")
+      ->group(remote);
+  app.add_option("--verifier-token-file", a.verifier_token_file,
+                 "the server's shared secret, first line (default: $SPECDEC_VERIFIER_TOKEN)")
+      ->group(remote);
+  app.add_option("--verifier-tls-ca", a.verifier_tls_ca, "connect over TLS, trusting the CAs in this PEM file")
+      ->group(remote);
+  app.add_option("--verifier-tls-cert", a.verifier_tls_cert,
+                 "this client's certificate (PEM), for servers that require one (with --verifier-tls-key)")
+      ->group(remote);
+  app.add_option("--verifier-tls-key", a.verifier_tls_key, "the private key of --verifier-tls-cert (PEM)")->group(remote);
+  app.add_option("--added-latency-ms", a.added_latency_ms,
+                 "simulate a slower link: sleep this long before each call (default 0)")
+      ->check(cli::real(0.0, 60000.0))->group(remote);
+  app.add_flag("--half-q", a.half_q, "send dense drafter distributions as float16 (half the bytes, see docs/remote.md)")
+      ->group(remote);
+
+  const std::string output = "Output";
+  app.add_option("--batch-file", a.batch_file,
+                 "generate for every line of FILE as one batch (speculative, autoregressive, ngram); \\n in a line "
+                 "stands for a newline")
+      ->group(output);
+  app.add_flag("--compare", a.compare,
+               "also run autoregressive decoding and print the speedup: both warmed up by one untimed run, then "
+               "--compare-runs timed runs of each in alternating order, neither streaming its text, medians compared")
+      ->group(output);
+  app.add_option("--compare-runs", a.compare_runs, "timed runs of each mode with --compare (default 3)")
+      ->check(CLI::Range(1, 100))
+      ->group(output);
+  app.add_flag("--trace", a.trace, "show every step: accepted drafts, rejected drafts, the target's token")
+      ->group(output);
+  app.add_flag("--json", a.json, "print the statistics as one JSON object instead of text")->group(output);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success&) {
+    std::cout << app.help();
+    std::exit(0);
+  }
+  if (!thresholds.empty()) a.thresholds = cli::real_list("--thresholds", thresholds, 0.0, 1.0);
+
+  for (const FlagModes& entry : flag_modes()) {
+    if (app.count(entry.flag) > 0 && std::find(entry.modes.begin(), entry.modes.end(), a.mode) == entry.modes.end()) {
+      throw std::invalid_argument(std::string(entry.flag) + " applies to --mode " + join(entry.modes) +
+                                  ", not --mode " + a.mode);
+    }
+  }
+  if (a.temperature == 0 && (app.count("--top-k") > 0 || app.count("--top-p") > 0)) {
+    throw std::invalid_argument("--top-k and --top-p apply when sampling: give --temperature > 0 too");
+  }
+  if (!a.storage.empty() && app.count("--ngram-order") > 0) {
+    throw std::invalid_argument("--ngram-order does not apply with --storage: the saved storage fixes n");
+  }
+  if (a.gamma_policy == "fixed" && (app.count("--gamma-min") > 0 || app.count("--gamma-max") > 0 ||
+                                    app.count("--egag-beta") > 0)) {
+    throw std::invalid_argument("--gamma-min, --gamma-max and --egag-beta apply to --gamma-policy egag or schedule");
+  }
+  if (a.verify != "threshold" && !a.calibrate && app.count("--threshold") > 0) {
+    throw std::invalid_argument("--threshold applies to --verify threshold");
+  }
+  if (!a.calibrate && (app.count("--dev-file") > 0 || app.count("--thresholds") > 0 ||
+                       app.count("--target-acceptance") > 0)) {
+    throw std::invalid_argument("--dev-file, --thresholds and --target-acceptance apply to --calibrate");
+  }
+  if (a.calibrate && app.count("--threshold") > 0) {
+    throw std::invalid_argument("--threshold and --calibrate exclude each other: --calibrate chooses the threshold");
+  }
+  if (a.verifier.empty() && (app.count("--verifier-token-file") > 0 || app.count("--added-latency-ms") > 0 ||
+                             app.count("--half-q") > 0 || app.count("--verifier-tls-ca") > 0 ||
+                             app.count("--verifier-tls-cert") > 0 || app.count("--verifier-tls-key") > 0)) {
+    throw std::invalid_argument(
+        "--verifier-token-file, --verifier-tls-ca, --verifier-tls-cert, --verifier-tls-key, --added-latency-ms and "
+        "--half-q apply to --verifier");
+  }
+  if (!a.verifier.empty()) {
+#ifndef SPECDEC_HAVE_REMOTE
+    throw std::invalid_argument("--verifier: this specdec-generate was built without gRPC");
+#endif
+    if (a.mode != "speculative" && a.mode != "autoregressive") {
+      throw std::invalid_argument("--verifier applies to --mode speculative or autoregressive, not --mode " + a.mode);
+    }
+    for (const char* flag : {"--compare", "--batch-file", "--calibrate", "--target", "--device", "--dtype"}) {
+      if (app.count(flag) > 0) {
+        throw std::invalid_argument(std::string(flag) + " does not apply to --verifier: the target is on the server");
+      }
+    }
+    if (a.verifier.find(':') == std::string::npos) {
+      throw std::invalid_argument("--verifier must be HOST:PORT, got " + a.verifier);
+    }
+  }
+  if (!a.batch_file.empty() && a.trace) {
+    throw std::invalid_argument("--trace does not apply to --batch-file");
+  }
+  if (!a.dev_file.empty()) require_file("--dev-file", a.dev_file);
+  if (!a.batch_file.empty()) require_file("--batch-file", a.batch_file);
+  if (!a.storage.empty()) require_file("--storage", a.storage);
+  if (!a.tokenizer.empty() && !std::filesystem::is_directory(a.tokenizer)) require_file("--tokenizer", a.tokenizer);
+  if (!a.save_storage.empty()) io::detail::require_writable_path(a.save_storage, "--save-storage");
+  if (!has_matrix_products(parse_dtype(a.dtype), parse_device(a.device))) {
+    throw std::invalid_argument("--dtype " + a.dtype + " on " + a.device + ": this libtorch " + TORCH_VERSION +
+                                " has no " + a.dtype + " matrix products there; use bfloat16 or float32, or a GPU");
+  }
+  return a;
+}
+
+using Processor = std::variant<GreedyProcessor, MultinomialProcessor, TopKProcessor, NucleusProcessor,
+                               TopKNucleusProcessor>;
+Processor make_processor(const Arguments& a) {
+  if (a.temperature == 0) return GreedyProcessor{};
+  if (a.top_k > 0 && a.top_p < 1) return TopKNucleusProcessor(a.top_k, a.top_p, a.temperature);
+  if (a.top_k > 0) return TopKProcessor(a.top_k, a.temperature);
+  if (a.top_p < 1) return NucleusProcessor(a.top_p, a.temperature);
+  return MultinomialProcessor(a.temperature);
+}
+
+}  // namespace
