@@ -1,5 +1,11 @@
 // Generation functions: the autoregressive baseline, speculative decoding with a drafter model
 // and n-gram assisted decoding. Each is the shared step loop of step.hpp with its draft source.
+//
+// Where to find the rest of generation: a draft source of your own runs through
+// generate_with(source, target, prompt, options, processor) (step.hpp, included here); the
+// options and StopReason are in options.hpp, the result and its GenerationStats in result.hpp,
+// both included here. Beam search is beam_search.hpp, STAND stand.hpp, batches batch.hpp,
+// multi-turn sessions session.hpp; specdec.hpp includes them all.
 #pragma once
 
 #include <algorithm>
