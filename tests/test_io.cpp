@@ -2,6 +2,10 @@
 // trips through every format, and corrupt files rejected with errors naming the file.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -538,6 +542,58 @@ TEST(AtomicFile, ConcurrentWritersLeaveOneCompleteFile) {
   EXPECT_THROW(io::detail::require_writable_path(dir.path() / "folder", "--save-storage"), std::invalid_argument);
   EXPECT_THROW(io::detail::require_writable_path(dir.path() / "no" / "x.bin", "--save-storage"), std::invalid_argument);
   EXPECT_NO_THROW(io::detail::require_writable_path(dir.path() / "x.bin", "--save-storage"));
+}
+
+// Saves refuse special files in the file's place (they would be replaced by a regular file) and
+// folders the process cannot write, naming the flag and the path, and leave the special file as it
+// was: a FIFO, a character device node the test creates (/dev/null where creating one is not
+// permitted), a read-only folder (checked as an unprivileged user where the test runs as root,
+// whom permissions do not stop).
+TEST(AtomicFile, SavesRefuseSpecialFilesAndUnwritableFolders) {
+  TempDir dir;
+  const fs::path fifo = dir.path() / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  fs::path device = dir.path() / "null";
+  if (::mknod(device.c_str(), S_IFCHR | 0600, ::makedev(1, 3)) != 0) device = "/dev/null";
+  for (const auto& [path, kind] : {std::pair{fifo, std::string("a FIFO")}, std::pair{device, std::string("a character device")}}) {
+    try {
+      io::detail::require_writable_path(path, "--save-storage");
+      FAIL() << "accepted " << path;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("--save-storage " + path.string() + " is " + kind), std::string::npos) << e.what();
+    }
+    try {
+      io::detail::write_atomically(path, [](std::ofstream& out) { out << "x"; });
+      FAIL() << "wrote over " << path;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("it is " + kind + ", not a regular file"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(fs::is_fifo(fifo));
+  EXPECT_TRUE(fs::is_character_file(device));
+  // A saved n-gram storage refuses the FIFO the same way, before writing anything.
+  EXPECT_THROW(NGramStorage(3, 256).save(fifo), std::runtime_error);
+  EXPECT_TRUE(fs::is_fifo(fifo));
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), device.parent_path() == dir.path() ? 2 : 1);
+
+  const fs::path locked = dir.path() / "locked";
+  fs::create_directories(locked);
+  fs::permissions(locked, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read |
+                              fs::perms::group_exec | fs::perms::others_read | fs::perms::others_exec);
+  const bool root = ::geteuid() == 0;
+  if (root) ASSERT_EQ(::seteuid(65534), 0);  // nobody: the folder's permissions apply
+  std::string message;
+  try {
+    io::detail::require_writable_path(locked / "x.bin", "--save-storage");
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  if (root) ASSERT_EQ(::seteuid(0), 0);
+  EXPECT_NE(message.find("--save-storage " + (locked / "x.bin").string() + ": the folder " + locked.string() +
+                         " is not writable"),
+            std::string::npos)
+      << message;
+  fs::permissions(locked, fs::perms::owner_all);
 }
 
 TEST(Llama2c, RefusesContextsAndVocabulariesBeyondTheLimits) {

@@ -4,9 +4,11 @@
 // path leave one complete file (the last to finish), never a mix.
 #pragma once
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -19,17 +21,43 @@
 
 namespace specdec::io::detail {
 
-// Throws std::invalid_argument naming `what` unless a file can be written at `path`: it is not a
-// folder and its folder exists. Lets a program refuse a bad output path before long work.
+// What `path` is when it exists and is not a regular file ("a folder", "a FIFO", "a character
+// device", ...), following symbolic links; "" when it is a regular file or does not exist. A save
+// renames its file over `path`: over a FIFO or a device node that would replace the special file
+// with a regular one, so saves refuse them.
+inline std::string special_file_kind(const std::filesystem::path& path) {
+  std::error_code error;
+  switch (std::filesystem::status(path, error).type()) {
+    case std::filesystem::file_type::none:
+    case std::filesystem::file_type::not_found:
+    case std::filesystem::file_type::regular: return {};
+    case std::filesystem::file_type::directory: return "a folder";
+    case std::filesystem::file_type::fifo: return "a FIFO";
+    case std::filesystem::file_type::block: return "a block device";
+    case std::filesystem::file_type::character: return "a character device";
+    case std::filesystem::file_type::socket: return "a socket";
+    default: return "not a regular file";
+  }
+}
+
+// Throws std::invalid_argument naming `what` and `path` unless a file can be saved at `path`: it
+// is a regular file or does not exist, its folder exists, and this process may create files there
+// (write and search permission, by the effective user). Lets a program refuse a bad output path
+// before long work; write_atomically checks the kind again when it writes.
 inline void require_writable_path(const std::filesystem::path& path, const std::string& what) {
   std::error_code error;
   if (path.empty()) throw std::invalid_argument(what + " must not be empty");
-  if (std::filesystem::is_directory(path, error)) {
-    throw std::invalid_argument(what + " " + path.string() + " is a folder, not a file name");
+  if (const std::string kind = special_file_kind(path); !kind.empty()) {
+    throw std::invalid_argument(what + " " + path.string() + " is " + kind + ", not a regular file");
   }
   const auto folder = path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
   if (!std::filesystem::is_directory(folder, error)) {
     throw std::invalid_argument(what + " " + path.string() + ": the folder " + folder.string() + " does not exist");
+  }
+  if (::faccessat(AT_FDCWD, folder.c_str(), W_OK | X_OK, AT_EACCESS) != 0) {
+    const std::string reason = std::generic_category().message(errno);
+    throw std::invalid_argument(what + " " + path.string() + ": the folder " + folder.string() +
+                                " is not writable (" + reason + ")");
   }
 }
 
@@ -44,13 +72,14 @@ inline std::filesystem::path temporary_name(const std::filesystem::path& path) {
 
 // Calls write(out) on a binary stream to a temporary file beside `path`, then (with `checksum`)
 // appends the checksum trailer of io/checksum.hpp, then renames the file over `path`. Throws
-// std::runtime_error when `path` is a folder or the file cannot be opened, written or renamed
+// std::runtime_error when `path` exists and is not a regular file (a folder, a FIFO, a device, a
+// socket: see special_file_kind) or the file cannot be opened, written or renamed
 // (the temporary file is removed); whatever `write` throws, after removing it.
 template <class Write>
 void write_atomically(const std::filesystem::path& path, Write write, bool checksum = false) {
   std::error_code error;
-  if (std::filesystem::is_directory(path, error)) {
-    throw std::runtime_error("cannot write " + path.string() + ": it is a folder");
+  if (const std::string kind = special_file_kind(path); !kind.empty()) {
+    throw std::runtime_error("cannot write " + path.string() + ": it is " + kind + ", not a regular file");
   }
   const std::filesystem::path temporary = temporary_name(path);
   const auto discard = [&] {
