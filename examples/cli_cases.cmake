@@ -59,6 +59,12 @@ specdec_cli_case(tiny_temperature 2 "the target's logits are finite but its dist
 # Files: the wrong kind of path is named as such.
 specdec_cli_case(dev_file_folder 2 "--dev-file /tmp: not a regular file" ${G} --calibrate --dev-file /tmp)
 specdec_cli_case(save_storage_folder 2 "--save-storage /tmp is a folder" ${G} --mode ngram --save-storage /tmp)
+# A FIFO or a device node in the file's place is refused before generating (a save would replace it).
+execute_process(COMMAND mkfifo "${CMAKE_CURRENT_BINARY_DIR}/save_fifo" ERROR_QUIET)
+specdec_cli_case(save_storage_fifo 2 "--save-storage .*/save_fifo is a FIFO, not a regular file" ${G} --mode ngram
+  --save-storage "${CMAKE_CURRENT_BINARY_DIR}/save_fifo")
+specdec_cli_case(save_storage_device 2 "--save-storage /dev/null is a character device, not a regular file" ${G}
+  --mode stand --save-storage /dev/null)
 specdec_cli_case(target_config_file 2 "config.json: is a file of a Hugging Face checkpoint: pass the folder" ${G}
   --target "${_bundled}/target/config.json")
 specdec_cli_case(target_safetensors_file 2 "model.safetensors: is a file of a Hugging Face checkpoint" ${G}
@@ -92,6 +98,18 @@ if(SPECDEC_HAVE_REMOTE)
   set(V $<TARGET_FILE:specdec-verifier>)
   specdec_cli_case(verifier_public_without_token 2 "is not loopback: a token or TLS with client certificates"
     ${V} --address 0.0.0.0:0)
+  # Token files: one reader on both sides (remote/token.hpp). A byte gRPC metadata cannot carry is
+  # refused with the file's name, never passed to gRPC (which aborts); "tok\r\n" reads as "tok".
+  file(WRITE "${CMAKE_CURRENT_BINARY_DIR}/token_tab" "to\tk\n")
+  file(WRITE "${CMAKE_CURRENT_BINARY_DIR}/token_crlf" "tok\r\n")
+  specdec_cli_case(verifier_token_tab 2 "--verifier-token-file .*token_tab: the token holds byte 0x09 at position 2"
+    ${G} --verifier 127.0.0.1:1 --verifier-token-file "${CMAKE_CURRENT_BINARY_DIR}/token_tab")
+  specdec_cli_case(verifier_token_crlf 1 "Open failed \\(UNAVAILABLE\\)"
+    ${G} --verifier 127.0.0.1:1 --verifier-token-file "${CMAKE_CURRENT_BINARY_DIR}/token_crlf")
+  specdec_cli_case(verifier_token_folder 2 "--verifier-token-file .* is a folder"
+    ${G} --verifier 127.0.0.1:1 --verifier-token-file "${CMAKE_CURRENT_BINARY_DIR}")
+  specdec_cli_case(server_token_tab 2 "--token-file .*token_tab: the token holds byte 0x09 at position 2"
+    ${V} --token-file "${CMAKE_CURRENT_BINARY_DIR}/token_tab")
   specdec_cli_case(verifier_bad_gamma 2 "--max-gamma: -1 is outside" ${V} --max-gamma -1)
   specdec_cli_case(verifier_bad_batch 2 "--max-batch: 0 is outside" ${V} --max-batch 0)
   # TLS: unreadable and non-PEM files, a certificate without its key, TLS without client
@@ -99,6 +117,7 @@ if(SPECDEC_HAVE_REMOTE)
   set(TLS "${PROJECT_SOURCE_DIR}/tests/data/tls")
   specdec_cli_case(verifier_tls_missing_file 2 "--tls-cert /nonexistent/server.pem cannot be read"
     ${V} --tls-cert /nonexistent/server.pem)
+  specdec_cli_case(verifier_tls_cert_folder 2 "--tls-cert .*/data/tls is a folder" ${V} --tls-cert "${TLS}")
   specdec_cli_case(verifier_tls_not_pem 2 "holds no PEM block"
     ${V} --tls-client-ca "${PROJECT_SOURCE_DIR}/tests/data/byte_tokenizer/tokenizer.json")
   specdec_cli_case(verifier_tls_without_key 2 "needs both certificate_chain and private_key"

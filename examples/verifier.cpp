@@ -27,22 +27,6 @@ namespace {
 
 using Model = specdec::models::LlamaModel<specdec::StaticKVCache>;
 
-// The shared secret: --token-file's first line, else $SPECDEC_VERIFIER_TOKEN (never a flag's
-// value, which other users could read in the process list).
-std::string read_token(const std::string& file) {
-  if (file.empty()) {
-    const char* env = std::getenv("SPECDEC_VERIFIER_TOKEN");
-    return env == nullptr ? std::string() : std::string(env);
-  }
-  std::ifstream in(file);
-  if (!in) throw std::invalid_argument("--token-file " + file + " cannot be read");
-  std::string token;
-  std::getline(in, token);
-  while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
-  if (token.empty()) throw std::invalid_argument("--token-file " + file + " holds no token on its first line");
-  return token;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -91,7 +75,7 @@ int main(int argc, char** argv) {
     }
     options.limits.idle_timeout = std::chrono::seconds(idle_seconds);
     options.limits.batch_delay = std::chrono::microseconds(batch_delay_us);
-    options.token = read_token(token_file);
+    options.token = specdec::remote::read_token(token_file, "--token-file");  // the file, else $SPECDEC_VERIFIER_TOKEN
     const auto pem = [](const std::string& file, const char* flag) {
       return file.empty() ? std::string() : specdec::remote::read_pem(file, flag);
     };

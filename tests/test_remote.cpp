@@ -5,7 +5,15 @@
 // clients.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <stdexcept>
+#include <utility>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -42,6 +50,71 @@ std::string local(int port) { return "127.0.0.1:" + std::to_string(port); }
 
 remote::ServerOptions loopback(remote::ServerLimits limits = {}) {
   return {.address = "127.0.0.1:0", .limits = limits};
+}
+
+// One token reader for server and client (remote/token.hpp): a file's first line or the
+// variable's value, trimmed of spaces, tabs, CRs and LFs on both ends; a byte gRPC metadata cannot
+// carry (CR, LF, tab, NUL or a space inside) is refused naming the file or variable and the byte,
+// never the token; the library refuses such a token in RemoteOptions and ServerOptions with an
+// exception (gRPC itself would abort the process).
+TEST(RemoteToken, OneReaderTrimsAndRefusesWhatMetadataCannotCarry) {
+  const std::filesystem::path folder = std::filesystem::temp_directory_path() / ("specdec_token_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(folder);
+  const auto file_with = [&](const std::string& bytes) {
+    const std::filesystem::path path = folder / "token";
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    return path.string();
+  };
+  const auto message_of = [](const auto& read) {
+    try {
+      (void)read();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  for (const std::string bytes : {"tok\r\n", "tok \n", " \ttok\t \r\nsecond line", "tok", "tok\n\n"}) {
+    EXPECT_EQ(remote::read_token(file_with(bytes), "--token-file"), "tok") << bytes;
+  }
+  for (const std::string bytes : {"", "\n", "\r\n", " \t\nTOKEN"}) {
+    EXPECT_NE(message_of([&] { return remote::read_token(file_with(bytes), "--token-file"); }).find("holds no token"),
+              std::string::npos);
+  }
+  const std::vector<std::pair<std::string, std::string>> refused{
+      {"secret\tword\n", "0x09 at position 6"}, {"secret\rword\n", "0x0d at position 6"},
+      {std::string("secret\0word\n", 12), "0x00 at position 6"}, {"secret word\n", "0x20 at position 6"},
+      {"secret\x7fword", "0x7f at position 6"}};
+  for (const auto& [bytes, byte] : refused) {
+    const std::string path = file_with(bytes);
+    const std::string message = message_of([&] { return remote::read_token(path, "--token-file"); });
+    EXPECT_NE(message.find("--token-file " + path + ": the token holds byte " + byte), std::string::npos) << message;
+    EXPECT_EQ(message.find("secret"), std::string::npos) << "the message shows the token: " << message;
+  }
+  EXPECT_NE(message_of([&] { return remote::read_token(folder.string(), "--token-file"); }).find("is a folder"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { return remote::read_token((folder / "missing").string(), "--token-file"); }).find("cannot be read"),
+            std::string::npos);
+
+  // The variable: the same trimming and checks.
+  ::unsetenv(remote::kTokenVariable);
+  EXPECT_EQ(remote::read_token("", "--token-file"), "");
+  ::setenv(remote::kTokenVariable, "tok\n", 1);
+  EXPECT_EQ(remote::read_token("", "--token-file"), "tok");
+  ::setenv(remote::kTokenVariable, "secret\tword", 1);
+  const std::string message = message_of([] { return remote::read_token("", "--token-file"); });
+  EXPECT_NE(message.find("$SPECDEC_VERIFIER_TOKEN: the token holds byte 0x09"), std::string::npos) << message;
+  ::setenv(remote::kTokenVariable, " \r\n", 1);
+  EXPECT_NE(message_of([] { return remote::read_token("", "--token-file"); }).find("holds no token"), std::string::npos);
+  ::unsetenv(remote::kTokenVariable);
+
+  // Tokens given to the library directly: checked, never trimmed, refused with an exception.
+  EXPECT_NE(message_of([] { return RemoteVerifier("127.0.0.1:1", {.token = "tok\n"}); }).find("RemoteOptions::token"),
+            std::string::npos);
+  Model target = bundled("target");
+  EXPECT_NE(message_of([&] { return std::make_unique<VerifierServer<Model>>(target, remote::ServerOptions{.address = "127.0.0.1:0", .token = "a b"}); })
+                .find("ServerOptions::token"),
+            std::string::npos);
+  std::filesystem::remove_all(folder);
 }
 
 TEST(Remote, GreedyOutputEqualsLocalAutoregressiveDecoding) {
@@ -191,6 +264,15 @@ class RawClient {
     authorize(context);
     return stub_->Verify(&context, request, reply != nullptr ? reply : &ignored);
   }
+  grpc::Status close(const std::string& session, const std::string& secret) {
+    remote::wire::CloseRequest request;
+    request.set_session(session);
+    request.set_secret(secret);
+    remote::wire::CloseReply reply;
+    grpc::ClientContext context;
+    authorize(context);
+    return stub_->Close(&context, request, &reply);
+  }
 
  private:
   void authorize(grpc::ClientContext& context) const {
@@ -218,6 +300,7 @@ TEST(Remote, BadRequestsGetTheirStatusAndTheServerGoesOn) {
 
   remote::wire::VerifyRequest request;
   request.set_session(opened.session());
+  request.set_secret(opened.secret());
   request.set_length(4);
   request.set_last_token(' ');
   for (int i = 0; i < 9; ++i) request.add_drafts('1');
@@ -237,8 +320,9 @@ TEST(Remote, BadRequestsGetTheirStatusAndTheServerGoesOn) {
   expect_status(raw.verify(request), grpc::StatusCode::INVALID_ARGUMENT, "q must have encoding NONE");
   request.clear_q();
   request.set_session("no-such-session");
-  expect_status(raw.verify(request), grpc::StatusCode::NOT_FOUND, "no session");
+  expect_status(raw.verify(request), grpc::StatusCode::NOT_FOUND, "no such session for this client");
   request.set_session(opened.session());
+  request.set_secret(opened.secret());
   remote::wire::VerifyReply reply;
   ASSERT_TRUE(raw.verify(request, &reply).ok());  // the session survived every bad request
   EXPECT_EQ(reply.length(), 4 + reply.accepted() + 1);
@@ -248,6 +332,7 @@ TEST(Remote, BadRequestsGetTheirStatusAndTheServerGoesOn) {
   ASSERT_TRUE(raw.open(bytes("y = "), &sampled, remote::wire::Sampling::MULTINOMIAL).ok());
   remote::wire::VerifyRequest with_q;
   with_q.set_session(sampled.session());
+  with_q.set_secret(sampled.secret());
   with_q.set_length(4);
   with_q.set_last_token(' ');
   with_q.add_drafts('1');
@@ -266,6 +351,81 @@ TEST(Remote, BadRequestsGetTheirStatusAndTheServerGoesOn) {
   ASSERT_TRUE(raw.open(bytes("z"), &third).ok());
   expect_status(raw.open(bytes("w"), &opened), grpc::StatusCode::RESOURCE_EXHAUSTED, "max_sessions");
   EXPECT_EQ(server.sessions(), 3);
+}
+
+// Sessions belong to the client that opened them: 128-bit handles and secrets from the kernel's
+// random source (two servers built alike hand out different ones: nothing seeds them); a call
+// with the right handle but another secret or from another identity gets exactly the answer an
+// unknown handle gets, and cannot close the session; no error text shows the session's tokens.
+TEST(RemoteSessions, BelongToTheClientThatOpenedThem) {
+  Model target = bundled("target");
+  VerifierServer server(target, loopback({.max_gamma = 8}));
+  VerifierServer twin(target, loopback({.max_gamma = 8}));
+  RawClient owner(server.port(), "alice-token");
+  const Ids prompt{211, 223, 237, 241};
+  remote::wire::OpenReply opened, other, twin_opened;
+  ASSERT_TRUE(owner.open(prompt, &opened).ok());
+  ASSERT_TRUE(owner.open(prompt, &other).ok());
+  ASSERT_TRUE(RawClient(twin.port(), "alice-token").open(prompt, &twin_opened).ok());
+  const auto hex128 = [](const std::string& text) {
+    return text.size() == 32 && text.find_first_not_of("0123456789abcdef") == std::string::npos;
+  };
+  EXPECT_TRUE(hex128(opened.session()) && hex128(opened.secret())) << opened.session() << " " << opened.secret();
+  EXPECT_NE(opened.session(), other.session());
+  EXPECT_NE(opened.secret(), other.secret());
+  EXPECT_NE(opened.session(), twin_opened.session()) << "two servers built alike hand out the same handle";
+  EXPECT_NE(opened.secret(), twin_opened.secret());
+
+  remote::wire::VerifyRequest request;
+  request.set_length(4);
+  request.set_last_token(241);
+  request.add_drafts('1');
+  request.set_session("0123456789abcdef0123456789abcdef");
+  request.set_secret(opened.secret());
+  const grpc::Status unknown = owner.verify(request);
+  ASSERT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND) << unknown.error_message();
+  // The right handle with another session's secret, or with no secret.
+  request.set_session(opened.session());
+  for (const std::string& secret : {other.secret(), std::string(), opened.secret().substr(0, 31)}) {
+    request.set_secret(secret);
+    const grpc::Status refused = owner.verify(request);
+    EXPECT_EQ(refused.error_code(), unknown.error_code());
+    EXPECT_EQ(refused.error_message(), unknown.error_message());
+  }
+  // The right handle and secret from another identity (another bearer token, accepted by this
+  // server, which requires none).
+  request.set_secret(opened.secret());
+  RawClient mallory(server.port(), "mallory-token");
+  const grpc::Status stolen = mallory.verify(request);
+  EXPECT_EQ(stolen.error_code(), unknown.error_code());
+  EXPECT_EQ(stolen.error_message(), unknown.error_message());
+  EXPECT_EQ(mallory.close(opened.session(), opened.secret()).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(owner.close(opened.session(), other.secret()).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(server.sessions(), 2);
+
+  // Bad requests of the owner: their errors name no token of the session.
+  std::vector<std::string> messages;
+  request.set_last_token(7);
+  messages.push_back(owner.verify(request).error_message());
+  request.set_last_token(241);
+  request.set_length(99);
+  messages.push_back(owner.verify(request).error_message());
+  request.set_length(4);
+  request.add_drafts(300);
+  messages.push_back(owner.verify(request).error_message());
+  for (const std::string& message : messages) {
+    ASSERT_FALSE(message.empty());
+    for (const int64_t token : prompt) {
+      EXPECT_EQ(message.find(std::to_string(token)), std::string::npos) << "shows token " << token << ": " << message;
+    }
+  }
+  // The owner still verifies and closes its session.
+  request.clear_drafts();
+  request.add_drafts('1');
+  remote::wire::VerifyReply reply;
+  ASSERT_TRUE(owner.verify(request, &reply).ok());
+  EXPECT_TRUE(owner.close(opened.session(), opened.secret()).ok());
+  EXPECT_EQ(server.sessions(), 1);
 }
 
 TEST(Remote, TokensAreRequiredWhereSet) {
@@ -363,6 +523,7 @@ TEST(Remote, IdleSessionsAreFreed) {
   EXPECT_EQ(server.sessions(), 0);
   remote::wire::VerifyRequest request;
   request.set_session(opened.session());
+  request.set_secret(opened.secret());
   request.set_length(2);
   request.set_last_token(1);
   expect_status(raw.verify(request), grpc::StatusCode::NOT_FOUND, "idle too long");
@@ -458,24 +619,25 @@ TEST(Remote, ARolledBackSessionIsBatchedWithOthers) {
   const Ids prompt_a = bytes("for i in "), prompt_b = bytes("while x ");
   ASSERT_TRUE(raw.open(prompt_a, &first).ok());
   ASSERT_TRUE(raw.open(prompt_b, &second).ok());
-  const auto request = [](const std::string& session, const Ids& tokens, int64_t length) {
+  const auto request = [](const remote::wire::OpenReply& session, const Ids& tokens, int64_t length) {
     remote::wire::VerifyRequest r;
-    r.set_session(session);
+    r.set_session(session.session());
+    r.set_secret(session.secret());
     r.set_length(length);
     r.set_last_token(tokens[static_cast<size_t>(length - 1)]);
     return r;
   };
   remote::wire::VerifyReply a1, b1;
-  std::thread other([&] { EXPECT_TRUE(raw.verify(request(second.session(), prompt_b, static_cast<int64_t>(prompt_b.size())), &b1).ok()); });
-  EXPECT_TRUE(raw.verify(request(first.session(), prompt_a, static_cast<int64_t>(prompt_a.size())), &a1).ok());
+  std::thread other([&] { EXPECT_TRUE(raw.verify(request(second, prompt_b, static_cast<int64_t>(prompt_b.size())), &b1).ok()); });
+  EXPECT_TRUE(raw.verify(request(first, prompt_a, static_cast<int64_t>(prompt_a.size())), &a1).ok());
   other.join();
   EXPECT_EQ(server.stats().largest_batch, 2);
   // Session a rolls back by one token (its cache covers all it keeps); b goes on after its token.
   Ids b_tokens = prompt_b;
   b_tokens.push_back(b1.token());
   remote::wire::VerifyReply a2, b2;
-  std::thread again([&] { EXPECT_TRUE(raw.verify(request(second.session(), b_tokens, static_cast<int64_t>(b_tokens.size())), &b2).ok()); });
-  EXPECT_TRUE(raw.verify(request(first.session(), prompt_a, static_cast<int64_t>(prompt_a.size()) - 1), &a2).ok());
+  std::thread again([&] { EXPECT_TRUE(raw.verify(request(second, b_tokens, static_cast<int64_t>(b_tokens.size())), &b2).ok()); });
+  EXPECT_TRUE(raw.verify(request(first, prompt_a, static_cast<int64_t>(prompt_a.size()) - 1), &a2).ok());
   again.join();
   EXPECT_EQ(server.stats().forwards, 2);
   Model reference = bundled("target");
@@ -503,9 +665,10 @@ TEST(Remote, SessionsNearTheLimitAreServedBesideShortOnes) {
   ASSERT_TRUE(raw.open(short_prompt, &b).ok());
   // Drafts that the target accepts: 3 for the long session (505 + 3 + 1 = 509 tokens), 8 for the
   // short one; the joined input would be 9 wide after 504 cached positions.
-  const auto request = [](const std::string& session, const Ids& prompt, const Ids& drafts) {
+  const auto request = [](const remote::wire::OpenReply& session, const Ids& prompt, const Ids& drafts) {
     remote::wire::VerifyRequest r;
-    r.set_session(session);
+    r.set_session(session.session());
+    r.set_secret(session.secret());
     r.set_length(static_cast<int64_t>(prompt.size()));
     r.set_last_token(prompt.back());
     r.mutable_drafts()->Add(drafts.begin(), drafts.end());
@@ -514,9 +677,9 @@ TEST(Remote, SessionsNearTheLimitAreServedBesideShortOnes) {
   remote::wire::VerifyReply near_reply, short_reply;
   grpc::Status short_status;
   std::thread other([&] {
-    short_status = raw.verify(request(b.session(), short_prompt, Ids(short_next.begin(), short_next.begin() + 8)), &short_reply);
+    short_status = raw.verify(request(b, short_prompt, Ids(short_next.begin(), short_next.begin() + 8)), &short_reply);
   });
-  const grpc::Status near_status = raw.verify(request(a.session(), near_limit, Ids(near_next.begin(), near_next.begin() + 3)), &near_reply);
+  const grpc::Status near_status = raw.verify(request(a, near_limit, Ids(near_next.begin(), near_next.begin() + 3)), &near_reply);
   other.join();
   ASSERT_TRUE(near_status.ok()) << near_status.error_message();
   ASSERT_TRUE(short_status.ok()) << short_status.error_message();
@@ -552,6 +715,7 @@ TEST(Remote, ASecondServerCannotShareTheRunningOnesPort) {
     RawClient fresh(server.port());
     remote::wire::VerifyRequest request;
     request.set_session(opened.session());
+    request.set_secret(opened.secret());
     request.set_length(static_cast<int64_t>(prompt.size()));
     request.set_last_token(prompt.back());
     remote::wire::VerifyReply reply;

@@ -86,6 +86,7 @@ struct Arguments {
   bool compare = false, trace = false, json = false;
   int compare_runs = 3;
   std::string verifier, verifier_token_file;
+  std::string verifier_token;  // read from verifier_token_file or $SPECDEC_VERIFIER_TOKEN by parse()
   std::string verifier_tls_ca, verifier_tls_cert, verifier_tls_key;
   double added_latency_ms = 0;
   bool half_q = false;
@@ -401,6 +402,9 @@ Arguments parse(int argc, char** argv) {
   if (!a.storage.empty()) require_file("--storage", a.storage);
   if (!a.tokenizer.empty() && !std::filesystem::is_directory(a.tokenizer)) require_file("--tokenizer", a.tokenizer);
   if (!a.save_storage.empty()) io::detail::require_writable_path(a.save_storage, "--save-storage");
+#ifdef SPECDEC_HAVE_REMOTE
+  if (!a.verifier.empty()) a.verifier_token = remote::read_token(a.verifier_token_file, "--verifier-token-file");
+#endif
   if (!has_matrix_products(parse_dtype(a.dtype), parse_device(a.device))) {
     throw std::invalid_argument("--dtype " + a.dtype + " on " + a.device + ": this libtorch " + TORCH_VERSION +
                                 " has no " + a.dtype + " matrix products there; use bfloat16 or float32, or a GPU");

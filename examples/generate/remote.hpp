@@ -19,15 +19,9 @@ int run_remote(const Arguments& a) {
   const std::vector<int64_t>& prompt = request.prompt;
   const std::vector<std::vector<int64_t>>& stops = request.stops;
   const std::vector<int64_t>& eos = request.eos;
-  std::string token;
-  if (!a.verifier_token_file.empty()) {
-    std::ifstream in(a.verifier_token_file);
-    if (!in || !std::getline(in, token) || token.empty()) {
-      throw std::invalid_argument("--verifier-token-file " + a.verifier_token_file + " holds no token on its first line");
-    }
-  } else if (const char* env = std::getenv("SPECDEC_VERIFIER_TOKEN")) {
-    token = env;
-  }
+  // The file's first line, else $SPECDEC_VERIFIER_TOKEN, read and checked by parse() as the
+  // server reads its own.
+  const std::string& token = a.verifier_token;
   const auto pem = [](const std::string& file, const char* flag) { return file.empty() ? std::string() : remote::read_pem(file, flag); };
   remote::RemoteVerifier verifier(
       a.verifier, {.token = token,

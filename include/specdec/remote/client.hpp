@@ -39,6 +39,7 @@
 #include "specdec/draft_source.hpp"
 #include "specdec/options.hpp"
 #include "specdec/remote/protocol.hpp"
+#include "specdec/remote/token.hpp"
 #include "specdec/result.hpp"
 #include "specdec/step.hpp"
 
@@ -79,6 +80,7 @@ class RemoteVerifier {
  public:
   struct Opened {
     std::string session{};
+    std::string secret{};  // presented with every Verify and Close of the session
     int64_t vocab_size = 0;
     int64_t max_sequence_length = 0;
     int64_t max_gamma = 0;
@@ -88,6 +90,7 @@ class RemoteVerifier {
       : address_(address), options_(std::move(options)) {
     if (options_.timeout.count() <= 0) throw std::invalid_argument("timeout must be positive");
     if (options_.added_latency.count() < 0) throw std::invalid_argument("added_latency must be >= 0");
+    check_token(options_.token, "RemoteOptions::token");  // gRPC would abort on a byte metadata cannot carry
     const TlsOptions& tls = options_.tls;
     if (tls.enabled() && tls.trusted_ca.empty()) {
       throw std::invalid_argument("tls: trusted_ca (the CA of the server's certificate) is required for TLS");
@@ -112,7 +115,7 @@ class RemoteVerifier {
   Opened open(const wire::OpenRequest& request) {
     wire::OpenReply reply;
     call("Open", [&](grpc::ClientContext* context) { return stub_->Open(context, request, &reply); });
-    return {reply.session(), reply.vocab_size(), reply.max_sequence_length(), reply.max_gamma()};
+    return {reply.session(), reply.secret(), reply.vocab_size(), reply.max_sequence_length(), reply.max_gamma()};
   }
 
   wire::VerifyReply verify(const wire::VerifyRequest& request) {
@@ -121,9 +124,10 @@ class RemoteVerifier {
     return reply;
   }
 
-  void close(const std::string& session) {
+  void close(const Opened& session) {
     wire::CloseRequest request;
-    request.set_session(session);
+    request.set_session(session.session);
+    request.set_secret(session.secret);
     wire::CloseReply reply;
     call("Close", [&](grpc::ClientContext* context) { return stub_->Close(context, request, &reply); });
   }
@@ -191,7 +195,7 @@ GenerationResult remote_generate(S& source, RemoteVerifier& verifier, std::span<
     specdec::detail::check_common(options, prompt, session.vocab_size, session.max_sequence_length);
   } catch (...) {
     try {
-      verifier.close(session.session);
+      verifier.close(session);
     } catch (const RemoteError&) {
       // freed at the idle timeout
     }
@@ -223,6 +227,7 @@ GenerationResult remote_generate(S& source, RemoteVerifier& verifier, std::span<
       if (k > room) specdec::detail::throw_invalid_message("the draft source proposed ", k, " drafts, more than room = ", room);
       wire::VerifyRequest request;
       request.set_session(session.session);
+      request.set_secret(session.secret);
       request.set_length(position);
       request.set_last_token(sequence.back());
       std::vector<int64_t> draft_tokens;
@@ -273,7 +278,7 @@ GenerationResult remote_generate(S& source, RemoteVerifier& verifier, std::span<
   }
   GenerationResult result = std::move(state).finish();
   try {
-    verifier.close(session.session);
+    verifier.close(session);
   } catch (const RemoteError&) {
     // the session is freed at the idle timeout anyway; the output stands
   }

@@ -7,11 +7,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <variant>
 
 #include "specdec/detail/torch_compat.hpp"
@@ -196,11 +198,17 @@ struct TlsOptions {
 };
 
 // The contents of a PEM file. Throws std::invalid_argument naming `what` and the file when it
-// cannot be read or holds no PEM block.
+// is a folder, cannot be read, is larger than 1 MiB or holds no PEM block.
 inline std::string read_pem(const std::string& file, const char* what) {
+  std::error_code error;
+  if (std::filesystem::is_directory(file, error)) throw std::invalid_argument(std::string(what) + " " + file + " is a folder");
   std::ifstream in(file, std::ios::binary);
   if (!in) throw std::invalid_argument(std::string(what) + " " + file + " cannot be read");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // At most 1 MiB and one byte is read: a device that never ends cannot hold the reader.
+  std::string text((size_t{1} << 20) + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (in.bad()) throw std::invalid_argument(std::string(what) + " " + file + " cannot be read");
+  text.resize(static_cast<size_t>(in.gcount()));
   if (text.size() > (size_t{1} << 20)) throw std::invalid_argument(std::string(what) + " " + file + " is larger than 1 MiB");
   if (text.find("-----BEGIN ") == std::string::npos) {
     throw std::invalid_argument(std::string(what) + " " + file + " holds no PEM block (-----BEGIN ...)");

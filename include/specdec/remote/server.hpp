@@ -9,6 +9,11 @@
 // shared-secret token, which every request must then carry ("authorization: Bearer TOKEN"), or
 // TLS with client certificates (ServerOptions::tls with trusted_ca: a client without a
 // certificate signed by those CAs cannot connect). Without TLS the token travels in clear.
+// Sessions belong to their clients: a session's handle is 128 bits from the kernel's random source
+// (getrandom), Open also returns a 128-bit secret, and every later Verify and Close must present
+// that secret from the identity that opened the session (its bearer token and TLS client
+// certificate); a session the caller may not use gets the same NOT_FOUND as one that does not
+// exist, and no error text shows a session's tokens.
 // Sessions, tokens per session, drafts per request and request bytes are bounded (ServerLimits),
 // a session idle for limits.idle_timeout is freed, and every bad request is answered with
 // INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, RESOURCE_EXHAUSTED or UNAUTHENTICATED and a
@@ -27,9 +32,12 @@
 // a batched product. Targets whose cache is not a JoinableKVCache verify one request per forward.
 #pragma once
 
+#include <sys/random.h>
+
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -38,7 +46,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
+#include <system_error>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -51,6 +59,7 @@
 #include "specdec/draft_source.hpp"
 #include "specdec/kv_cache.hpp"
 #include "specdec/remote/protocol.hpp"
+#include "specdec/remote/token.hpp"
 #include "specdec/session.hpp"
 
 namespace specdec::remote {
@@ -106,6 +115,29 @@ struct ClientDrafts {
   void verified(const VerifiedDrafts& /*verified*/) const noexcept {}
 };
 
+// `bytes` bytes from the operating system's random source (getrandom: the kernel's CSPRNG), as
+// 2 * bytes hex digits. Nothing seeds it and nothing in the process can reproduce it. Throws
+// std::runtime_error when the source fails.
+inline std::string random_hex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  size_t filled = 0;
+  while (filled < bytes) {
+    const ssize_t got = ::getrandom(raw.data() + filled, bytes - filled, 0);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      throw std::runtime_error(std::string("getrandom failed: ") + std::generic_category().message(errno));
+    }
+    filled += static_cast<size_t>(got);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string hex;
+  for (const char c : raw) {
+    hex += kHex[static_cast<unsigned char>(c) >> 4];
+    hex += kHex[static_cast<unsigned char>(c) & 15];
+  }
+  return hex;
+}
+
 // Compares a presented secret with the expected one in time independent of where they differ.
 inline bool equal_secret(std::string_view presented, std::string_view expected) {
   size_t diff = presented.size() ^ expected.size();
@@ -121,7 +153,10 @@ inline bool equal_secret(std::string_view presented, std::string_view expected) 
 template <Target T>
 class VerifierService final : public wire::Verifier::Service {
  public:
-  VerifierService(T& target, ServerOptions options) : target_(target), options_(std::move(options)) {}
+  // Throws std::invalid_argument when options.token holds a byte no client can send (see token.hpp).
+  VerifierService(T& target, ServerOptions options) : target_(target), options_(std::move(options)) {
+    check_token(options_.token, "ServerOptions::token");
+  }
 
   grpc::Status Open(grpc::ServerContext* context, const wire::OpenRequest* request, wire::OpenReply* reply) override {
     if (auto denied = authorize(context)) return *denied;
@@ -162,7 +197,13 @@ class VerifierService final : public wire::Verifier::Service {
     state->last_used = std::chrono::steady_clock::now();
     const std::lock_guard lock(sessions_mutex_);
     if (auto full = check_room_locked()) return *full;  // others may have opened meanwhile
-    const std::string id = new_id();
+    // The handle and the secret: 128 random bits each. The secret and the opener's identity are
+    // what every later call must present; the handle only finds the session.
+    std::string id = detail::random_hex(16);
+    while (sessions_.contains(id)) id = detail::random_hex(16);
+    state->secret = detail::random_hex(16);
+    state->owner = identity_of(context);
+    reply->set_secret(state->secret);
     sessions_.emplace(id, std::move(state));
     reply->set_session(id);
     reply->set_vocab_size(vocab);
@@ -173,8 +214,8 @@ class VerifierService final : public wire::Verifier::Service {
 
   grpc::Status Verify(grpc::ServerContext* context, const wire::VerifyRequest* request, wire::VerifyReply* reply) override {
     if (auto denied = authorize(context)) return *denied;
-    const std::shared_ptr<State> state = find(request->session());
-    if (!state) return {grpc::StatusCode::NOT_FOUND, "no session '" + printable(request->session()) + "' (closed or idle too long)"};
+    const std::shared_ptr<State> state = find(context, request->session(), request->secret());
+    if (!state) return no_session();
     const std::lock_guard lock(state->mutex);
     state->last_used = std::chrono::steady_clock::now();
     Session<T>& session = *state->session;
@@ -188,10 +229,10 @@ class VerifierService final : public wire::Verifier::Service {
                                                          std::to_string(session.length()) + " tokens"};
     }
     if (session.tokens()[static_cast<size_t>(request->length() - 1)] != request->last_token()) {
+      // The session's own token is not named: errors never show what a session holds.
       return {grpc::StatusCode::FAILED_PRECONDITION,
-              "last_token " + std::to_string(request->last_token()) + " differs from the session's token " +
-                  std::to_string(session.tokens()[static_cast<size_t>(request->length() - 1)]) + " at position " +
-                  std::to_string(request->length() - 1) + ": client and server hold different sequences"};
+              "last_token does not match the session's token at position " + std::to_string(request->length() - 1) +
+                  ": client and server hold different sequences"};
     }
     if (k > options_.limits.max_gamma) {
       return invalid("drafts holds " + std::to_string(k) + " tokens, more than max_gamma = " +
@@ -239,9 +280,9 @@ class VerifierService final : public wire::Verifier::Service {
   grpc::Status Close(grpc::ServerContext* context, const wire::CloseRequest* request, wire::CloseReply* /*reply*/) override {
     if (auto denied = authorize(context)) return *denied;
     const std::lock_guard lock(sessions_mutex_);
-    if (sessions_.erase(request->session()) == 0) {
-      return {grpc::StatusCode::NOT_FOUND, "no session '" + printable(request->session()) + "'"};
-    }
+    const auto it = sessions_.find(request->session());
+    if (it == sessions_.end() || !belongs(*it->second, context, request->secret())) return no_session();
+    sessions_.erase(it);
     return grpc::Status::OK;
   }
 
@@ -287,6 +328,8 @@ class VerifierService final : public wire::Verifier::Service {
     double tau = 0;
     uint64_t steps = 0;
     std::chrono::steady_clock::time_point last_used{};
+    std::string secret{};  // OpenReply.secret: every later call presents it
+    std::string owner{};   // identity_of() the client that opened it
   };
 
   // One verification: the session (whose tokens already hold the request's context), the drafts,
@@ -508,8 +551,6 @@ class VerifierService final : public wire::Verifier::Service {
                         "the server holds " + std::to_string(sessions_.size()) + " sessions, its limit (max_sessions)");
   }
 
-  static std::string printable(const std::string& text) { return text.size() > 64 ? text.substr(0, 64) + "..." : text; }
-
   [[nodiscard]] int64_t token_limit() const {
     return std::min<int64_t>(options_.limits.max_tokens_per_session, specdec::detail::sequence_limit(target_));
   }
@@ -537,17 +578,41 @@ class VerifierService final : public wire::Verifier::Service {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "a valid token is required (authorization: Bearer TOKEN)");
   }
 
-  std::shared_ptr<State> find(const std::string& id) const {
+  // The session `id` where `secret` is its secret and the caller is the identity that opened it;
+  // null otherwise, the same for a session that does not exist and one that is not the caller's.
+  std::shared_ptr<State> find(const grpc::ServerContext* context, const std::string& id, const std::string& secret) const {
     const std::lock_guard lock(sessions_mutex_);
     const auto it = sessions_.find(id);
-    return it == sessions_.end() ? nullptr : it->second;
+    return it == sessions_.end() || !belongs(*it->second, context, secret) ? nullptr : it->second;
   }
 
-  std::string new_id() {
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string id;
-    for (int i = 0; i < 32; ++i) id += kHex[random_() & 15];
-    return id;
+  // Whether the caller may use `state`: its secret (compared in constant time) and the identity
+  // that opened it.
+  static bool belongs(const State& state, const grpc::ServerContext* context, const std::string& secret) {
+    const bool secret_matches = detail::equal_secret(secret, state.secret);
+    const bool owner_matches = detail::equal_secret(identity_of(context), state.owner);
+    return secret_matches && owner_matches;
+  }
+
+  // Who calls: the bearer token it presents and the identity of its TLS client certificate (both
+  // empty on a plaintext server without a token: then the session's secret alone binds it).
+  static std::string identity_of(const grpc::ServerContext* context) {
+    std::string identity = "token:";
+    const auto& metadata = context->client_metadata();
+    if (const auto it = metadata.find(grpc::string_ref(kAuthorization.data(), kAuthorization.size())); it != metadata.end()) {
+      identity.append(it->second.data(), it->second.size());
+    }
+    identity += "|peer:";
+    if (const auto auth = context->auth_context(); auth != nullptr) {
+      for (const grpc::string_ref& name : auth->GetPeerIdentity()) identity.append(name.data(), name.size()).append(",");
+    }
+    return identity;
+  }
+
+  // The one answer for a session the caller cannot use: unknown, closed, idle too long, or
+  // another client's (the handle is not echoed).
+  static grpc::Status no_session() {
+    return {grpc::StatusCode::NOT_FOUND, "no such session for this client (closed, idle too long, or never opened by it)"};
   }
 
   T& target_;
@@ -555,7 +620,6 @@ class VerifierService final : public wire::Verifier::Service {
   mutable std::mutex sessions_mutex_;
   std::map<std::string, std::shared_ptr<State>> sessions_;
   std::mutex model_mutex_;
-  std::mt19937_64 random_{std::random_device{}()};
   mutable std::mutex queue_mutex_;  // guards queue_, leading_ and stats_
   std::condition_variable served_, arrived_;
   std::vector<Job*> queue_;
