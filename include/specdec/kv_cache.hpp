@@ -298,8 +298,10 @@ class DynamicKVCache {
     auto& cached_values = values_[static_cast<size_t>(layer)];
     rows_.ensure(keys.size(0), length_);
     if (!cached_keys.defined() || length_ == 0) {
-      cached_keys = keys;
-      cached_values = values;
+      // Copies: the cache owns what it keeps, whatever buffer the caller's tensors view (a
+      // forward's scratch, a product it reuses) and however large that buffer is.
+      cached_keys = keys.clone(at::MemoryFormat::Contiguous);
+      cached_values = values.clone(at::MemoryFormat::Contiguous);
     } else if (!rows_.ragged()) {
       check_compatible(cached_keys, keys);
       cached_keys = at::cat({cached_keys.narrow(2, 0, length_), keys}, 2);

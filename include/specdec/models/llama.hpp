@@ -480,10 +480,11 @@ class LlamaModel {
     float* const product = attended + rows * dim;
     float* const gate_up = product + rows * dim;
     float* const gated = gate_up + rows * 2 * hidden;
-    gather_embeddings(ids, x);
+    const auto fp32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor embedded = at::from_blob(x, {rows, dim}, fp32);
+    at::index_select_out(embedded, weights_.token_embedding, 0, ids.reshape({rows}));
     const float* const cos = rope_cos_.data_ptr<float>();
     const float* const sin = rope_sin_.data_ptr<float>();
-    const auto fp32 = at::TensorOptions().dtype(at::kFloat);
     for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
       const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
       const FusedLayer& fused = fused_[static_cast<size_t>(layer)];
@@ -493,12 +494,11 @@ class LlamaModel {
         detail::rotate_heads(qkv + r * qkv_width, heads + kv_heads, head_dim, positions[static_cast<size_t>(r % count)],
                              cos, sin);
       }
-      // k | v as [2, batch, kv_heads, T, head_dim], a view of the scratch rows. A StaticKVCache
-      // copies it into its storage; any other cache gets its own copy, which it may keep.
-      at::Tensor keys_and_values =
+      // k | v as [2, batch, kv_heads, T, head_dim], a view of the scratch rows: both caches copy
+      // what they keep.
+      const at::Tensor keys_and_values =
           at::from_blob(qkv + q_width, {2, batch, kv_heads, count, head_dim},
                         {kv_width, count * qkv_width, head_dim, qkv_width, 1}, fp32);
-      if constexpr (!std::is_same_v<Cache, StaticKVCache>) keys_and_values = keys_and_values.clone();
       auto [keys, values] = write_layer(cache, layer, keys_and_values);
       // A cache of the caller's own making may hold another dtype; the loops read fp32 rows.
       if (keys.scalar_type() != at::kFloat || keys.stride(3) != 1) keys = keys.to(at::kFloat).contiguous();
@@ -547,28 +547,6 @@ class LlamaModel {
     std::unique_ptr<float[]> own_;
     float* data_ = nullptr;
   };
-
-  // The embedding rows of `ids` (int64 [batch, T] on the CPU) into x [batch * T, dim].
-  void gather_embeddings(const at::Tensor& ids, float* x) const {
-    const at::Tensor flat = ids.contiguous();
-    const int64_t* tokens = flat.data_ptr<int64_t>();
-    const at::Tensor& table = weights_.token_embedding;
-    const float* rows = table.data_ptr<float>();
-    const int64_t dim = config_.dim, row_step = table.stride(0), column_step = table.stride(1);
-    for (int64_t r = 0; r < flat.numel(); ++r) {
-      const int64_t token = tokens[r];
-      if (token < 0 || token >= config_.vocab_size) {
-        detail::throw_invalid_message("ids must be token ids in [0, ", config_.vocab_size, "), got ", token);
-      }
-      const float* row = rows + token * row_step;
-      float* out = x + r * dim;
-      if (column_step == 1) {
-        std::copy(row, row + dim, out);
-      } else {
-        for (int64_t i = 0; i < dim; ++i) out[i] = row[i * column_step];
-      }
-    }
-  }
 
   // One layer's new keys and values into the cache: in one write where the cache takes them
   // stacked, otherwise as two.
