@@ -19,7 +19,7 @@
 #define SPECDEC_HAS_MXCSR 1
 #endif
 
-// AVX2 and FMA versions of the attention loops, compiled for those instructions whatever the
+// AVX2 and FMA versions of the attention and SwiGLU loops, compiled for those instructions whatever the
 // caller's flags (a build for generic x86-64 gets SSE2 from its compiler) and chosen at run time
 // where the CPU has them. GCC and Clang on x86-64 only; elsewhere the portable loops run.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -303,6 +303,14 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
   const int64_t tasks = shape.batch * count * shape.heads;  // task (b * count + t) * heads + h
   // Split across libtorch's intra-op threads only when a task is worth a thread's start.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, keys_total * head_dim));
+  const float* const key_data = keys.data_ptr<float>();
+  const float* const value_data = values.data_ptr<float>();
+  const int64_t key_step = keys.stride(2), value_step = values.stride(2);
+  // The keys and values that query head h of batch row b reads.
+  const auto keys_of = [&](int64_t b, int64_t h) { return key_data + b * keys.stride(0) + (h / group) * keys.stride(1); };
+  const auto values_of = [&](int64_t b, int64_t h) {
+    return value_data + b * values.stride(0) + (h / group) * values.stride(1);
+  };
 #ifdef SPECDEC_X86_KERNELS
   if (cpu_has_avx2_fma() && head_dim % 8 == 0) {  // one pass per task: scores, softmax, values
     const int64_t padded = (keys_total + 7) / 8 * 8;
@@ -314,15 +322,14 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
         std::fill(row + keys_total, row + padded, -std::numeric_limits<float>::infinity());  // the softmax's padding
         const int64_t token_row = task / shape.heads, h = task % shape.heads;
         const int64_t b = token_row / count, t = token_row % count;
-        const float* k = keys.data_ptr<float>() + b * keys.stride(0) + (h / group) * keys.stride(1);
-        const float* v = values.data_ptr<float>() + b * values.stride(0) + (h / group) * values.stride(1);
-        query_scores_avx2(query_rows + token_row * query_stride + h * head_dim, k, keys.stride(2), keys_total,
+        query_scores_avx2(query_rows + token_row * query_stride + h * head_dim, keys_of(b, h), key_step, keys_total,
                           head_dim, scale, row);
         if (new_bias != nullptr) {
           for (int64_t u = 0; u < count; ++u) row[past + u] += new_bias[t * count + u];
         }
         softmax_row_avx2(row, padded);
-        weighted_sum_avx2(row, v, values.stride(2), keys_total, head_dim, kNegligibleWeight, out + task * head_dim);
+        weighted_sum_avx2(row, values_of(b, h), value_step, keys_total, head_dim, kNegligibleWeight,
+                          out + task * head_dim);
       }
     });
     return;
@@ -330,14 +337,12 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
 #endif
   const at::Tensor scores = at::empty({tasks, keys_total}, keys.options());
   float* const score_rows = scores.data_ptr<float>();
-  const float* const key_data = keys.data_ptr<float>();
-  const int64_t key_step = keys.stride(2);
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t token_row = task / shape.heads, h = task % shape.heads;
       const int64_t b = token_row / count, t = token_row % count;
       const float* query = query_rows + token_row * query_stride + h * head_dim;
-      const float* k = key_data + b * keys.stride(0) + (h / group) * keys.stride(1);
+      const float* k = keys_of(b, h);
       float* row = score_rows + task * keys_total;
       for (int64_t j = 0; j < past; ++j) row[j] = dot(query, k + j * key_step, head_dim) * scale;
       for (int64_t u = 0; u < count; ++u) {
@@ -350,13 +355,11 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
   });
   const at::Tensor weights = scores.softmax(-1);
   const float* const weight_rows = weights.data_ptr<float>();
-  const float* const value_data = values.data_ptr<float>();
-  const int64_t value_step = values.stride(2);
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t token_row = task / shape.heads, h = task % shape.heads;
       const int64_t b = token_row / count;
-      const float* v = value_data + b * values.stride(0) + (h / group) * values.stride(1);
+      const float* v = values_of(b, h);
       const float* row = weight_rows + task * keys_total;
       float* C10_RESTRICT o = out + task * head_dim;
       std::fill(o, o + head_dim, 0.0F);
