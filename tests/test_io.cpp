@@ -581,14 +581,18 @@ TEST(AtomicFile, SavesRefuseSpecialFilesAndUnwritableFolders) {
   fs::permissions(locked, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read |
                               fs::perms::group_exec | fs::perms::others_read | fs::perms::others_exec);
   const bool root = ::geteuid() == 0;
-  if (root) ASSERT_EQ(::seteuid(65534), 0);  // nobody: the folder's permissions apply
+  if (root) {
+    ASSERT_EQ(::seteuid(65534), 0);  // nobody: the folder's permissions apply
+  }
   std::string message;
   try {
     io::detail::require_writable_path(locked / "x.bin", "--save-storage");
   } catch (const std::invalid_argument& e) {
     message = e.what();
   }
-  if (root) ASSERT_EQ(::seteuid(0), 0);
+  if (root) {
+    ASSERT_EQ(::seteuid(0), 0);
+  }
   EXPECT_NE(message.find("--save-storage " + (locked / "x.bin").string() + ": the folder " + locked.string() +
                          " is not writable"),
             std::string::npos)
