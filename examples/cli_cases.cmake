@@ -115,7 +115,7 @@ if(SPECDEC_HAVE_REMOTE)
   # TLS: unreadable and non-PEM files, a certificate without its key, TLS without client
   # certificates off loopback, and the client's TLS flags.
   set(TLS "${PROJECT_SOURCE_DIR}/tests/data/tls")
-  specdec_cli_case(verifier_tls_missing_file 2 "--tls-cert /nonexistent/server.pem cannot be read"
+  specdec_cli_case(verifier_tls_missing_file 2 "--tls-cert /nonexistent/server.pem does not exist"
     ${V} --tls-cert /nonexistent/server.pem)
   specdec_cli_case(verifier_tls_cert_folder 2 "--tls-cert .*/data/tls is a folder" ${V} --tls-cert "${TLS}")
   specdec_cli_case(verifier_tls_not_pem 2 "holds no PEM block"

@@ -50,6 +50,26 @@ int main(int argc, char** argv) {
                    "stands in for the token on a non-loopback address)");
     app.add_option("--max-sessions", options.limits.max_sessions, "open sessions at once (default 64)")
         ->check(cli::integer<int64_t>(1, 1 << 20));
+    app.add_option("--max-sessions-per-client", options.limits.max_sessions_per_client,
+                   "sessions one client (its token, certificate and host) may hold (default 16)")
+        ->check(cli::integer<int64_t>(1, 1 << 20));
+    app.add_option("--max-concurrent-requests", options.limits.max_concurrent_requests,
+                   "authenticated requests served at once; more are refused (default 64)")
+        ->check(cli::integer<int64_t>(1, 65536));
+    app.add_option("--max-streams-per-connection", options.limits.max_streams_per_connection,
+                   "HTTP/2 streams one connection may have open (default 16)")
+        ->check(cli::integer<int64_t>(1, 1 << 20));
+    int64_t memory_mib = options.limits.max_memory_bytes >> 20;
+    app.add_option("--max-memory-mib", memory_mib, "gRPC's memory quota for its buffers, MiB (default 1024)")
+        ->check(cli::integer<int64_t>(1, int64_t{1} << 30));
+    int64_t read_timeout_ms = options.limits.read_timeout.count();
+    app.add_option("--read-timeout-ms", read_timeout_ms,
+                   "milliseconds a request's message (and a TLS handshake) may take to arrive (default 10000)")
+        ->check(cli::integer<int64_t>(1, (int64_t{1} << 31) - 1));
+    int64_t connection_idle_seconds = options.limits.connection_idle_timeout.count() / 1000;
+    app.add_option("--connection-idle-timeout", connection_idle_seconds,
+                   "seconds before a connection without calls is closed (default 300)")
+        ->check(cli::integer<int64_t>(1, 2000000));
     app.add_option("--max-tokens", options.limits.max_tokens_per_session,
                    "tokens per session (default 65536, and the target's context)")
         ->check(cli::integer<int64_t>(2, int64_t{1} << 40));
@@ -74,6 +94,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     options.limits.idle_timeout = std::chrono::seconds(idle_seconds);
+    options.limits.max_memory_bytes = memory_mib << 20;
+    options.limits.read_timeout = std::chrono::milliseconds(read_timeout_ms);
+    options.limits.connection_idle_timeout = std::chrono::seconds(connection_idle_seconds);
     options.limits.batch_delay = std::chrono::microseconds(batch_delay_us);
     options.token = specdec::remote::read_token(token_file, "--token-file");  // the file, else $SPECDEC_VERIFIER_TOKEN
     const auto pem = [](const std::string& file, const char* flag) {

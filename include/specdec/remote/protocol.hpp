@@ -4,6 +4,7 @@
 // proto/specdec/remote/v1/verifier.proto).
 #pragma once
 
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -198,21 +199,26 @@ struct TlsOptions {
 };
 
 // The contents of a PEM file. Throws std::invalid_argument naming `what` and the file when it
-// is a folder, cannot be read, is larger than 1 MiB or holds no PEM block.
+// does not exist, is a folder, cannot be opened (with the system's reason), is larger than 1 MiB
+// or holds no PEM block.
 inline std::string read_pem(const std::string& file, const char* what) {
+  const std::string named = std::string(what) + " " + file;
   std::error_code error;
-  if (std::filesystem::is_directory(file, error)) throw std::invalid_argument(std::string(what) + " " + file + " is a folder");
+  const auto status = std::filesystem::status(file, error);
+  if (status.type() == std::filesystem::file_type::not_found) throw std::invalid_argument(named + " does not exist");
+  if (status.type() == std::filesystem::file_type::directory) throw std::invalid_argument(named + " is a folder");
   std::ifstream in(file, std::ios::binary);
-  if (!in) throw std::invalid_argument(std::string(what) + " " + file + " cannot be read");
+  if (!in) {
+    const int reason = errno;
+    throw std::invalid_argument(named + " cannot be opened: " + std::generic_category().message(reason));
+  }
   // At most 1 MiB and one byte is read: a device that never ends cannot hold the reader.
   std::string text((size_t{1} << 20) + 1, '\0');
   in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  if (in.bad()) throw std::invalid_argument(std::string(what) + " " + file + " cannot be read");
+  if (in.bad()) throw std::invalid_argument(named + " cannot be read");
   text.resize(static_cast<size_t>(in.gcount()));
-  if (text.size() > (size_t{1} << 20)) throw std::invalid_argument(std::string(what) + " " + file + " is larger than 1 MiB");
-  if (text.find("-----BEGIN ") == std::string::npos) {
-    throw std::invalid_argument(std::string(what) + " " + file + " holds no PEM block (-----BEGIN ...)");
-  }
+  if (text.size() > (size_t{1} << 20)) throw std::invalid_argument(named + " is larger than 1 MiB");
+  if (text.find("-----BEGIN ") == std::string::npos) throw std::invalid_argument(named + " holds no PEM block (-----BEGIN ...)");
   return text;
 }
 

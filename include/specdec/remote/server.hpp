@@ -14,13 +14,23 @@
 // that secret from the identity that opened the session (its bearer token and TLS client
 // certificate); a session the caller may not use gets the same NOT_FOUND as one that does not
 // exist, and no error text shows a session's tokens.
-// Sessions, tokens per session, drafts per request and request bytes are bounded (ServerLimits),
-// a session idle for limits.idle_timeout is freed, and every bad request is answered with
+// Nothing is read before the caller is authenticated: the three methods are registered as
+// client-streaming (on the wire the same as the unary calls clients make), so gRPC hands a call
+// over on its headers and the token is checked before a byte of the message is received; an
+// unauthenticated call costs no more than HTTP/2's flow-control window (bandwidth-delay probing is
+// off, so a message nobody reads cannot grow the window; a read asks for the window it needs).
+// Authenticated calls then take one of limits.max_concurrent_requests places, and their one
+// message must arrive within limits.read_timeout. Sessions (in all and per client), tokens per
+// session, drafts per request, request bytes, HTTP/2 streams per connection and gRPC's own memory
+// and threads (its resource quota) are bounded (ServerLimits); a session idle for
+// limits.idle_timeout and a connection idle for limits.connection_idle_timeout are closed, and the
+// memory freed sessions held is handed back to the system. Every bad request is answered with
 // INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, RESOURCE_EXHAUSTED or UNAUTHENTICATED and a
 // message, while the server goes on serving the others.
 //
 // Concurrency: gRPC's thread pool serves requests concurrently and sessions are independent. The
-// target runs one forward at a time, and the verifications waiting for it are batched: when the
+// target runs one forward at a time, all on one thread of the server's (so one thread's scratch
+// buffers serve every forward), and the verifications waiting for it are batched: when the
 // model comes free, the next forward takes every waiting request (up to limits.max_batch), joins
 // their sessions' caches into one batched cache (JoinableKVCache), scores all their drafts in one
 // forward with each row at its own positions, verifies each row with its own session's processor,
@@ -34,7 +44,12 @@
 
 #include <sys/random.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/resource_quota.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -42,6 +57,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -65,12 +82,24 @@
 namespace specdec::remote {
 
 struct ServerLimits {
-  int64_t max_sessions = 64;                    // open sessions at once
-  int64_t max_tokens_per_session = 1 << 16;     // also bounded by the target's max_sequence_length
-  int64_t max_gamma = 64;                       // drafts in one request
-  int64_t max_request_bytes = 64 << 20;         // one request on the wire
+  int64_t max_sessions = 64;  // open sessions at once
+  // Sessions one client may hold: a client is its bearer token, its TLS certificate and its host.
+  int64_t max_sessions_per_client = 16;
+  // Authenticated calls served at once; more get RESOURCE_EXHAUSTED. gRPC's threads are bounded to
+  // this and 4 pollers.
+  int64_t max_concurrent_requests = 64;
+  int64_t max_streams_per_connection = 16;      // HTTP/2 streams one connection may have open
+  int64_t max_memory_bytes = int64_t{1} << 30;  // gRPC's resource quota: its transports' buffers
+  // An authenticated call's message must arrive this soon after its headers, and a TLS handshake
+  // end this soon, or it is cancelled.
+  std::chrono::milliseconds read_timeout{10000};
+  // A connection without calls this long is closed (GOAWAY; clients reconnect on their next call).
+  std::chrono::milliseconds connection_idle_timeout{300000};
+  int64_t max_tokens_per_session = 1 << 16;       // also bounded by the target's max_sequence_length
+  int64_t max_gamma = 64;                         // drafts in one request
+  int64_t max_request_bytes = 64 << 20;           // one request on the wire
   std::chrono::milliseconds idle_timeout{60000};  // a session unused this long is freed
-  int64_t max_batch = 16;                       // verifications in one target forward (1: no batching)
+  int64_t max_batch = 16;                         // verifications in one target forward (1: no batching)
   // How long a forward waits for more verifications to join while fewer than max_batch are
   // queued: 0 (the default) starts it at once; a few milliseconds trade latency for fuller batches.
   std::chrono::microseconds batch_delay{0};
@@ -148,18 +177,38 @@ inline bool equal_secret(std::string_view presented, std::string_view expected) 
   return diff == 0 && !expected.empty();
 }
 
+// Hands the allocator's free memory back to the system. glibc keeps what freed sessions held in
+// its per-thread arenas, so without this a server's RSS stays near its peak after a storm of
+// sessions. Other allocators return memory on their own; there this does nothing.
+inline void return_free_memory() noexcept {
+#if defined(__GLIBC__)
+  (void)::malloc_trim(0);
+#endif
+}
+
+// The host of a gRPC peer ("ipv4:10.0.0.7:5123" gives "ipv4:10.0.0.7"): a client's connections
+// share it, their ports differ.
+inline std::string peer_host(const std::string& peer) {
+  const size_t colon = peer.rfind(':');
+  return colon == std::string::npos || colon < peer.find(':') + 1 ? peer : peer.substr(0, colon);
+}
+
 }  // namespace detail
 
 template <Target T>
-class VerifierService final : public wire::Verifier::Service {
+class VerifierService final : public grpc::Service {
  public:
   // Throws std::invalid_argument when options.token holds a byte no client can send (see token.hpp).
   VerifierService(T& target, ServerOptions options) : target_(target), options_(std::move(options)) {
     check_token(options_.token, "ServerOptions::token");
+    route("Open", &VerifierService::Open);
+    route("Verify", &VerifierService::Verify);
+    route("Close", &VerifierService::Close);
+    model_thread_ = std::thread([this] { serve_queue(); });
   }
 
-  grpc::Status Open(grpc::ServerContext* context, const wire::OpenRequest* request, wire::OpenReply* reply) override {
-    if (auto denied = authorize(context)) return *denied;
+  // The three methods, as front_door() calls them: the caller is authenticated and the request read.
+  grpc::Status Open(grpc::ServerContext* context, const wire::OpenRequest* request, wire::OpenReply* reply) {
     const int64_t vocab = target_.vocab_size();
     const std::span<const int64_t> prompt(request->prompt().data(), static_cast<size_t>(request->prompt_size()));
     if (prompt.empty()) return invalid("prompt must not be empty");
@@ -172,7 +221,8 @@ class VerifierService final : public wire::Verifier::Service {
     if (request->threshold() && !(std::isfinite(request->tau()) && request->tau() >= 0)) {
       return invalid("tau must be a finite number >= 0, got " + std::to_string(request->tau()));
     }
-    if (auto full = check_room()) return *full;  // before the prefill: a refused Open costs no forward
+    const std::string client = client_of(context);
+    if (auto full = check_room(client)) return *full;  // before the prefill: a refused Open costs no forward
     auto state = std::make_shared<State>();
     try {
       state->processor = processor_of(request->sampling());
@@ -182,27 +232,31 @@ class VerifierService final : public wire::Verifier::Service {
     state->seed = request->seed();
     state->threshold = request->threshold();
     state->tau = request->tau();
-    try {
-      // The cache is the target's to make, and the prompt is computed now (but for its last token,
-      // which the first Verify feeds): a Verify then computes only the step's new tokens, so
-      // batched rows stay of similar widths.
-      const std::lock_guard model(model_mutex_);
-      state->cache = std::make_unique<cache_type>(target_.make_cache(1));
-      state->session.emplace(target_, *state->cache);
-      state->session->append(prompt);
-      state->session->prefill();
-    } catch (const std::exception& e) {
-      return {grpc::StatusCode::INTERNAL, std::string("prefill of the prompt failed: ") + e.what()};
-    }
+    // The cache is the target's to make, and the prompt is computed now (but for its last token,
+    // which the first Verify feeds): a Verify then computes only the step's new tokens, so batched
+    // rows stay of similar widths.
+    Job prefill{.task = [&]() -> grpc::Status {
+      try {
+        state->cache = std::make_unique<cache_type>(target_.make_cache(1));
+        state->session.emplace(target_, *state->cache);
+        state->session->append(prompt);
+        state->session->prefill();
+        return grpc::Status::OK;
+      } catch (const std::exception& e) {
+        return {grpc::StatusCode::INTERNAL, std::string("prefill of the prompt failed: ") + e.what()};
+      }
+    }};
+    if (const grpc::Status prefilled = schedule(prefill); !prefilled.ok()) return prefilled;
     state->last_used = std::chrono::steady_clock::now();
     const std::lock_guard lock(sessions_mutex_);
-    if (auto full = check_room_locked()) return *full;  // others may have opened meanwhile
+    if (auto full = check_room_locked(client)) return *full;  // others may have opened meanwhile
     // The handle and the secret: 128 random bits each. The secret and the opener's identity are
     // what every later call must present; the handle only finds the session.
     std::string id = detail::random_hex(16);
     while (sessions_.contains(id)) id = detail::random_hex(16);
     state->secret = detail::random_hex(16);
     state->owner = identity_of(context);
+    state->client = std::move(client);
     reply->set_secret(state->secret);
     sessions_.emplace(id, std::move(state));
     reply->set_session(id);
@@ -212,8 +266,7 @@ class VerifierService final : public wire::Verifier::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Verify(grpc::ServerContext* context, const wire::VerifyRequest* request, wire::VerifyReply* reply) override {
-    if (auto denied = authorize(context)) return *denied;
+  grpc::Status Verify(grpc::ServerContext* context, const wire::VerifyRequest* request, wire::VerifyReply* reply) {
     const std::shared_ptr<State> state = find(context, request->session(), request->secret());
     if (!state) return no_session();
     const std::lock_guard lock(state->mutex);
@@ -277,8 +330,7 @@ class VerifierService final : public wire::Verifier::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Close(grpc::ServerContext* context, const wire::CloseRequest* request, wire::CloseReply* /*reply*/) override {
-    if (auto denied = authorize(context)) return *denied;
+  grpc::Status Close(grpc::ServerContext* context, const wire::CloseRequest* request, wire::CloseReply* /*reply*/) {
     const std::lock_guard lock(sessions_mutex_);
     const auto it = sessions_.find(request->session());
     if (it == sessions_.end() || !belongs(*it->second, context, request->secret())) return no_session();
@@ -293,21 +345,51 @@ class VerifierService final : public wire::Verifier::Service {
   }
 
   // Frees the sessions idle for longer than limits.idle_timeout (not those serving a request).
+  // Then, when the server is quiet (no call being served) after serving calls or freeing sessions
+  // since the last time, hands the memory freed meanwhile back to the system: once per quiet
+  // spell, not in the middle of a storm, where it would be allocated again at once.
   void free_idle() {
     const auto now = std::chrono::steady_clock::now();
-    const std::lock_guard lock(sessions_mutex_);
-    for (auto it = sessions_.begin(); it != sessions_.end();) {
-      std::unique_lock busy(it->second->mutex, std::try_to_lock);
-      if (busy && now - it->second->last_used > options_.limits.idle_timeout) {
-        busy.unlock();
-        it = sessions_.erase(it);
-      } else {
-        ++it;
+    {
+      const std::lock_guard lock(sessions_mutex_);
+      for (auto it = sessions_.begin(); it != sessions_.end();) {
+        std::unique_lock busy(it->second->mutex, std::try_to_lock);
+        if (busy && now - it->second->last_used > options_.limits.idle_timeout) {
+          busy.unlock();
+          it = sessions_.erase(it);
+          busy_since_trim_ = true;
+        } else {
+          ++it;
+        }
       }
+    }
+    if (serving_ == 0 && busy_since_trim_.exchange(false)) detail::return_free_memory();
+  }
+
+  // Cancels the calls whose message has not arrived within limits.read_timeout of their headers.
+  void cancel_slow_reads() {
+    const auto now = std::chrono::steady_clock::now();
+    const std::lock_guard lock(reading_mutex_);
+    for (const auto& [context, since] : reading_) {
+      if (now - since > options_.limits.read_timeout) context->TryCancel();
     }
   }
 
   [[nodiscard]] const ServerOptions& options() const noexcept { return options_; }
+
+  // Stops the model's thread once the queue is empty (after the gRPC server has shut down, so no
+  // call waits on it). Idempotent; the destructor calls it.
+  void stop() {
+    {
+      const std::lock_guard lock(queue_mutex_);
+      stopping_ = true;
+    }
+    arrived_.notify_all();
+    if (model_thread_.joinable()) model_thread_.join();
+  }
+  VerifierService(const VerifierService&) = delete;
+  VerifierService& operator=(const VerifierService&) = delete;
+  ~VerifierService() override { stop(); }
 
   [[nodiscard]] ServerStats stats() const {
     const std::lock_guard lock(queue_mutex_);
@@ -330,11 +412,14 @@ class VerifierService final : public wire::Verifier::Service {
     std::chrono::steady_clock::time_point last_used{};
     std::string secret{};  // OpenReply.secret: every later call presents it
     std::string owner{};   // identity_of() the client that opened it
+    std::string client{};  // client_of() it: what max_sessions_per_client counts
   };
 
-  // One verification: the session (whose tokens already hold the request's context), the drafts,
-  // their q and the step's options; then the outcome, written by the forward that served it.
+  // Work for the model's thread: a task (a prompt's prefill) or one verification: the session
+  // (whose tokens already hold the request's context), the drafts, their q and the step's options;
+  // then the outcome, written by the forward that served it.
   struct Job {
+    std::function<grpc::Status()> task{};  // run alone when set
     State* state = nullptr;
     std::vector<int64_t> drafts{};
     at::Tensor q{};  // [k, vocab] float, or undefined when verification needs none
@@ -347,22 +432,113 @@ class VerifierService final : public wire::Verifier::Service {
 
   static grpc::Status invalid(const std::string& message) { return {grpc::StatusCode::INVALID_ARGUMENT, message}; }
 
-  // Queues `job` and returns when a forward has served it. The first waiting thread that finds
-  // the model free runs the next forward for everything queued (up to max_batch), its own job
-  // among them or not; the others wait for theirs.
+  // Registers `handler` as /specdec.remote.v1.Verifier/`method`, behind front_door(). The method is
+  // client-streaming here: gRPC then hands the call over on its headers, before its message is
+  // received (a unary method's message is received and parsed first), while on the wire a
+  // client-streaming call with one message is a unary call, so clients are unchanged.
+  template <class Request, class Reply>
+  void route(const char* method, grpc::Status (VerifierService::*handler)(grpc::ServerContext*, const Request*, Reply*)) {
+    const std::string& path = paths_.emplace_back("/" + std::string(wire::Verifier::service_full_name()) + "/" + method);
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        path.c_str(), grpc::internal::RpcMethod::CLIENT_STREAMING,
+        new grpc::internal::ClientStreamingHandler<VerifierService, grpc::ByteBuffer, Reply>(
+            [handler](VerifierService* self, grpc::ServerContext* context, grpc::ServerReader<grpc::ByteBuffer>* reader,
+                      Reply* reply) { return self->front_door(context, reader, reply, handler); },
+            this)));
+  }
+
+  // Every call comes in here: the token is checked on the headers alone, then the call takes a
+  // place among max_concurrent_requests, reads its one message (cancelled by the reaper after
+  // read_timeout), parses it and runs `handler`. Messages after the first are not read.
+  template <class Request, class Reply>
+  grpc::Status front_door(grpc::ServerContext* context, grpc::ServerReader<grpc::ByteBuffer>* reader, Reply* reply,
+                          grpc::Status (VerifierService::*handler)(grpc::ServerContext*, const Request*, Reply*)) {
+    if (auto denied = authorize(context)) return *denied;
+    const int64_t serving = ++serving_;
+    struct Leave {
+      VerifierService& service;
+      ~Leave() {
+        service.busy_since_trim_ = true;
+        --service.serving_;
+      }
+    } leave{*this};
+    if (serving > options_.limits.max_concurrent_requests) {
+      return {grpc::StatusCode::RESOURCE_EXHAUSTED,
+              "the server is serving " + std::to_string(options_.limits.max_concurrent_requests) +
+                  " requests, its limit (max_concurrent_requests): try again"};
+    }
+    grpc::ByteBuffer message;
+    {
+      const std::lock_guard lock(reading_mutex_);
+      reading_.emplace(context, std::chrono::steady_clock::now());
+    }
+    const bool read = reader->Read(&message);
+    {
+      const std::lock_guard lock(reading_mutex_);
+      reading_.erase(context);
+    }
+    if (!read) {
+      // Cancelled (the reaper, after read_timeout, or the client), larger than max_request_bytes
+      // (gRPC has answered RESOURCE_EXHAUSTED), or a call closed without a message.
+      return context->IsCancelled() ? grpc::Status(grpc::StatusCode::CANCELLED,
+                                                   "the request's message did not arrive within read_timeout")
+                                    : invalid("the call carried no request message");
+    }
+    Request request;
+    if (!grpc::SerializationTraits<Request>::Deserialize(&message, &request).ok()) {
+      return invalid("the request message cannot be parsed as a " + std::string(Request::descriptor()->name()));
+    }
+    return (this->*handler)(context, &request, reply);
+  }
+
+  // Queues `job` for the model's thread and returns when it has been served.
   grpc::Status schedule(Job& job) {
     std::unique_lock lock(queue_mutex_);
-    queue_.push_back(&job);
+    if (job.task) {
+      tasks_.push_back(&job);
+    } else {
+      queue_.push_back(&job);
+    }
     arrived_.notify_one();
-    while (!job.done) {
-      if (leading_) {
-        served_.wait(lock);
-        continue;
+    served_.wait(lock, [&] { return job.done; });
+    return job.status;
+  }
+
+  // The model's thread: every forward (prefills and verifications) runs here, one at a time, so
+  // one thread's buffers serve them all (a forward's scratch memory is per thread). Each round
+  // runs the oldest task, if any, then every queued verification (up to max_batch) in one forward,
+  // after waiting up to batch_delay for more to join (running the tasks that arrive meanwhile). It
+  // returns when stop() is called and nothing is queued.
+  void serve_queue() {
+    std::unique_lock lock(queue_mutex_);
+    const auto run_task = [&] {
+      Job* job = tasks_.front();
+      tasks_.pop_front();
+      lock.unlock();
+      try {
+        job->status = job->task();
+      } catch (const std::exception& e) {
+        job->status = {grpc::StatusCode::INTERNAL, e.what()};
       }
-      leading_ = true;
-      const size_t limit = kJoinable ? static_cast<size_t>(options_.limits.max_batch) : 1;
-      if (options_.limits.batch_delay.count() > 0 && queue_.size() < limit) {
-        arrived_.wait_for(lock, options_.limits.batch_delay, [&] { return queue_.size() >= limit; });
+      lock.lock();
+      job->done = true;
+      served_.notify_all();
+    };
+    const size_t limit = kJoinable ? static_cast<size_t>(options_.limits.max_batch) : 1;
+    while (true) {
+      arrived_.wait(lock, [&] { return stopping_ || !queue_.empty() || !tasks_.empty(); });
+      if (queue_.empty() && tasks_.empty()) return;
+      if (!tasks_.empty()) run_task();
+      if (queue_.empty()) continue;
+      if (options_.limits.batch_delay.count() > 0) {
+        const auto deadline = std::chrono::steady_clock::now() + options_.limits.batch_delay;
+        while (queue_.size() < limit && !stopping_) {
+          if (!tasks_.empty()) {
+            run_task();
+          } else if (arrived_.wait_until(lock, deadline) == std::cv_status::timeout) {
+            break;
+          }
+        }
       }
       const auto take = static_cast<std::ptrdiff_t>(std::min(queue_.size(), limit));
       std::vector<Job*> batch(queue_.begin(), queue_.begin() + take);
@@ -374,10 +550,8 @@ class VerifierService final : public wire::Verifier::Service {
       ++stats_.forwards;
       stats_.largest_batch = std::max(stats_.largest_batch, static_cast<int64_t>(batch.size()));
       for (Job* served : batch) served->done = true;
-      leading_ = false;
       served_.notify_all();
     }
-    return job.status;
   }
 
   // Serves `batch`, in one target forward where its rows fit together; every job gets its status
@@ -386,7 +560,6 @@ class VerifierService final : public wire::Verifier::Service {
   // the longest cache (the one nearest the limit) is served alone first.
   void run(std::span<Job* const> batch) noexcept {
     try {
-      const std::lock_guard model(model_mutex_);
       if constexpr (kJoinable) {
         std::vector<Job*> joined(batch.begin(), batch.end());
         const int64_t limit = specdec::detail::sequence_limit(target_);
@@ -410,7 +583,7 @@ class VerifierService final : public wire::Verifier::Service {
       } else {
         serve(batch, [&] { run_alone(*batch.front()); });
       }
-    } catch (const std::exception& e) {  // the model's lock
+    } catch (const std::exception& e) {  // allocations of the batch's own lists
       for (Job* job : batch) job->status = {grpc::StatusCode::INTERNAL, e.what()};
     }
   }
@@ -540,15 +713,22 @@ class VerifierService final : public wire::Verifier::Service {
     }
   }
 
-  // RESOURCE_EXHAUSTED when the server holds max_sessions sessions.
-  std::optional<grpc::Status> check_room() const {
+  // RESOURCE_EXHAUSTED when the server holds max_sessions sessions, or `client` holds
+  // max_sessions_per_client of them.
+  std::optional<grpc::Status> check_room(const std::string& client) const {
     const std::lock_guard lock(sessions_mutex_);
-    return check_room_locked();
+    return check_room_locked(client);
   }
-  std::optional<grpc::Status> check_room_locked() const {
-    if (static_cast<int64_t>(sessions_.size()) < options_.limits.max_sessions) return std::nullopt;
+  std::optional<grpc::Status> check_room_locked(const std::string& client) const {
+    if (static_cast<int64_t>(sessions_.size()) >= options_.limits.max_sessions) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "the server holds " + std::to_string(sessions_.size()) + " sessions, its limit (max_sessions)");
+    }
+    const auto held = std::count_if(sessions_.begin(), sessions_.end(), [&](const auto& s) { return s.second->client == client; });
+    if (held < options_.limits.max_sessions_per_client) return std::nullopt;
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        "the server holds " + std::to_string(sessions_.size()) + " sessions, its limit (max_sessions)");
+                        "this client holds " + std::to_string(held) +
+                            " sessions, the limit per client (max_sessions_per_client): close one first");
   }
 
   [[nodiscard]] int64_t token_limit() const {
@@ -609,6 +789,12 @@ class VerifierService final : public wire::Verifier::Service {
     return identity;
   }
 
+  // The client whose sessions max_sessions_per_client counts: its identity and its host (clients
+  // sharing one token are told apart by where they connect from).
+  static std::string client_of(const grpc::ServerContext* context) {
+    return identity_of(context) + "|host:" + detail::peer_host(context->peer());
+  }
+
   // The one answer for a session the caller cannot use: unknown, closed, idle too long, or
   // another client's (the handle is not echoed).
   static grpc::Status no_session() {
@@ -619,12 +805,19 @@ class VerifierService final : public wire::Verifier::Service {
   ServerOptions options_;
   mutable std::mutex sessions_mutex_;
   std::map<std::string, std::shared_ptr<State>> sessions_;
-  std::mutex model_mutex_;
-  mutable std::mutex queue_mutex_;  // guards queue_, leading_ and stats_
+  mutable std::mutex queue_mutex_;  // guards queue_, tasks_, stopping_ and stats_
   std::condition_variable served_, arrived_;
-  std::vector<Job*> queue_;
-  bool leading_ = false;
+  std::vector<Job*> queue_;  // verifications
+  std::deque<Job*> tasks_;   // prefills
+  bool stopping_ = false;
   ServerStats stats_;
+  std::deque<std::string> paths_;  // the methods' full names (gRPC keeps pointers to them)
+  std::atomic<int64_t> serving_{0};
+  std::atomic<bool> busy_since_trim_{false};  // calls served or sessions freed since the last
+                                              // return_free_memory()
+  std::mutex reading_mutex_;
+  std::map<grpc::ServerContext*, std::chrono::steady_clock::time_point> reading_;  // calls awaiting their message
+  std::thread model_thread_{};  // serve_queue(), started last by the constructor
 };
 
 // A running server: the service on options.address, and a thread that frees idle sessions.
@@ -637,7 +830,16 @@ class VerifierServer {
     grpc::ServerBuilder builder;
     builder.AddListeningPort(service_.options().address, credentials(service_.options().tls), &port_);
     builder.RegisterService(&service_);
-    builder.SetMaxReceiveMessageSize(static_cast<int>(service_.options().limits.max_request_bytes));
+    const ServerLimits& limits = service_.options().limits;
+    builder.SetMaxReceiveMessageSize(static_cast<int>(limits.max_request_bytes));
+    grpc::ResourceQuota quota("specdec-verifier");
+    quota.Resize(static_cast<size_t>(limits.max_memory_bytes));
+    quota.SetMaxThreads(static_cast<int>(limits.max_concurrent_requests) + 4);
+    builder.SetResourceQuota(quota);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);  // see the top of this file
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, static_cast<int>(limits.max_streams_per_connection));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, milliseconds(limits.connection_idle_timeout));
+    builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, milliseconds(limits.read_timeout));
     // The port is this server's alone. gRPC binds with SO_REUSEPORT by default, which lets a second
     // process of the same user bind the same port and take a share of new connections (and of the
     // sessions' traffic); without it, binding a taken port fails here.
@@ -649,12 +851,14 @@ class VerifierServer {
                                (service_.options().tls.enabled() ? " (or the TLS certificate and key are not valid)" : ""));
     }
     reaper_ = std::thread([this] {
+      const ServerLimits& l = service_.options().limits;
       const auto period = std::max(std::chrono::milliseconds(10),
-                                   std::min(std::chrono::milliseconds(1000), service_.options().limits.idle_timeout / 4));
+                                   std::min({std::chrono::milliseconds(1000), l.idle_timeout / 4, l.read_timeout / 4}));
       std::unique_lock lock(mutex_);
       while (!stopping_) {
         stop_.wait_for(lock, period);
         service_.free_idle();
+        service_.cancel_slow_reads();
       }
     });
   }
@@ -676,6 +880,7 @@ class VerifierServer {
     stop_.notify_all();
     if (reaper_.joinable()) reaper_.join();
     server_->Shutdown(std::chrono::system_clock::now());
+    service_.stop();
   }
 
   // Blocks until shutdown().
@@ -693,15 +898,30 @@ class VerifierServer {
                                   "required to serve on it");
     }
     const ServerLimits& l = options.limits;
-    if (l.max_sessions < 1 || l.max_tokens_per_session < 2 || l.max_gamma < 0 || l.max_request_bytes < 1024 ||
-        l.max_request_bytes > (int64_t{1} << 31) - 1 || l.idle_timeout.count() < 1 || l.max_batch < 1 ||
-        l.batch_delay.count() < 0 || l.batch_delay > std::chrono::seconds(1)) {
-      throw std::invalid_argument("limits: max_sessions >= 1, max_tokens_per_session >= 2, max_gamma >= 0, "
-                                  "max_request_bytes in [1024, 2^31), idle_timeout >= 1 ms, max_batch >= 1, "
-                                  "batch_delay in [0, 1 s]");
+    const auto in = [](int64_t value, int64_t low, int64_t high) { return value >= low && value <= high; };
+    constexpr int64_t kInt = (int64_t{1} << 31) - 1;
+    const std::vector<std::pair<const char*, bool>> rules = {
+        {"max_sessions >= 1", l.max_sessions >= 1},
+        {"max_sessions_per_client >= 1", l.max_sessions_per_client >= 1},
+        {"max_tokens_per_session >= 2", l.max_tokens_per_session >= 2},
+        {"max_gamma >= 0", l.max_gamma >= 0},
+        {"max_request_bytes in [1024, 2^31)", in(l.max_request_bytes, 1024, kInt)},
+        {"max_concurrent_requests in [1, 65536]", in(l.max_concurrent_requests, 1, 65536)},
+        {"max_streams_per_connection in [1, 2^31)", in(l.max_streams_per_connection, 1, kInt)},
+        {"max_memory_bytes >= 1 MiB", l.max_memory_bytes >= (int64_t{1} << 20)},
+        {"idle_timeout >= 1 ms", l.idle_timeout.count() >= 1},
+        {"read_timeout in [1 ms, 2^31 ms)", in(l.read_timeout.count(), 1, kInt)},
+        {"connection_idle_timeout in [1 ms, 2^31 ms)", in(l.connection_idle_timeout.count(), 1, kInt)},
+        {"max_batch >= 1", l.max_batch >= 1},
+        {"batch_delay in [0, 1 s]", l.batch_delay.count() >= 0 && l.batch_delay <= std::chrono::seconds(1)},
+    };
+    for (const auto& [rule, holds] : rules) {
+      if (!holds) throw std::invalid_argument(std::string("limits: ") + rule + " is required");
     }
     return options;
   }
+
+  static int milliseconds(std::chrono::milliseconds duration) { return static_cast<int>(duration.count()); }
 
   // Plaintext, TLS, or TLS that requires and verifies client certificates.
   static std::shared_ptr<grpc::ServerCredentials> credentials(const TlsOptions& tls) {
