@@ -103,6 +103,69 @@ TYPED_TEST(LlamaWithCache, TreeAttentionEqualsEachPathFromScratch) {
   }
 }
 
+// FeatureTarget: forward_features() returns forward()'s logits unchanged and the hidden states
+// every forward passes. Tap 0 is the embedding rows; tap L (the final normalised state) times the
+// classifier is the logits; tap n < L is the input of layer n, whose RMS norm with the final
+// norm's weight is what the first n layers alone (truncated) give as their tap n. A forward in
+// pieces and a tree give each position the features of its sequence from scratch; a tap outside
+// [0, L] is refused naming it, and the next forward has no taps left over.
+TYPED_TEST(LlamaWithCache, FeaturesAreTheHiddenStatesEveryForwardPasses) {
+  LlamaModel<TypeParam>& model = this->model_;
+  const int64_t layers = model.num_hidden_layers(), dim = model.hidden_size();
+  ASSERT_EQ(layers, 2);
+  const std::vector<int64_t> tokens{3, 17, 5, 5, 40, 2, 9, 33, 12, 1};
+  const std::vector<int64_t> taps{2, 0, 1, 2};
+  const auto tap = [&](const at::Tensor& features, size_t j) {
+    return features.narrow(-1, static_cast<int64_t>(j) * dim, dim);
+  };
+  auto plain = model.make_cache(1);
+  const at::Tensor logits = model.forward(ids_of(tokens), plain);
+  auto cache = model.make_cache(1);
+  const TargetOutput out = model.forward_features(ids_of(tokens), cache, taps);
+  EXPECT_TRUE(at::equal(out.logits, logits));
+  ASSERT_EQ(out.features.sizes(), (std::vector<int64_t>{1, 10, 4 * dim}));
+  EXPECT_EQ(cache.length(), 10);
+  EXPECT_TRUE(at::allclose(tap(out.features, 1)[0], model.weights().token_embedding.index_select(0, ids_of(tokens)[0]),
+                           1e-12, 1e-12));
+  EXPECT_TRUE(at::equal(tap(out.features, 0), tap(out.features, 3)));
+  EXPECT_TRUE(at::allclose(at::linear(tap(out.features, 0), model.weights().output), logits, 1e-9, 1e-9));
+  const auto [config, weights] = models::truncated(model.config(), model.weights(), 1);
+  LlamaModel<TypeParam> first_layer(config, weights);
+  auto shallow = first_layer.make_cache(1);
+  const at::Tensor normed = first_layer.forward_features(ids_of(tokens), shallow, std::vector<int64_t>{1}).features;
+  const at::Tensor input_of_layer_1 = tap(out.features, 2);
+  const at::Tensor rms = (input_of_layer_1.square().mean(-1, true) + model.config().norm_eps).rsqrt();
+  EXPECT_TRUE(at::allclose(input_of_layer_1 * rms * model.weights().norm, normed, 1e-9, 1e-9));
+  EXPECT_FALSE(at::allclose(input_of_layer_1, tap(out.features, 1), 1e-3, 1e-3));  // the layer did something
+
+  // In pieces, then a tree: 8 below the prefix, 9 and 10 below 8, 11 below 9.
+  auto pieces = model.make_cache(1);
+  const at::Tensor head = model.forward_features(ids_of({3, 17, 5, 5}), pieces, taps).features;
+  const at::Tensor rest = model.forward_features(ids_of({40, 2, 9, 33, 12, 1}), pieces, taps).features;
+  EXPECT_TRUE(at::allclose(at::cat({head, rest}, 1), out.features, 1e-9, 1e-9));
+  const std::vector<int64_t> parents{-1, 0, 0, 1};
+  const std::vector<std::vector<int64_t>> paths{{8}, {8, 9}, {8, 10}, {8, 9, 11}};
+  const at::Tensor tree = model.forward_tree_features(ids_of({8, 9, 10, 11}), pieces, parents, taps).features;
+  for (size_t node = 0; node < paths.size(); ++node) {
+    std::vector<int64_t> sequence = tokens;
+    sequence.insert(sequence.end(), paths[node].begin(), paths[node].end());
+    auto fresh = model.make_cache(1);
+    const at::Tensor expected = model.forward_features(ids_of(sequence), fresh, taps).features[0].select(0, -1);
+    EXPECT_TRUE(at::allclose(tree[0][static_cast<int64_t>(node)], expected, 1e-9, 1e-9)) << "node " << node;
+  }
+
+  auto refused = model.make_cache(1);
+  try {
+    (void)model.forward_features(ids_of({3}), refused, std::vector<int64_t>{0, 3});
+    ADD_FAILURE() << "tap 3 of a 2-layer model was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("taps[1] = 3"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(refused.length(), 0);
+  EXPECT_FALSE(model.forward_features(ids_of({3}), refused, {}).features.defined());
+  EXPECT_THROW((void)model.forward_features(ids_of({3}), refused, std::vector<int64_t>{-1}), std::invalid_argument);
+}
+
 // forward_tree (parents instead of a mask) and then keep(): the cache of the kept path equals the
 // cache of that sequence computed from scratch, and so does the next forward.
 TYPED_TEST(LlamaWithCache, ForwardTreeThenKeepEqualsTheAcceptedSequence) {
@@ -205,6 +268,27 @@ TYPED_TEST(LlamaCpuKernels, MatchTheAtenForward) {
   const at::Tensor next = at::tensor(std::vector<int64_t>{3, 40}, at::kLong).view({2, 1});
   auto fresh = this->fused_.make_cache(2);
   EXPECT_FALSE(at::allclose(this->fused_.forward(next, fresh), this->aten_.forward(next, shifted), 1e-4, 1e-4));
+}
+
+// The CPU loops tap the same hidden states as the ATen forward, batched, in pieces and in a tree.
+TYPED_TEST(LlamaCpuKernels, FeaturesMatchTheAtenForward) {
+  auto fused_cache = this->fused_.make_cache(2);
+  auto aten_cache = this->aten_.make_cache(2);
+  const std::vector<int64_t> taps{0, 1, 2};
+  const at::Tensor prompt = at::tensor(std::vector<int64_t>{3, 17, 5, 5, 40, 2, 9, 33, 12, 1, 0, 47}, at::kLong).view({2, 6});
+  const TargetOutput fused = this->fused_.forward_features(prompt, fused_cache, taps);
+  const TargetOutput aten = this->aten_.forward_features(prompt, aten_cache, taps);
+  this->expect_close(fused.features, aten.features, "prefill features");
+  this->expect_close(fused.logits, aten.logits, "prefill logits");
+  const at::Tensor step = at::tensor(std::vector<int64_t>{7, 8}, at::kLong).view({2, 1});
+  this->expect_close(this->fused_.forward_features(step, fused_cache, taps).features,
+                     this->aten_.forward_features(step, aten_cache, taps).features, "one token");
+  auto fused_tree = this->fused_.make_cache(1);
+  auto aten_tree = this->aten_.make_cache(1);
+  const std::vector<int64_t> parents{-1, 0, 0, 1};
+  const at::Tensor tree_ids = at::tensor(std::vector<int64_t>{8, 9, 10, 11}, at::kLong).view({1, 4});
+  this->expect_close(this->fused_.forward_tree_features(tree_ids, fused_tree, parents, taps).features,
+                     this->aten_.forward_tree_features(tree_ids, aten_tree, parents, taps).features, "tree");
 }
 
 // The fp32 loops against the fp64 forward: the same function, up to fp32 rounding.

@@ -126,6 +126,28 @@ TEST_P(HfModel, LogitsEqualTransformersOverTheWholeSequence) {
   EXPECT_TRUE(at::allclose(logits, expected, 0.0, kLogitTolerance)) << worst(logits, expected);
 }
 
+// FeatureTarget: every hidden state transformers returns with output_hidden_states (the input of
+// each layer, the embeddings first, then the final normalised state), through both forwards.
+TEST_P(HfModel, HiddenStatesEqualTransformers) {
+  const at::Tensor& ids = r.tensors.at("input_ids");
+  const at::Tensor& expected = r.tensors.at("hidden_states");  // [L + 1, S, H]
+  for (const bool loops : {true, false}) {
+    SCOPED_TRACE(loops ? "CPU loops" : "ATen forward");
+    auto model = load_model<StaticKVCache>(r.folder);
+    model.use_cpu_kernels(loops);
+    const int64_t layers = model.num_hidden_layers(), dim = model.hidden_size();
+    ASSERT_EQ(expected.size(0), layers + 1);
+    std::vector<int64_t> taps(static_cast<size_t>(layers + 1));
+    for (int64_t i = 0; i <= layers; ++i) taps[static_cast<size_t>(i)] = i;
+    auto cache = model.make_cache(1);
+    const at::Tensor features = model.forward_features(ids, cache, taps).features[0];  // [S, (L + 1) H]
+    for (int64_t i = 0; i <= layers; ++i) {
+      const at::Tensor got = features.narrow(-1, i * dim, dim);
+      EXPECT_TRUE(at::allclose(got, expected[i], 0.0, kLogitTolerance)) << "hidden state " << i << ": " << worst(got, expected[i]);
+    }
+  }
+}
+
 // The same sequence fed in pieces of 5, 1, 7, 3 and the rest, each attending to the cache the
 // earlier ones left (for the Mistral case, across its sliding window).
 TEST_P(HfModel, LogitsEqualTransformersInCachedPieces) {

@@ -134,6 +134,49 @@ concept TreeTarget =
       { m.forward_tree(ids, cache, parents) } -> std::convertible_to<at::Tensor>;
     };
 
+// What a FeatureTarget's forward returns: the logits forward() returns, and the hidden states
+// asked for, side by side.
+struct TargetOutput {
+  at::Tensor logits;    // [batch, T, vocab]
+  at::Tensor features;  // [batch, T, taps.size() * hidden_size()]: tap j in columns [j H, (j + 1) H)
+};
+
+// FeatureTarget: a Target whose forward can also return hidden states, as feature-level drafters
+// (EAGLE-3, EAGLE, Medusa heads) read them.
+//
+// Hidden states are named as Hugging Face's output_hidden_states numbers them: for a model of L
+// decoder layers, tap i < L is the input of decoder layer i (the residual stream before it; tap 0
+// is the token embeddings), and tap L the final normalised state the classifier reads. EAGLE-3
+// reads taps (2, L / 2, L - 3) by default, EAGLE-1 and Medusa tap L.
+//
+// A type M satisfies FeatureTarget if it satisfies Target and, for `m` an M, `cm` a const M:
+//   1. `cm.hidden_size()` is the width H of a hidden state and `cm.num_hidden_layers()` is L.
+//   2. `m.forward_features(ids, cache, taps)`, taps a std::span<const int64_t> of indices in
+//      [0, L] (in any order, repeats allowed), does exactly what forward(ids, cache) does, returns
+//      its logits unchanged, and the tapped hidden states of every new position as
+//      TargetOutput::features, on the model's device. An index outside [0, L] is an
+//      std::invalid_argument naming it, before anything is computed. With no taps, features is
+//      undefined and the forward costs what forward() costs.
+// FeatureTreeTarget: a FeatureTarget and TreeTarget whose `m.forward_tree_features(ids, cache,
+// parents, taps)` is forward_tree() with the same features.
+// Not required: features in a particular dtype (the model's own).
+template <class M>
+concept FeatureTarget =
+    Target<M> && requires(M& m, const M& cm, const at::Tensor& ids, typename M::cache_type& cache,
+                          std::span<const int64_t> taps) {
+      { cm.hidden_size() } -> std::convertible_to<int64_t>;
+      { cm.num_hidden_layers() } -> std::convertible_to<int64_t>;
+      { m.forward_features(ids, cache, taps) } -> std::same_as<TargetOutput>;
+    };
+
+template <class M>
+concept FeatureTreeTarget =
+    FeatureTarget<M> && TreeTarget<M> &&
+    requires(M& m, const at::Tensor& ids, typename M::cache_type& cache, std::span<const int64_t> parents,
+             std::span<const int64_t> taps) {
+      { m.forward_tree_features(ids, cache, parents, taps) } -> std::same_as<TargetOutput>;
+    };
+
 // Drafter: the cheaper model that proposes draft tokens for the target to verify.
 template <class M>
 concept Drafter = LanguageModel<M>;

@@ -5,6 +5,8 @@ Writes, under OUT, one folder per case: a small random model saved with save_pre
 
   input_ids  int64 [1, S]   a sequence of random tokens
   logits     f32   [S, V]   the model's logits over it, in one forward
+  hidden_states f32 [L+1, S, H] output_hidden_states of that forward: the input of each decoder
+                            layer (the embeddings first), then the final normalised state
   prompt     int64 [P]      the first P tokens of input_ids
   greedy     int64 [64]     model.generate(prompt, do_sample=False, max_new_tokens=64)
   assisted   int64 [64]     the same with assistant_model=<the case's drafter>: transformers'
@@ -115,12 +117,14 @@ def main(out):
         folder = os.path.join(out, name)
         model.save_pretrained(folder, safe_serialization=True)
         with torch.no_grad():
-            logits = model(ids).logits[0].float().contiguous()
+            output = model(ids, output_hidden_states=True)
+            logits = output.logits[0].float().contiguous()
+            hidden_states = torch.stack([h[0] for h in output.hidden_states]).float().contiguous()
             prompt = ids[:, :PROMPT]
             settings = dict(do_sample=False, max_new_tokens=GREEDY_TOKENS)
             greedy = model.generate(prompt, **settings)[0, PROMPT:].contiguous()
-            tensors = {"input_ids": ids.contiguous(), "logits": logits, "prompt": prompt[0].clone(),
-                       "greedy": greedy}
+            tensors = {"input_ids": ids.contiguous(), "logits": logits, "hidden_states": hidden_states,
+                       "prompt": prompt[0].clone(), "greedy": greedy}
             drafter = name + "_drafter"
             drafters[name].save_pretrained(os.path.join(out, drafter), safe_serialization=True)
             assisted = model.generate(prompt, assistant_model=drafters[name], **settings)

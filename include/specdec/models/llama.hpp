@@ -292,6 +292,26 @@ class LlamaModel {
     return run(ids, cache, positions, causal_mask(count));
   }
 
+  // FeatureTarget (concepts.hpp): forward() that also returns the hidden states `taps` names
+  // (tap i < n_layers: the input of layer i; n_layers: the final normalised state), copied out
+  // of the forward as it passes them.
+  [[nodiscard]] int64_t hidden_size() const noexcept { return config_.dim; }
+  [[nodiscard]] int64_t num_hidden_layers() const noexcept { return config_.n_layers; }
+
+  TargetOutput forward_features(const at::Tensor& ids, Cache& cache, std::span<const int64_t> taps) {
+    Tapping tapping(*this, taps);
+    at::Tensor logits = forward(ids, cache);
+    return {std::move(logits), tapping.features()};
+  }
+
+  // FeatureTreeTarget: forward_tree() with the features of forward_features().
+  TargetOutput forward_tree_features(const at::Tensor& ids, Cache& cache, std::span<const int64_t> parents,
+                                     std::span<const int64_t> taps) {
+    Tapping tapping(*this, taps);
+    at::Tensor logits = forward_tree(ids, cache, parents);
+    return {std::move(logits), tapping.features()};
+  }
+
   // Tree attention: like forward(), but new token i sits at position cache.length() + depth[i]
   // and sees every cached position and the new tokens j with visible[i][j] (its ancestors and
   // itself). Requires: depth int64 [T] on device(), visible bool [T, T] on device().
@@ -376,6 +396,52 @@ class LlamaModel {
   }
 
  private:
+  // The hidden states a forward_features() call asks for, filled by the forward (run() or
+  // run_cpu()) as it passes them: `features` [batch, T, taps * dim], made by the first tap.
+  struct Taps {
+    std::vector<int64_t> taps;
+    at::Tensor features{};
+
+    // Writes the residual stream `x` [batch, T, dim] (or the final normalised state) where tap
+    // `index` asks for it.
+    void put(int64_t index, const at::Tensor& x) {
+      const int64_t dim = x.size(-1);
+      for (size_t j = 0; j < taps.size(); ++j) {
+        if (taps[j] != index) continue;
+        if (!features.defined()) {
+          features = at::empty({x.size(0), x.size(1), static_cast<int64_t>(taps.size()) * dim}, x.options());
+        }
+        features.narrow(-1, static_cast<int64_t>(j) * dim, dim).copy_(x);
+      }
+    }
+  };
+
+  // Sets the taps of the forward that follows for the scope of a forward_features() call, after
+  // checking every index; the model forgets them however the forward ends.
+  class Tapping {
+   public:
+    Tapping(LlamaModel& model, std::span<const int64_t> taps) : model_(model) {
+      for (size_t j = 0; j < taps.size(); ++j) {
+        if (taps[j] < 0 || taps[j] > model.config_.n_layers) {
+          detail::throw_invalid_message("taps[", j, "] = ", taps[j], " is not a hidden state of a model of ",
+                                        model.config_.n_layers, " layers: expected [0, ", model.config_.n_layers, "]");
+        }
+      }
+      if (!taps.empty()) {
+        taps_.taps.assign(taps.begin(), taps.end());
+        model_.taps_ = &taps_;
+      }
+    }
+    Tapping(const Tapping&) = delete;
+    Tapping& operator=(const Tapping&) = delete;
+    ~Tapping() { model_.taps_ = nullptr; }
+    [[nodiscard]] at::Tensor features() const { return taps_.features; }
+
+   private:
+    LlamaModel& model_;
+    Taps taps_;
+  };
+
   void check_ids(const at::Tensor& ids, const Cache& cache) const {
     if (!ids.defined() || ids.dim() != 2 || ids.size(1) < 1 || ids.scalar_type() != at::kLong) {
       detail::throw_invalid_message("ids must be int64 [batch, T] with T >= 1, got ",
@@ -488,6 +554,7 @@ class LlamaModel {
     for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
       const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
       const FusedLayer& fused = fused_[static_cast<size_t>(layer)];
+      if (taps_ != nullptr) taps_->put(layer, at::from_blob(x, {batch, count, dim}, fp32));
       detail::rms_norm_rows(x, w.attention_norm.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
       fused.qkv.into(normed, rows, qkv, use_onednn);  // [rows, q | k | v]
       for (int64_t r = 0; r < rows; ++r) {  // q and k heads lie side by side: rotate them together
@@ -520,6 +587,7 @@ class LlamaModel {
     }
     cache.commit(count);
     detail::rms_norm_rows(x, weights_.norm.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
+    if (taps_ != nullptr) taps_->put(config_.n_layers, at::from_blob(normed, {batch, count, dim}, fp32));
     at::Tensor logits = at::empty({batch, count, config_.vocab_size}, weights_.token_embedding.options());
     classifier_.into(normed, rows, logits.data_ptr<float>(), use_onednn);
     return logits;
@@ -622,6 +690,7 @@ class LlamaModel {
     for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
       const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
       const FusedLayer& fused = fused_[static_cast<size_t>(layer)];
+      if (taps_ != nullptr) taps_->put(layer, x);
       const at::Tensor h = rms_norm(x, w.attention_norm, config_.norm_eps);
       // q and k rotate together: [B, T, heads + kv_heads, hd].
       const at::Tensor qkv = at::linear(h, fused.wqkv, fused.bqkv);
@@ -652,7 +721,9 @@ class LlamaModel {
       x = x + at::linear(at::silu(gate_up.narrow(-1, 0, hidden)) * gate_up.narrow(-1, hidden, hidden), w.w2);
     }
     if (!written_at.defined()) cache.commit(count);
-    return at::linear(rms_norm(x, weights_.norm, config_.norm_eps), weights_.output);
+    const at::Tensor normed = rms_norm(x, weights_.norm, config_.norm_eps);
+    if (taps_ != nullptr) taps_->put(config_.n_layers, normed);
+    return at::linear(normed, weights_.output);
   }
 
   // A layer's new keys and values [B, kv_heads, T, hd] into the cache: appended (update()), or at
@@ -744,6 +815,7 @@ class LlamaModel {
   at::Tensor rope_;      // complex e^(i angle) [max_seq_len, head_dim / 2] (complex_rope())
   at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2] (no complex type, or the CPU loops)
   at::Tensor rope_sin_;
+  Taps* taps_ = nullptr;  // the forward_features() call in progress (Tapping), if any
 };
 
 // The config and weights of the model's first `n_layers` layers with the same embedding, final
@@ -762,7 +834,7 @@ inline std::pair<LlamaConfig, LlamaWeights> truncated(const LlamaConfig& config,
   return {shallow, std::move(kept)};
 }
 
-static_assert(TreeTarget<LlamaModel<DynamicKVCache>>);
-static_assert(TreeTarget<LlamaModel<StaticKVCache>>);
+static_assert(FeatureTreeTarget<LlamaModel<DynamicKVCache>>);
+static_assert(FeatureTreeTarget<LlamaModel<StaticKVCache>>);
 
 }  // namespace specdec::models
