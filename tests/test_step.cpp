@@ -524,4 +524,84 @@ TEST_P(OnDevice, SessionsKeepTheCacheAcrossTurns) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, OnDevice, ::testing::Values("cpu", "cuda"));
 
+// A draft source that reads the target's hidden states (feature_taps()): drafts come from a
+// drafter model, and every verified() records the features the step handed over.
+template <class D>
+class FeatureRecorder {
+ public:
+  FeatureRecorder(D& drafter, std::vector<int64_t> taps) : inner_(drafter), taps_(std::move(taps)) {}
+  [[nodiscard]] std::span<const int64_t> feature_taps() const { return taps_; }
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) { inner_.start(sequence, options); }
+  void finish(std::span<const int64_t> sequence) { inner_.finish(sequence); }
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
+    return inner_.draft(request, processor, gen);
+  }
+  void verified(const VerifiedDrafts& outcome) {
+    inner_.verified(outcome);
+    ASSERT_TRUE(outcome.features.defined());
+    EXPECT_EQ(outcome.features_from, next_) << "features of a step start where the last ones ended";
+    EXPECT_EQ(outcome.features.size(0), outcome.position - outcome.features_from + outcome.accepted);
+    next_ = outcome.features_from + outcome.features.size(0);
+    rows_.push_back(outcome.features);
+  }
+  // Every recorded row, in sequence order.
+  [[nodiscard]] at::Tensor rows() const { return at::cat(rows_, 0); }
+
+ private:
+  ModelDraftSource<D> inner_;
+  std::vector<int64_t> taps_;
+  int64_t next_ = 0;
+  std::vector<at::Tensor> rows_;
+};
+static_assert(HasFeatureTaps<FeatureRecorder<models::LlamaModel<StaticKVCache>>>);
+
+// The step core hands a feature-reading source the target's hidden states of every position it
+// fed, step after step and turn after turn of a session, equal to those of the whole sequence
+// from scratch, on the device and within the step's one host copy; the output is unchanged.
+TEST(FeatureTaps, TheStepHandsTheSourceEveryFedPositionsHiddenStates) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 5);
+  Model target(config, weights);
+  Model reference(config, weights);
+  Model drafter(config, test::perturbed(weights, 0.02, 9));
+  const std::vector<int64_t> taps{config.n_layers, 0, 1};
+  const std::vector<int64_t> prompt{3, 17, 5, 5, 40, 2};
+  FeatureRecorder<Model> source(drafter, taps);
+  GenerationResult result;
+  const int64_t copies = copies_during([&] { result = generate_with(source, target, prompt, {.max_new_tokens = 30, .gamma = 4}); });
+  EXPECT_EQ(copies, result.stats.steps);
+  const GenerationResult alone = autoregressive_generate(reference, prompt, {.max_new_tokens = 30});
+  EXPECT_EQ(result.tokens, alone.tokens);
+  EXPECT_GT(result.stats.accepted, 0);
+  EXPECT_LT(result.stats.accepted, result.stats.drafted) << "the test should see rejected drafts too";
+  std::vector<int64_t> sequence = prompt;
+  sequence.insert(sequence.end(), result.tokens.begin(), result.tokens.end());
+  auto fresh = reference.make_cache(1);
+  const at::Tensor ids = at::tensor(sequence, at::kLong).view({1, -1});
+  const at::Tensor expected = reference.forward_features(ids, fresh, taps).features[0];
+  const at::Tensor got = source.rows();
+  ASSERT_EQ(got.size(0), static_cast<int64_t>(sequence.size()) - 1);  // all but the last token, fed next
+  EXPECT_TRUE(at::allclose(got, expected.narrow(0, 0, got.size(0)), 1e-4, 1e-4))
+      << (got - expected.narrow(0, 0, got.size(0))).abs().max().item<float>();
+
+  // A session's second turn hands over the positions its first turn did not feed.
+  Session<Model> session(target);
+  FeatureRecorder<Model> turns(drafter, taps);
+  session.append(prompt);
+  const GenerationResult first = session.generate(turns, {.max_new_tokens = 12, .gamma = 3});
+  session.append(std::vector<int64_t>{7, 8});
+  const GenerationResult second = session.generate(turns, {.max_new_tokens = 12, .gamma = 3});
+  const std::span<const int64_t> all = session.tokens();
+  auto whole = reference.make_cache(1);
+  const at::Tensor session_expected =
+      reference.forward_features(at::tensor(std::vector<int64_t>(all.begin(), all.end()), at::kLong).view({1, -1}), whole, taps)
+          .features[0];
+  const at::Tensor session_got = turns.rows();
+  ASSERT_EQ(session_got.size(0), static_cast<int64_t>(all.size()) - 1);
+  EXPECT_TRUE(at::allclose(session_got, session_expected.narrow(0, 0, session_got.size(0)), 1e-4, 1e-4));
+  EXPECT_EQ(first.tokens.size() + second.tokens.size() + prompt.size() + 2, all.size());
+}
+
 }  // namespace

@@ -72,6 +72,13 @@ struct VerifiedDrafts {
                                             // probable tokens at each verified position, when
                                             // the source asked for them (target_top_k())
   int64_t top_k = 0;                        // min(target_top_k(), vocab); 0: not asked for
+  // The target's hidden states the source asked for (feature_taps(); FeatureTarget), on the
+  // target's device, never copied to the host: [n, taps * hidden] at sequence positions
+  // [features_from, features_from + n), every position the step fed the target up to its last
+  // accepted draft (the sequence's last token, sampled by the target, is fed by the next step).
+  // Undefined when not asked for.
+  at::Tensor features{};
+  int64_t features_from = 0;
 };
 
 // DraftSource: proposes a chain of drafts for each speculative step.
@@ -88,7 +95,10 @@ struct VerifiedDrafts {
 //   tokens per verified position verified() should see (one extra host copy costs nothing: they
 //   travel in the step's one copy); `cs.vocab_size()`, checked against the target's;
 //   `cs.max_sequence_length()`: the step asks for no more drafts than fit in it, and none once
-//   the sequence is longer (the target then goes on alone to its own limit).
+//   the sequence is longer (the target then goes on alone to its own limit);
+//   `cs.feature_taps()`: which of the target's hidden states (FeatureTarget's numbering)
+//   verified() should see as VerifiedDrafts::features (the target must be a FeatureTarget; chain
+//   steps of one sequence).
 // Not required: copyability, thread safety.
 template <class S, class P>
 concept DraftSource =
@@ -116,6 +126,10 @@ concept HasTargetTopK = requires(const S& cs) {
 template <class S>
 concept HasVocabSize = requires(const S& cs) {
   { cs.vocab_size() } -> std::convertible_to<int64_t>;
+};
+template <class S>
+concept HasFeatureTaps = requires(const S& cs) {
+  { cs.feature_taps() } -> std::convertible_to<std::span<const int64_t>>;
 };
 // `cs.max_sequence_length()`: HasMaxSequenceLength (concepts.hpp), as for models.
 

@@ -135,6 +135,10 @@ void chain_step(ModelRunner<T>& target, GenerationState& state, S& source, const
   if (k > room) throw_invalid_message("the draft source proposed ", k, " drafts, more than room = ", room);
   const at::Tensor draft_ids = k > 0 ? drafts.tokens.to(target.device()).view({k})
                                      : at::empty({0}, at::TensorOptions().dtype(at::kLong).device(target.device()));
+  if constexpr (HasFeatureTaps<S>) {
+    static_assert(FeatureTarget<T>, "a draft source with feature_taps() needs a target that models FeatureTarget");
+    target.set_taps(source.feature_taps());
+  }
   const at::Tensor logits = target.forward(state.sequence(), k > 0 ? draft_ids.view({1, k}) : at::Tensor());
   const at::Tensor rows = logits.narrow(0, logits.size(0) - k - 1, k + 1);
   const at::Tensor q = k > 0 && drafts.probs.defined() ? drafts.probs.to(target.device()) : at::Tensor();
@@ -153,14 +157,22 @@ void chain_step(ModelRunner<T>& target, GenerationState& state, S& source, const
   if (!target_only) emitted.gamma = drafts.gamma.value_or(-1);
   state.emit(emitted, [&] {
     ScopedTimer timer(stats.drafter_seconds);
-    source.verified(VerifiedDrafts{
+    VerifiedDrafts verified{
         .sequence = state.sequence(),
         .position = position,
         .drafted = k,
         .accepted = step.accepted,
         .target_top_k = top_k > 0 ? std::span<const int64_t>(values + pending.size(), static_cast<size_t>((k + 1) * top_k))
                                   : std::span<const int64_t>(),
-        .top_k = top_k});
+        .top_k = top_k};
+    if constexpr (HasFeatureTaps<S>) {
+      // The forward fed the uncached context (from `cached` on; all of it without a cache) and
+      // the drafts: its rows up to the last accepted draft.
+      const int64_t fed = logits.size(0) - k;
+      verified.features_from = position - fed;
+      verified.features = target.features().narrow(0, 0, fed + step.accepted);
+    }
+    source.verified(verified);
   });
 }
 

@@ -111,6 +111,17 @@ class ModelRunner {
     return forward_ids(ids, cache, ".forward")[0];
   }
 
+  // Makes every later forward() also tap these hidden states (FeatureTarget), kept as features()
+  // until the next forward; empty: none (the default).
+  void set_taps(std::span<const int64_t> taps)
+    requires FeatureTarget<M>
+  {
+    taps_.assign(taps.begin(), taps.end());
+  }
+  // The tapped hidden states of the last forward's first row, [T, taps * hidden] on the device;
+  // undefined without taps.
+  [[nodiscard]] const at::Tensor& features() const noexcept { return features_; }
+
   // Logits [batch, T, vocab] of ids [batch, T] on this model's device, appended to the cache.
   at::Tensor forward_batch(const at::Tensor& ids) { return forward_ids(ids, active_cache(), ".forward"); }
 
@@ -218,6 +229,15 @@ class ModelRunner {
   }
 
   at::Tensor forward_ids(const at::Tensor& ids, cache_type& cache, const char* call) {
+    if constexpr (FeatureTarget<M>) {
+      if (!taps_.empty()) {
+        return timed(ids.size(1), call, [&] {
+          TargetOutput out = model_.forward_features(ids, cache, taps_);
+          features_ = out.features[0];
+          return std::move(out.logits);
+        });
+      }
+    }
     return timed(ids.size(1), call, [&] { return model_.forward(ids, cache); });
   }
 
@@ -253,6 +273,8 @@ class ModelRunner {
   at::Device device_;
   std::vector<int64_t> history_;         // tokens of the cached positions at the last record()
   std::vector<int64_t> tree_ids_, tree_parents_, kept_;  // forward_tree / keep_tree buffers
+  std::vector<int64_t> taps_;            // set_taps()
+  at::Tensor features_;                  // features()
 };
 
 }  // namespace specdec::detail
