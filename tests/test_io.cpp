@@ -19,6 +19,7 @@
 #include "specdec/batch.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
+#include "specdec/io/medusa.hpp"
 #include "specdec/io/tokenizer.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/shared_files.hpp"
@@ -220,6 +221,65 @@ TEST(HfLlama, LoadsShardedCheckpointsAndUntiedClassifiers) {
   map["model.norm.weight"] = "../escape.safetensors";
   write_file(dir.path() / "model.safetensors.index.json", nlohmann::json{{"weight_map", map}}.dump());
   expect_format_error([&] { (void)io::load_hf_llama(dir.path()); }, "model.safetensors.index.json", "invalid file name");
+}
+
+// Medusa heads in their published layout: a folder written here loads and gives the heads'
+// logits; every problem of an untrusted folder is a FormatError naming the file and the field or
+// tensor: counts out of range, a target of another size, a missing tensor, a wrong shape, an
+// integer tensor, a tensor the layout does not name, one named both bare and prefixed.
+TEST(MedusaLoader, ReadsThePublishedLayoutAndRefusesWhatDoesNotFit) {
+  TempDir dir;
+  const models::MedusaConfig config{.hidden_size = 8, .vocab_size = 12, .num_heads = 2, .num_layers = 1};
+  const auto heads = models::MedusaHeads::random(config, 7);
+  std::map<std::string, at::Tensor> tensors;
+  for (size_t i = 0; i < heads.size(); ++i) {
+    const std::string prefix = "medusa_head." + std::to_string(i) + ".";
+    tensors[prefix + "0.linear.weight"] = heads[i].block_weights[0];
+    tensors[prefix + "0.linear.bias"] = heads[i].block_biases[0];
+    tensors[prefix + "1.weight"] = heads[i].classifier;
+  }
+  const auto write = [&](const nlohmann::json& json, const std::map<std::string, at::Tensor>& weights) {
+    write_file(dir.path() / "config.json", json.dump());
+    io::save_safetensors(dir.path() / "medusa_lm_head.safetensors", weights);
+  };
+  const nlohmann::json good{{"medusa_num_heads", 2}, {"medusa_num_layers", 1}, {"hidden_size", 8}};
+  write(good, tensors);
+  const models::MedusaHeads loaded = io::load_medusa(dir.path(), 8, 12);
+  const at::Tensor hidden = at::randn({8});
+  EXPECT_TRUE(at::equal(loaded.logits(hidden, 2), models::MedusaHeads(config, heads).logits(hidden, 2)));
+
+  const auto refused = [&](const nlohmann::json& json, const std::map<std::string, at::Tensor>& weights,
+                           const char* file, const std::string& problem) {
+    write(json, weights);
+    expect_format_error([&] { (void)io::load_medusa(dir.path(), 8, 12); }, file, problem);
+  };
+  nlohmann::json bad = good;
+  bad["medusa_num_heads"] = 0;
+  refused(bad, tensors, "config.json", "medusa_num_heads = 0 is outside [1, 64]");
+  bad = good;
+  bad["medusa_num_layers"] = 1.5;
+  refused(bad, tensors, "config.json", "medusa_num_layers' must be an integer");
+  bad = good;
+  bad["hidden_size"] = 16;
+  refused(bad, tensors, "config.json", "hidden_size = 16 but the target's is 8");
+  bad = good;
+  bad["medusa_num_heads"] = 3;
+  refused(bad, tensors, "medusa_lm_head.safetensors", "missing tensor '2.0.linear.weight'");
+  auto changed = tensors;
+  changed["medusa_head.1.1.weight"] = at::zeros({12, 9});
+  refused(good, changed, "medusa_lm_head.safetensors", "tensor '1.1.weight' has shape [12, 9], expected [12, 8]");
+  changed = tensors;
+  changed["medusa_head.0.0.linear.bias"] = at::zeros({8}, at::kInt);
+  refused(good, changed, "medusa_lm_head.safetensors", "tensor '0.0.linear.bias' is not floating point");
+  changed = tensors;
+  changed["medusa_head.0.2.weight"] = at::zeros({12, 8});
+  refused(good, changed, "medusa_lm_head.safetensors", "unexpected tensor '0.2.weight'");
+  changed = tensors;
+  changed["0.1.weight"] = tensors.at("medusa_head.0.1.weight");
+  refused(good, changed, "medusa_lm_head.safetensors", "tensor '0.1.weight' appears twice");
+  fs::remove(dir.path() / "medusa_lm_head.safetensors");
+  expect_format_error([&] { (void)io::load_medusa(dir.path(), 8, 12); }, dir.path().filename().string(),
+                      "holds neither medusa_lm_head.safetensors nor model.safetensors");
 }
 
 TEST(Llama2c, Version1And2RoundTrip) {
@@ -435,6 +495,8 @@ TEST(HfLlama, RefusesHostileConfigsBeforeAllocating) {
   expect_format_error(load, "config.json", "vocab_size = 1099511627776 exceeds the limit");
   with([](auto& j) { j["num_hidden_layers"] = -3; });
   expect_format_error(load, "config.json", "num_hidden_layers = -3 is outside [1, 1048576]");
+  with([](auto& j) { j["num_hidden_layers"] = 0; });  // held as unsigned by the JSON parser
+  expect_format_error(load, "config.json", "num_hidden_layers = 0 is outside [1, 1048576]");
   // The limit can be raised: then the same config loads as far as its weights.
   with([](auto& j) { j["max_position_embeddings"] = 262144; });
   expect_format_error(load, "config.json", "exceeds the limit of 131072");

@@ -45,7 +45,9 @@ inline int64_t config_integer(const nlohmann::json& config, const std::filesyste
   }
   const bool above = value.is_number_unsigned() ? value.get<uint64_t>() > static_cast<uint64_t>(high)
                                                  : value.get<int64_t>() > high;
-  const bool below = !value.is_number_unsigned() && value.get<int64_t>() < low;
+  // nlohmann-json holds every non-negative integer as unsigned: 0 is below a low of 1 there too.
+  const bool below = value.is_number_unsigned() ? low > 0 && value.get<uint64_t>() < static_cast<uint64_t>(low)
+                                                : value.get<int64_t>() < low;
   if (above && limit != nullptr) {
     throw_format(path, key, " = ", excerpt(value), " exceeds the limit of ", high, " (LoadLimits::", limit, ")");
   }

@@ -1,0 +1,203 @@
+// Medusa heads: K small heads on the target's last hidden state, head i proposing the token i + 2
+// places after it (the target's own classifier proposes the next one). Each head is
+// `num_layers` residual blocks h <- h + SiLU(W h + b) and a classifier [vocab, hidden] without
+// bias, as the Medusa paper (Cai et al., 2024) and its published checkpoints define them.
+//
+// MedusaDraftSource drafts with them on the step core: it reads the target's final normalised
+// hidden state (FeatureTarget tap L) at the last accepted position, which every step hands over
+// in VerifiedDrafts::features, and proposes the heads' top tokens as a chain (sampled ones from
+// their distributions under sampling, so verification stays exact). A step that follows no
+// verified step of the same generation (a generation's first) drafts nothing.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/detail/torch_compat.hpp"
+#include "specdec/draft_source.hpp"
+#include "specdec/options.hpp"
+
+namespace specdec::models {
+
+struct MedusaConfig {
+  int64_t hidden_size = 0;  // the target's hidden size
+  int64_t vocab_size = 0;   // the target's vocabulary
+  int64_t num_heads = 0;    // K: drafts per step at most
+  int64_t num_layers = 1;   // residual blocks per head
+
+  // Throws std::invalid_argument naming the first field out of range.
+  void validate() const {
+    const auto positive = [](const char* field, int64_t value, int64_t low) {
+      if (value < low) detail::throw_invalid_message("medusa config: ", field, " = ", value, " must be >= ", low);
+    };
+    positive("hidden_size", hidden_size, 1);
+    positive("vocab_size", vocab_size, 1);
+    positive("medusa_num_heads", num_heads, 1);
+    positive("medusa_num_layers", num_layers, 0);
+  }
+};
+
+// One head's weights: its residual blocks' [hidden, hidden] weights and [hidden] biases, then its
+// classifier [vocab, hidden].
+struct MedusaHeadWeights {
+  std::vector<at::Tensor> block_weights{};
+  std::vector<at::Tensor> block_biases{};
+  at::Tensor classifier{};
+};
+
+class MedusaHeads {
+ public:
+  // Throws std::invalid_argument naming the head, the tensor and its shape when a weight does not
+  // fit `config`, or when the heads' count, dtypes or devices differ.
+  MedusaHeads(MedusaConfig config, std::vector<MedusaHeadWeights> heads)
+      : config_(config), heads_(std::move(heads)) {
+    config_.validate();
+    if (static_cast<int64_t>(heads_.size()) != config_.num_heads) {
+      detail::throw_invalid_message("medusa: ", heads_.size(), " heads given, medusa_num_heads = ", config_.num_heads);
+    }
+    const at::Tensor& first = heads_.front().classifier;
+    for (size_t i = 0; i < heads_.size(); ++i) {
+      const MedusaHeadWeights& head = heads_[i];
+      const std::string name = "medusa_head." + std::to_string(i);
+      if (static_cast<int64_t>(head.block_weights.size()) != config_.num_layers ||
+          head.block_biases.size() != head.block_weights.size()) {
+        detail::throw_invalid_message(name, ": ", head.block_weights.size(), " blocks with ", head.block_biases.size(),
+                                      " biases, medusa_num_layers = ", config_.num_layers);
+      }
+      const auto expect = [&](const at::Tensor& t, const std::string& what, std::vector<int64_t> shape) {
+        if (!t.defined() || t.sizes() != at::IntArrayRef(shape) || !t.is_floating_point() ||
+            (first.defined() && (t.scalar_type() != first.scalar_type() || t.device() != first.device()))) {
+          detail::throw_invalid_message(name, ".", what, " must be a ", shape, " tensor of the heads' dtype and device, got ",
+                                        t.defined() ? t.sizes() : at::IntArrayRef{});
+        }
+      };
+      for (size_t b = 0; b < head.block_weights.size(); ++b) {
+        expect(head.block_weights[b], std::to_string(b) + ".linear.weight", {config_.hidden_size, config_.hidden_size});
+        expect(head.block_biases[b], std::to_string(b) + ".linear.bias", {config_.hidden_size});
+      }
+      expect(head.classifier, std::to_string(config_.num_layers) + ".weight", {config_.vocab_size, config_.hidden_size});
+    }
+  }
+
+  // Random heads (tests and benchmarks): blocks N(0, 1/hidden) so that they change the state,
+  // classifiers N(0, 16/hidden) so that logits are spread.
+  static std::vector<MedusaHeadWeights> random(const MedusaConfig& config, uint64_t seed,
+                                               const at::TensorOptions& options = at::kFloat) {
+    config.validate();
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    const auto normal = [&](std::vector<int64_t> shape, double std) {
+      return at::normal(0.0, std, shape, gen, at::TensorOptions(at::kFloat)).to(options);
+    };
+    const double h = static_cast<double>(config.hidden_size);
+    std::vector<MedusaHeadWeights> heads(static_cast<size_t>(config.num_heads));
+    for (MedusaHeadWeights& head : heads) {
+      for (int64_t b = 0; b < config.num_layers; ++b) {
+        head.block_weights.push_back(normal({config.hidden_size, config.hidden_size}, 1.0 / std::sqrt(h)));
+        head.block_biases.push_back(normal({config.hidden_size}, 0.1));
+      }
+      head.classifier = normal({config.vocab_size, config.hidden_size}, 4.0 / std::sqrt(h));
+    }
+    return heads;
+  }
+
+  [[nodiscard]] const MedusaConfig& config() const noexcept { return config_; }
+  [[nodiscard]] const std::vector<MedusaHeadWeights>& heads() const noexcept { return heads_; }
+  [[nodiscard]] at::Device device() const { return heads_.front().classifier.device(); }
+
+  // The first `count` heads' logits [count, vocab] at one hidden state [hidden] (any float dtype,
+  // on the heads' device).
+  [[nodiscard]] at::Tensor logits(const at::Tensor& hidden, int64_t count) const {
+    if (count < 0 || count > config_.num_heads) {
+      detail::throw_invalid_message("medusa: count = ", count, " must be in [0, ", config_.num_heads, "]");
+    }
+    const at::Tensor x = hidden.to(heads_.front().classifier.scalar_type()).view({1, config_.hidden_size});
+    std::vector<at::Tensor> rows;
+    for (int64_t i = 0; i < count; ++i) {
+      const MedusaHeadWeights& head = heads_[static_cast<size_t>(i)];
+      at::Tensor h = x;
+      for (size_t b = 0; b < head.block_weights.size(); ++b) {
+        h = h + at::silu(at::linear(h, head.block_weights[b], head.block_biases[b]));
+      }
+      rows.push_back(at::linear(h, head.classifier));
+    }
+    return count == 0 ? at::empty({0, config_.vocab_size}, x.options()) : at::cat(rows, 0);
+  }
+
+ private:
+  MedusaConfig config_;
+  std::vector<MedusaHeadWeights> heads_;
+};
+
+// Medusa heads as a draft source of the step core (see the top of this file). The target must be
+// a FeatureTarget of the heads' hidden size and vocabulary; the heads must outlive the source.
+class MedusaDraftSource {
+ public:
+  // Throws std::invalid_argument when the heads do not fit the target (hidden size, vocabulary).
+  template <FeatureTarget T>
+  MedusaDraftSource(const MedusaHeads& heads, const T& target)
+      : heads_(heads), taps_{static_cast<int64_t>(target.num_hidden_layers())} {
+    const MedusaConfig& c = heads.config();
+    if (c.hidden_size != static_cast<int64_t>(target.hidden_size())) {
+      detail::throw_invalid_message("medusa: hidden_size = ", c.hidden_size, " but the target's hidden size is ",
+                                    target.hidden_size());
+    }
+    if (c.vocab_size != static_cast<int64_t>(target.vocab_size())) {
+      detail::throw_invalid_message("medusa: vocab_size = ", c.vocab_size, " but the target's vocabulary is ",
+                                    target.vocab_size());
+    }
+  }
+
+  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept { return taps_; }
+  [[nodiscard]] int64_t vocab_size() const noexcept { return heads_.config().vocab_size; }
+
+  void start(std::span<const int64_t> /*sequence*/, const SpeculativeOptions& /*options*/) { clear(); }
+
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
+    // The hidden state must be the one of the token before the sequence's last (the target's
+    // own token, which the heads continue).
+    if (!hidden_.defined() || hidden_position_ != static_cast<int64_t>(request.sequence.size()) - 2) return {};
+    const int64_t k = std::min({request.gamma, request.room, heads_.config().num_heads});
+    if (k <= 0) return {};
+    const at::Tensor logits = heads_.logits(hidden_.to(heads_.device()), k);
+    Drafts drafts{.calls = 1};
+    if constexpr (std::is_same_v<P, GreedyProcessor>) {
+      drafts.tokens = logits.argmax(-1);
+      drafts.finite = at::isfinite(logits.amax(-1)).all();
+    } else {
+      drafts.probs = processor(logits);
+      drafts.tokens = processor.sample(drafts.probs, gen).view({k});
+    }
+    return drafts;
+  }
+
+  void verified(const VerifiedDrafts& verified) {
+    if (!verified.features.defined() || verified.features.size(0) == 0) {
+      clear();
+      return;
+    }
+    hidden_ = verified.features.select(0, -1);  // a view on the target's device
+    hidden_position_ = verified.features_from + verified.features.size(0) - 1;
+  }
+
+ private:
+  void clear() {
+    hidden_ = at::Tensor();
+    hidden_position_ = -1;
+  }
+
+  const MedusaHeads& heads_;
+  std::vector<int64_t> taps_;
+  at::Tensor hidden_{};  // the final hidden state at hidden_position_
+  int64_t hidden_position_ = -1;
+};
+static_assert(HasFeatureTaps<MedusaDraftSource>);
+
+}  // namespace specdec::models
