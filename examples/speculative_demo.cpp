@@ -40,12 +40,7 @@ Arguments parse(int argc, char** argv) {
       ->check(cli::real(0.0, 1e6));
   app.add_option("--seed", args.seed, "sampling seed (default 7)")
       ->check(cli::integer<uint64_t>(0, std::numeric_limits<uint64_t>::max()));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::Success&) {
-    std::cout << app.help();
-    std::exit(0);
-  }
+  cli::parse_or_help(app, argc, argv);
   return args;
 }
 

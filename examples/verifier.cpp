@@ -87,12 +87,7 @@ int main(int argc, char** argv) {
                    "microseconds a forward waits for more verifications to batch (default 0: none)")
         ->check(cli::integer<int64_t>(0, 1000000));
     app.add_option("--threads", threads, "CPU threads of libtorch and BLAS (default 1)")->check(cli::integer<int>(1, 1024));
-    try {
-      app.parse(argc, argv);
-    } catch (const CLI::Success&) {
-      std::cout << app.help();
-      return 0;
-    }
+    cli::parse_or_help(app, argc, argv);
     options.limits.idle_timeout = std::chrono::seconds(idle_seconds);
     options.limits.max_memory_bytes = memory_mib << 20;
     options.limits.read_timeout = std::chrono::milliseconds(read_timeout_ms);

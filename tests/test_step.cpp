@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "specdec/io/checkpoint.hpp"
+#include "specdec/io/medusa.hpp"
 #include "specdec/models/llama.hpp"
+#include "specdec/models/medusa.hpp"
 #include "specdec/specdec.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
@@ -602,6 +604,131 @@ TEST(FeatureTaps, TheStepHandsTheSourceEveryFedPositionsHiddenStates) {
   ASSERT_EQ(session_got.size(0), static_cast<int64_t>(all.size()) - 1);
   EXPECT_TRUE(at::allclose(session_got, session_expected.narrow(0, 0, session_got.size(0)), 1e-4, 1e-4));
   EXPECT_EQ(first.tokens.size() + second.tokens.size() + prompt.size() + 2, all.size());
+}
+
+// Medusa heads on the step core: greedy output equals autoregressive decoding (with drafts made
+// and some accepted), one host copy per step, and each draft is a head's top token at the hidden
+// state of the last accepted position.
+TEST(Medusa, GreedyOutputEqualsAutoregressiveDecoding) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 5);
+  Model target(config, weights);
+  Model reference(config, weights);
+  const models::MedusaConfig heads_config{.hidden_size = config.dim, .vocab_size = config.vocab_size, .num_heads = 3};
+  const models::MedusaHeads heads(heads_config, models::MedusaHeads::random(heads_config, 3));
+  models::MedusaDraftSource source(heads, target);
+  const std::vector<int64_t> prompt{3, 17, 5, 5, 40, 2};
+  GenerationResult result;
+  const int64_t copies = copies_during([&] { result = generate_with(source, target, prompt, {.max_new_tokens = 60, .gamma = 3}); });
+  EXPECT_EQ(result.tokens, autoregressive_generate(reference, prompt, {.max_new_tokens = 60}).tokens);
+  EXPECT_EQ(copies, result.stats.steps);
+  EXPECT_GT(result.stats.drafted, 0);
+  EXPECT_LE(result.stats.drafted, 3 * result.stats.steps);
+  std::cout << "[ figures  ] medusa heads (random): " << result.stats.drafted << " drafted, " << result.stats.accepted
+            << " accepted in " << result.stats.steps << " steps\n";
+
+  // The drafts after a step are the heads' top tokens at the last fed position's hidden state.
+  std::vector<int64_t> sequence = prompt;
+  sequence.push_back(result.tokens.front());
+  auto cache = reference.make_cache(1);
+  const std::vector<int64_t> taps{config.n_layers};
+  const at::Tensor features =
+      reference.forward_features(at::tensor(prompt, at::kLong).view({1, -1}), cache, taps).features[0];
+  models::MedusaDraftSource manual(heads, target);
+  manual.start(sequence, {});
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  EXPECT_EQ(manual.draft(DraftRequest{.sequence = sequence, .gamma = 3, .room = 10}, GreedyProcessor{}, gen).size(), 0)
+      << "no drafts before a verified step";
+  manual.verified(VerifiedDrafts{.sequence = sequence, .position = 6, .features = features, .features_from = 0});
+  const Drafts drafts = manual.draft(DraftRequest{.sequence = sequence, .gamma = 2, .room = 10}, GreedyProcessor{}, gen);
+  ASSERT_EQ(drafts.size(), 2);
+  EXPECT_TRUE(at::equal(drafts.tokens, heads.logits(features[5], 2).argmax(-1)));
+  EXPECT_FALSE(at::equal(heads.logits(features[5], 2).argmax(-1), heads.logits(features[4], 2).argmax(-1)))
+      << "another position's hidden state would give other drafts: the check above can fail";
+  sequence.push_back(7);  // a sequence the hidden state is not the one before the last of
+  EXPECT_EQ(manual.draft(DraftRequest{.sequence = sequence, .gamma = 2, .room = 10}, GreedyProcessor{}, gen).size(), 0);
+
+  const models::MedusaConfig wide{.hidden_size = config.dim + 1, .vocab_size = config.vocab_size, .num_heads = 1};
+  const models::MedusaHeads misfit(wide, models::MedusaHeads::random(wide, 1));
+  test::expect_invalid([&] { models::MedusaDraftSource refused(misfit, target); }, {"hidden_size = 33"});
+  test::expect_invalid([&] { (void)models::MedusaHeads({.hidden_size = 4, .vocab_size = 8, .num_heads = 0}, {}); },
+                       {"medusa_num_heads = 0"});
+}
+
+// Whether three sampled tokens after a prompt, with Medusa heads drafting from the second step
+// on, fit the target's exact distribution by chi-square at a tail of 1e-6.
+bool medusa_samples_fit(bool skip_sample_adjustment) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  models::LlamaConfig config = test::small_llama_config();
+  config.vocab_size = 6;
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 8);
+  Model target(config, weights);
+  const models::MedusaConfig heads_config{.hidden_size = config.dim, .vocab_size = 6, .num_heads = 2};
+  const models::MedusaHeads heads(heads_config, models::MedusaHeads::random(heads_config, 4));
+  const MultinomialProcessor processor{2.0};
+  const std::vector<int64_t> prompt{1, 4, 2};
+  // The exact distribution of the three tokens, by enumeration.
+  std::map<std::vector<int64_t>, double> expected{{{}, 1.0}};
+  for (int step = 0; step < 3; ++step) {
+    std::map<std::vector<int64_t>, double> longer;
+    for (const auto& [prefix, probability] : expected) {
+      std::vector<int64_t> sequence = prompt;
+      sequence.insert(sequence.end(), prefix.begin(), prefix.end());
+      auto cache = target.make_cache(1);
+      const at::Tensor logits = target.forward(at::tensor(sequence, at::kLong).view({1, -1}), cache)[0];
+      const at::Tensor p = processor(logits[-1]).to(at::kDouble);
+      for (int64_t token = 0; token < 6; ++token) {
+        std::vector<int64_t> next = prefix;
+        next.push_back(token);
+        longer[next] = probability * p[token].item<double>();
+      }
+    }
+    expected = std::move(longer);
+  }
+  constexpr int64_t kSamples = 4000;
+  std::map<std::vector<int64_t>, int64_t> observed;
+  int64_t drafted = 0;
+  for (int64_t i = 0; i < kSamples; ++i) {
+    models::MedusaDraftSource source(heads, target);
+    const GenerationResult result = generate_with(
+        source, target, prompt,
+        {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2, .skip_sample_adjustment = skip_sample_adjustment},
+        processor);
+    ++observed[result.tokens];
+    drafted += result.stats.drafted;
+  }
+  EXPECT_GT(drafted, kSamples / 2) << "the heads should draft in most generations";
+  const test::ChiSquare fit = test::chi_square(observed, expected, kSamples);
+  return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
+}
+
+TEST(Medusa, SampledOutputIsDistributedAsTheTarget) {
+  EXPECT_TRUE(medusa_samples_fit(/*skip_sample_adjustment=*/false));
+  // Power: a verification that samples a rejected position from p instead of the residual fails.
+  EXPECT_FALSE(medusa_samples_fit(/*skip_sample_adjustment=*/true));
+}
+
+// The Medusa heads trained for the bundled target (models/bundled/medusa, made by
+// tools/train_medusa.cpp) load from the published layout and draft what the target accepts: on a
+// prompt of held-out Python, greedy output equals the target's alone and at least 0.5 drafts per
+// step are accepted (random heads accept about 0.01).
+TEST(Medusa, TrainedHeadsForTheBundledTargetAreAccepted) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  const std::string bundled = SPECDEC_BUNDLED_MODELS_DIR;
+  const io::LlamaCheckpoint checkpoint = io::load_llama(bundled + "/target");
+  Model target(checkpoint.config, checkpoint.weights);
+  const models::MedusaHeads heads = io::load_medusa(bundled + "/medusa", target.hidden_size(), target.vocab_size());
+  const std::string text = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return ";
+  const std::vector<int64_t> prompt(text.begin(), text.end());
+  models::MedusaDraftSource source(heads, target);
+  const GenerationResult result =
+      generate_with(source, target, prompt, {.max_new_tokens = 128, .gamma = heads.config().num_heads});
+  EXPECT_EQ(result.tokens, autoregressive_generate(target, prompt, {.max_new_tokens = 128}).tokens);
+  const double per_step = static_cast<double>(result.stats.accepted) / static_cast<double>(result.stats.steps);
+  std::cout << "[ figures  ] bundled Medusa heads: " << per_step << " drafts accepted per step, "
+            << static_cast<double>(result.tokens.size()) / static_cast<double>(result.stats.steps) << " tokens per step\n";
+  EXPECT_GE(per_step, 0.5);
 }
 
 }  // namespace

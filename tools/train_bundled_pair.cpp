@@ -25,9 +25,12 @@
 #include "specdec/io/hf_llama.hpp"
 #include "specdec/models/llama.hpp"
 #include "text/python_corpus.hpp"
+#include "text/training.hpp"
 
 namespace {
 
+using specdec::text::batch_of;
+using specdec::text::learning_rate;
 using specdec::models::LlamaConfig;
 using specdec::models::LlamaLayerWeights;
 using specdec::models::LlamaModel;
@@ -62,12 +65,7 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--seed", args.seed, "initialisation and sampling seed")
       ->check(cli::integer<uint64_t>(0, std::numeric_limits<uint64_t>::max()));
   app.add_option("--threads", args.threads, "torch threads (default 2)")->check(cli::integer<int>(1, 1024));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::Success&) {
-    std::cout << app.help();
-    std::exit(0);
-  }
+  cli::parse_or_help(app, argc, argv);
   return args;
 }
 
@@ -103,29 +101,9 @@ std::vector<torch::Tensor> parameters(const LlamaWeights& w) {
   return p;
 }
 
-// Random windows of `length + 1` bytes: inputs and next-byte targets, [batch, length] each.
-std::pair<torch::Tensor, torch::Tensor> batch_of(const std::vector<uint8_t>& stream, int64_t batch,
-                                                 int64_t length, std::mt19937_64& rng) {
-  std::uniform_int_distribution<size_t> start(0, stream.size() - static_cast<size_t>(length) - 2);
-  torch::Tensor window = torch::empty({batch, length + 1}, torch::kLong);
-  auto* data = window.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    const size_t s = start(rng);
-    for (int64_t t = 0; t <= length; ++t) data[b * (length + 1) + t] = stream[s + static_cast<size_t>(t)];
-  }
-  return {window.narrow(1, 0, length).contiguous(), window.narrow(1, 1, length).contiguous()};
-}
-
 torch::Tensor logits_of(LlamaModel<>& model, const torch::Tensor& inputs) {
   auto cache = model.make_cache(inputs.size(0));
   return model.forward(inputs, cache);
-}
-
-double learning_rate(int64_t step, int64_t steps, double peak) {
-  const int64_t warmup = std::max<int64_t>(1, steps / 20);
-  if (step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
-  const double progress = static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(1, steps - warmup));
-  return peak * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 
 // Trains `model` for `steps`; loss_of(inputs, targets) returns the scalar loss of a batch.

@@ -337,12 +337,7 @@ Arguments parse(int argc, char** argv) {
       ->group(output);
   app.add_flag("--json", a.json, "print the statistics as one JSON object instead of text")->group(output);
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::Success&) {
-    std::cout << app.help();
-    std::exit(0);
-  }
+  cli::parse_or_help(app, argc, argv);
   if (!thresholds.empty()) a.thresholds = cli::real_list("--thresholds", thresholds, 0.0, 1.0);
 
   for (const FlagModes& entry : flag_modes()) {

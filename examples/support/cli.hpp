@@ -10,6 +10,8 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <iostream>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -17,6 +19,17 @@
 #include <vector>
 
 namespace cli {
+
+// Parses the command line: after --help, prints the help and exits with status 0; a bad flag or
+// value throws CLI::ParseError (the caller prints it and exits with status 2).
+inline void parse_or_help(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success&) {
+    std::cout << app.help();
+    std::exit(0);
+  }
+}
 
 // The value of `text` if it is exactly one decimal integer of type T.
 template <class T>
