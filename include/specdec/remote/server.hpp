@@ -345,9 +345,10 @@ class VerifierService final : public grpc::Service {
   }
 
   // Frees the sessions idle for longer than limits.idle_timeout (not those serving a request).
-  // Then, when the server is quiet (no call being served) after serving calls or freeing sessions
-  // since the last time, hands the memory freed meanwhile back to the system: once per quiet
-  // spell, not in the middle of a storm, where it would be allocated again at once.
+  // Then, if calls were served or sessions freed since the last time and no call is being served
+  // at this moment, hands the memory freed meanwhile back to the system: at most once per reaper
+  // round (at most once a second), and never while a call runs, where it would be allocated
+  // again at once.
   void free_idle() {
     const auto now = std::chrono::steady_clock::now();
     {
