@@ -19,6 +19,7 @@
 #include "specdec/batch.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
+#include "specdec/io/eagle.hpp"
 #include "specdec/io/medusa.hpp"
 #include "specdec/io/tokenizer.hpp"
 #include "support/llama_fixtures.hpp"
@@ -280,6 +281,106 @@ TEST(MedusaLoader, ReadsThePublishedLayoutAndRefusesWhatDoesNotFit) {
   fs::remove(dir.path() / "medusa_lm_head.safetensors");
   expect_format_error([&] { (void)io::load_medusa(dir.path(), 8, 12); }, dir.path().filename().string(),
                       "holds neither medusa_lm_head.safetensors nor model.safetensors");
+}
+
+// EAGLE heads in their published layouts: save_eagle() writes what load_eagle() reads back to
+// the same outputs (wq and wk through the rotate-half permutation and back); every problem of an
+// untrusted folder is a FormatError naming the file and the field or tensor.
+TEST(EagleLoader, ReadsThePublishedLayoutAndRefusesWhatDoesNotFit) {
+  TempDir dir;
+  models::LlamaConfig target_config = test::small_llama_config();
+  target_config.n_layers = 4;
+  const models::LlamaWeights target = models::LlamaWeights::random(target_config, 2);
+  const io::EagleTarget info{.hidden_size = 32, .vocab_size = 48, .num_layers = 4, .embedding = target.token_embedding,
+                             .classifier = target.output};
+  models::EagleConfig config{.kind = models::EagleKind::eagle3, .layer = target_config, .target_hidden_size = 32,
+                             .draft_vocab_size = 20, .feature_layers = {1, 2, 4}};
+  const models::EagleHead head(config, models::EagleHead::random(config, target.token_embedding, target.output, 5));
+  const at::Tensor features = at::randn({5, 96});
+  const at::Tensor ids = at::tensor({3, 9, 1, 30, 7}, at::kLong);
+  const auto logits_of = [&](const models::EagleHead& h) {
+    models::EagleCache cache;
+    return h.logits(h.forward(ids, h.fuse(features), cache));
+  };
+  io::save_eagle(dir.path(), head);
+  const models::EagleHead loaded = io::load_eagle(dir.path(), info);
+  EXPECT_EQ(loaded.config().feature_layers, config.feature_layers);
+  EXPECT_EQ(loaded.config().draft_vocab_size, 20);
+  EXPECT_TRUE(at::allclose(logits_of(loaded), logits_of(head), 1e-5, 1e-5));
+  EXPECT_TRUE(at::equal(loaded.to_target(at::arange(20)), head.to_target(at::arange(20))));
+
+  // EAGLE-1: the target's classifier and embedding; the same outputs.
+  models::EagleConfig config1{.kind = models::EagleKind::eagle1, .layer = target_config, .target_hidden_size = 32,
+                              .draft_vocab_size = 48, .feature_layers = {4}};
+  const models::EagleHead head1(config1, models::EagleHead::random(config1, target.token_embedding, target.output, 6));
+  TempDir dir1;
+  io::save_eagle(dir1.path(), head1);
+  const models::EagleHead loaded1 = io::load_eagle(dir1.path(), info);
+  EXPECT_EQ(loaded1.config().kind, models::EagleKind::eagle1);
+  models::EagleCache a, b;
+  const at::Tensor x = at::randn({5, 32});
+  EXPECT_TRUE(at::allclose(loaded1.logits(loaded1.forward(ids, x, a)), head1.logits(head1.forward(ids, x, b)), 1e-5, 1e-5));
+
+  const nlohmann::json good = nlohmann::json::parse(read_file(dir.path() / "config.json"));
+  const std::map<std::string, at::Tensor> tensors = io::load_safetensors(dir.path() / "model.safetensors").tensors;
+  const auto refused = [&](const nlohmann::json& json, const std::map<std::string, at::Tensor>& weights,
+                           const char* file, const std::string& problem, const io::EagleTarget& with = {}) {
+    write_file(dir.path() / "config.json", json.dump());
+    io::save_safetensors(dir.path() / "model.safetensors", weights);
+    expect_format_error([&] { (void)io::load_eagle(dir.path(), with.vocab_size > 0 ? with : info); }, file, problem);
+  };
+  nlohmann::json bad = good;
+  bad["vocab_size"] = 50;
+  refused(bad, tensors, "config.json", "vocab_size = 50 but the target's vocabulary is 48");
+  bad = good;
+  bad["hidden_size"] = 16;
+  refused(bad, tensors, "config.json", "hidden_size = 16 but the target's hidden size is 32");
+  bad = good;
+  bad["eagle_aux_hidden_state_layer_ids"] = {1, 2, 5};
+  refused(bad, tensors, "config.json", "eagle_aux_hidden_state_layer_ids[2] = 5 is not a hidden state of the target's (0 to 4)");
+  bad = good;
+  bad.erase("eagle_aux_hidden_state_layer_ids");
+  io::EagleTarget shallow = info;
+  shallow.num_layers = 2;
+  refused(bad, tensors, "config.json", "no default feature layers", shallow);
+  bad = good;
+  bad["draft_vocab_size"] = 0;
+  refused(bad, tensors, "config.json", "draft_vocab_size = 0 is outside [1, 48]");
+  bad = good;
+  bad["num_hidden_layers"] = 2;
+  refused(bad, tensors, "config.json", "num_hidden_layers = 2: a head has one layer");
+  auto changed = tensors;
+  at::Tensor d2t = tensors.at("d2t").clone();
+  d2t[3] = 60;
+  changed["d2t"] = d2t;
+  refused(good, changed, "model.safetensors", "d2t[3] = 60 maps draft id 3 to 63, outside the target vocabulary [0, 48)");
+  changed = tensors;
+  d2t = tensors.at("d2t").clone();
+  d2t[4] = d2t[3].item<int64_t>() - 1;
+  changed["d2t"] = d2t;
+  refused(good, changed, "model.safetensors", "d2t maps two draft ids to the same target id");
+  changed = tensors;
+  changed["t2d"] = at::ones({48}, at::kBool);
+  refused(good, changed, "model.safetensors", "t2d does not mark exactly the target ids d2t maps to");
+  changed = tensors;
+  changed.erase("midlayer.hidden_norm.weight");
+  refused(good, changed, "model.safetensors", "missing tensor 'midlayer.hidden_norm.weight'");
+  changed = tensors;
+  changed["midlayer.self_attn.q_proj.weight"] = at::zeros({32, 32});
+  refused(good, changed, "model.safetensors", "tensor 'midlayer.self_attn.q_proj.weight' has shape [32, 32], expected [32, 64]");
+  changed = tensors;
+  changed["layers.0.mlp.up_proj.weight"] = tensors.at("midlayer.mlp.up_proj.weight");
+  refused(good, changed, "model.safetensors", "holds both midlayer.* and layers.0.* tensors");
+  changed = tensors;
+  changed["extra"] = at::zeros({2});
+  refused(good, changed, "model.safetensors", "unexpected tensor 'extra' for an eagle3 head");
+  bad = good;
+  bad["speculators_model_type"] = "medusa";
+  refused(bad, tensors, "config.json", "speculators_model_type 'medusa' is not supported (only eagle3)");
+  fs::remove(dir.path() / "model.safetensors");
+  write_file(dir.path() / "pytorch_model.bin", "pickle");
+  expect_format_error([&] { (void)io::load_eagle(dir.path(), info); }, dir.path().filename().string(),
+                      "holds pytorch_model.bin, a pickle, which is not read");
 }
 
 TEST(Llama2c, Version1And2RoundTrip) {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <specdec/generate.hpp>
+#include <specdec/io/eagle.hpp>
 #include <specdec/io/hf_llama.hpp>
 #include <specdec/io/hf_tokenizer.hpp>
 #include <specdec/io/medusa.hpp>
@@ -169,6 +170,44 @@ TEST_P(MedusaReference, LogitsAndGreedyDraftsEqualThePublishedHeads) {
   }
 }
 INSTANTIATE_TEST_SUITE_P(Medusa, MedusaReference, ::testing::Values("plain", "prefixed"));
+
+// EAGLE heads loaded from their published layouts (io/eagle.hpp) against the published module
+// definitions rebuilt from transformers' Llama layers (tests/reference/eagle_heads.py): the
+// layer's outputs and the head's logits over a sequence of random target hidden states within
+// 1e-4, and the same greedy drafts continuing it, each draft position reading the layer's own
+// output. Cases: the EAGLE project's EAGLE-3 layout, vLLM's speculators layout, EAGLE-1.
+class EagleReference : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EagleReference, LogitsAndGreedyDraftsEqualThePublishedHeads) {
+  const fs::path folder = reference_dir() / "eagle" / GetParam();
+  SPECDEC_REQUIRE_REFERENCE(folder);
+  const auto reference = specdec::io::load_safetensors(folder / "reference.safetensors").tensors;
+  const at::Tensor sizes = reference.at("target");
+  const specdec::io::EagleTarget target{.hidden_size = sizes[0].item<int64_t>(),
+                                        .vocab_size = sizes[1].item<int64_t>(),
+                                        .num_layers = sizes[2].item<int64_t>(),
+                                        .embedding = reference.at("embedding"),
+                                        .classifier = reference.at("classifier")};
+  const specdec::models::EagleHead head = specdec::io::load_eagle(folder, target);
+  specdec::models::EagleCache cache;
+  const at::Tensor outputs = head.forward(reference.at("ids"), head.fuse(reference.at("features")), cache);
+  EXPECT_TRUE(at::allclose(outputs, reference.at("outputs"), 0.0, kLogitTolerance)) << worst(outputs, reference.at("outputs"));
+  const at::Tensor logits = head.logits(outputs);
+  EXPECT_TRUE(at::allclose(logits, reference.at("logits"), 0.0, kLogitTolerance)) << worst(logits, reference.at("logits"));
+  const Ids expected = to_ids(reference.at("drafts"));
+  Ids drafts;
+  at::Tensor last = outputs.narrow(0, outputs.size(0) - 1, 1);
+  for (size_t i = 0; i < expected.size(); ++i) {
+    if (i > 0) last = head.forward(at::tensor({drafts.back()}, at::kLong), last, cache);
+    drafts.push_back(head.to_target(head.logits(last).argmax(-1)).item<int64_t>());
+  }
+  EXPECT_EQ(drafts, expected);
+  if (GetParam() == "speculators") {
+    EXPECT_EQ(head.config().feature_layers, (std::vector<int64_t>{1, 3, 5}));
+    EXPECT_TRUE(head.config().norm_before_residual);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Eagle, EagleReference, ::testing::Values("eagle3", "speculators", "eagle1"));
 
 // The same sequence fed in pieces of 5, 1, 7, 3 and the rest, each attending to the cache the
 // earlier ones left (for the Mistral case, across its sliding window).

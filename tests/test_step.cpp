@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "specdec/io/checkpoint.hpp"
+#include "specdec/io/eagle.hpp"
 #include "specdec/io/medusa.hpp"
+#include "specdec/models/eagle.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/models/medusa.hpp"
 #include "specdec/specdec.hpp"
@@ -729,6 +731,163 @@ TEST(Medusa, TrainedHeadsForTheBundledTargetAreAccepted) {
   std::cout << "[ figures  ] bundled Medusa heads: " << per_step << " drafts accepted per step, "
             << static_cast<double>(result.tokens.size()) / static_cast<double>(result.stats.steps) << " tokens per step\n";
   EXPECT_GE(per_step, 0.5);
+}
+
+
+// A random EAGLE head of `kind` for a target of `config` (EAGLE-3 reading its hidden states 0, 1
+// and 2 over a draft vocabulary of `draft_vocab` ids).
+models::EagleHead random_eagle(const models::LlamaConfig& config, const models::LlamaWeights& weights, models::EagleKind kind,
+                               int64_t draft_vocab, uint64_t seed) {
+  models::EagleConfig c{.kind = kind,
+                        .layer = config,
+                        .target_hidden_size = config.dim,
+                        .draft_vocab_size = draft_vocab,
+                        .feature_layers = kind == models::EagleKind::eagle3 ? std::vector<int64_t>{0, 1, 2}
+                                                                           : std::vector<int64_t>{config.n_layers}};
+  c.layer.hidden_dim = 48;
+  return models::EagleHead(c, models::EagleHead::random(c, weights.token_embedding, weights.output, seed));
+}
+
+// The head's cache must equal one forward of the head over the whole sequence, every position
+// reading the target's hidden states computed from scratch.
+template <class Model>
+void expect_cache_recomputes(const models::EagleHead& head, Model& reference, std::span<const int64_t> sequence,
+                             const models::EagleCache& cache) {
+  ASSERT_EQ(cache.start(), 0);
+  ASSERT_GT(cache.length(), 0);
+  ASSERT_LE(cache.length(), static_cast<int64_t>(sequence.size()) - 1);
+  const int64_t n = cache.length();
+  auto fresh = reference.make_cache(1);
+  const at::Tensor ids = at::tensor(std::vector<int64_t>(sequence.begin(), sequence.begin() + n), at::kLong).view({1, -1});
+  const at::Tensor features = reference.forward_features(ids, fresh, head.config().feature_layers).features[0];
+  models::EagleCache expected;
+  const at::Tensor next = at::tensor(std::vector<int64_t>(sequence.begin() + 1, sequence.begin() + n + 1), at::kLong);
+  (void)head.forward(next, head.fuse(features), expected);
+  EXPECT_TRUE(at::allclose(cache.keys(), expected.keys(), 1e-4, 1e-5)) << (cache.keys() - expected.keys()).abs().max().item<float>();
+  EXPECT_TRUE(at::allclose(cache.values(), expected.values(), 1e-4, 1e-5));
+}
+
+// EAGLE-3 and EAGLE-1 heads on the step core: greedy output equals autoregressive decoding with
+// drafts accepted and rejected, one host copy per step; the head's cache after the generation
+// (its draft positions pruned, the accepted ones recomputed from the target's hidden states)
+// equals the head run over the whole sequence from scratch; a session's second turn keeps it.
+TEST(Eagle, GreedyOutputEqualsAutoregressiveDecodingAndTheCacheRecomputes) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  models::LlamaConfig config = test::small_llama_config();
+  config.vocab_size = 8;
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 12);
+  Model target(config, weights);
+  Model reference(config, weights);
+  const std::vector<int64_t> prompt{3, 1, 5, 5, 4, 2};
+  for (const auto kind : {models::EagleKind::eagle3, models::EagleKind::eagle1}) {
+    SCOPED_TRACE(models::to_string(kind));
+    const models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 6 : 8, 4);
+    models::EagleDraftSource source(head, target);
+    GenerationResult result;
+    const int64_t copies =
+        copies_during([&] { result = generate_with(source, target, prompt, {.max_new_tokens = 60, .gamma = 3}); });
+    EXPECT_EQ(result.tokens, autoregressive_generate(reference, prompt, {.max_new_tokens = 60}).tokens);
+    EXPECT_EQ(copies, result.stats.steps);
+    EXPECT_GT(result.stats.accepted, 0);
+    EXPECT_LT(result.stats.accepted, result.stats.drafted) << "the test should see rejected drafts too";
+    std::cout << "[ figures  ] " << models::to_string(kind) << " head (random): " << result.stats.drafted << " drafted, "
+              << result.stats.accepted << " accepted in " << result.stats.steps << " steps\n";
+    std::vector<int64_t> sequence = prompt;
+    sequence.insert(sequence.end(), result.tokens.begin(), result.tokens.end());
+    EXPECT_EQ(source.cache().length(), static_cast<int64_t>(sequence.size()) - 1);
+    expect_cache_recomputes(head, reference, sequence, source.cache());
+
+    Session<Model> session(target);
+    Session<Model> alone(reference);
+    models::EagleDraftSource turns(head, target);
+    NoDrafts none;
+    for (const std::vector<int64_t>& turn : {prompt, std::vector<int64_t>{7, 0, 6}}) {
+      session.append(turn);
+      alone.append(turn);
+      const GenerationResult got = session.generate(turns, {.max_new_tokens = 15, .gamma = 3});
+      EXPECT_EQ(got.tokens, alone.generate(none, {.max_new_tokens = 15}).tokens);
+    }
+    expect_cache_recomputes(head, reference, session.tokens(), turns.cache());
+    EXPECT_EQ(turns.cache().length(), static_cast<int64_t>(session.tokens().size()) - 1);
+  }
+}
+
+// Whether three sampled tokens after a prompt, an EAGLE-3 head drafting over a draft vocabulary
+// of 4 of the target's 6 ids, fit the target's exact distribution by chi-square at a tail of 1e-6.
+bool eagle_samples_fit(bool skip_sample_adjustment) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  models::LlamaConfig config = test::small_llama_config();
+  config.vocab_size = 6;
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 8);
+  Model target(config, weights);
+  const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 4, 6);
+  const MultinomialProcessor processor{2.0};
+  const std::vector<int64_t> prompt{1, 4, 2};
+  std::map<std::vector<int64_t>, double> expected{{{}, 1.0}};
+  for (int step = 0; step < 3; ++step) {
+    std::map<std::vector<int64_t>, double> longer;
+    for (const auto& [prefix, probability] : expected) {
+      std::vector<int64_t> sequence = prompt;
+      sequence.insert(sequence.end(), prefix.begin(), prefix.end());
+      auto cache = target.make_cache(1);
+      const at::Tensor p = processor(target.forward(at::tensor(sequence, at::kLong).view({1, -1}), cache)[0][-1]).to(at::kDouble);
+      for (int64_t token = 0; token < 6; ++token) {
+        std::vector<int64_t> next = prefix;
+        next.push_back(token);
+        longer[next] = probability * p[token].item<double>();
+      }
+    }
+    expected = std::move(longer);
+  }
+  constexpr int64_t kSamples = 4000;
+  std::map<std::vector<int64_t>, int64_t> observed;
+  int64_t drafted = 0;
+  models::EagleDraftSource source(head, target);
+  for (int64_t i = 0; i < kSamples; ++i) {
+    const GenerationResult result = generate_with(
+        source, target, prompt,
+        {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2, .skip_sample_adjustment = skip_sample_adjustment},
+        processor);
+    ++observed[result.tokens];
+    drafted += result.stats.drafted;
+  }
+  EXPECT_GT(drafted, kSamples / 2) << "the head should draft in most generations";
+  const test::ChiSquare fit = test::chi_square(observed, expected, kSamples);
+  return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
+}
+
+TEST(Eagle, SampledOutputIsDistributedAsTheTarget) {
+  EXPECT_TRUE(eagle_samples_fit(/*skip_sample_adjustment=*/false));
+  // Power: a verification that samples a rejected position from p instead of the residual fails.
+  EXPECT_FALSE(eagle_samples_fit(/*skip_sample_adjustment=*/true));
+}
+
+// A head that does not fit its target, or whose weights do not fit its config, is refused with
+// the field and value named, before any generation.
+TEST(Eagle, HeadsThatDoNotFitAreRefused) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 3);
+  Model target(config, weights);
+  models::EagleConfig c{.kind = models::EagleKind::eagle3, .layer = config, .target_hidden_size = config.dim,
+                        .draft_vocab_size = 40, .feature_layers = {0, 1, 3}};
+  const models::EagleHead deep(c, models::EagleHead::random(c, weights.token_embedding, weights.output, 1));
+  test::expect_invalid([&] { models::EagleDraftSource s(deep, target); }, {"feature_layers[2] = 3", "2 layers"});
+  c.feature_layers = {0, 1, 2};
+  models::EagleWeights w = models::EagleHead::random(c, weights.token_embedding, weights.output, 1);
+  w.d2t[5] = 100;
+  test::expect_invalid([&] { (void)models::EagleHead(c, w); }, {"d2t[5]", "outside the target vocabulary"});
+  w = models::EagleHead::random(c, weights.token_embedding, weights.output, 1);
+  w.fc = w.fc.narrow(1, 0, 2 * config.dim);
+  test::expect_invalid([&] { (void)models::EagleHead(c, w); }, {"fc must be a [32, 96]", "[32, 64]"});
+  c.draft_vocab_size = 0;
+  test::expect_invalid([&] { c.validate(); }, {"draft_vocab_size = 0"});
+  c.draft_vocab_size = 40;
+  c.layer.vocab_size = 64;
+  models::LlamaWeights wide = models::LlamaWeights::random(c.layer, 1);
+  const models::EagleHead other(c, models::EagleHead::random(c, wide.token_embedding, wide.output, 1));
+  test::expect_invalid([&] { models::EagleDraftSource s(other, target); }, {"vocab_size = 64", "48"});
+  test::expect_invalid([&] { (void)models::EagleConfig::eagle3_default_layers(2); }, {"2 layers"});
 }
 
 }  // namespace

@@ -1,0 +1,547 @@
+// EAGLE heads: one decoder layer that drafts from the target's own hidden states, as EAGLE-1 (Li
+// et al., 2024; its EAGLE-2 checkpoints are the same heads) and EAGLE-3 (Li et al., 2025) define
+// them and their published checkpoints hold them.
+//
+// The head runs beside the target, one position behind it: its position p reads the target's
+// hidden state at p and the token at p + 1, and its output at p predicts the token at p + 2. A
+// draft position reads the head's own output at the position before in place of the target's.
+//   EAGLE-3: fc maps the concatenation of three target hidden states (the inputs of decoder layers
+//     2, L/2 and L-3 by default) to the head's width H. The layer's attention reads
+//     [input_norm(embedding(token)); hidden_norm(h)] (2H wide) and adds to h (or to hidden_norm(h)
+//     when norm_before_residual), then a SwiGLU block as in Llama. Its output, normalised, goes to
+//     lm_head over a draft vocabulary; draft id d is target id d + d2t[d].
+//   EAGLE-1: fc (with bias) maps [embedding(token); feature] (2H) to H, where the feature is the
+//     target's final normalised hidden state; the layer has no input norm, and its output goes
+//     straight to the target's own classifier.
+// Rotary embeddings rotate consecutive pairs (2i, 2i+1), as LlamaModel's do; a loader of Hugging
+// Face's rotate-half checkpoints permutes wq and wk (io/eagle.hpp).
+//
+// EagleDraftSource drafts with a head on the step core and keeps the head's cache across steps,
+// generations and Session turns, pruned to what the target verified.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/detail/torch_compat.hpp"
+#include "specdec/device.hpp"
+#include "specdec/draft_source.hpp"
+#include "specdec/models/llama.hpp"
+#include "specdec/models/llama_config.hpp"
+#include "specdec/options.hpp"
+
+namespace specdec::models {
+
+enum class EagleKind { eagle1, eagle3 };
+
+inline const char* to_string(EagleKind kind) {
+  return kind == EagleKind::eagle1 ? "eagle1" : "eagle3";
+}
+
+struct EagleConfig {
+  EagleKind kind = EagleKind::eagle3;
+  // The head's decoder layer: dim (H), hidden_dim, n_heads, n_kv_heads, rope_theta, rope_scaling
+  // and norm_eps are read; vocab_size is the target's vocabulary. n_layers, max_seq_len,
+  // sliding_window and the bias flags are not used (one layer, no biases, positions unbounded).
+  LlamaConfig layer{};
+  int64_t target_hidden_size = 0;  // width of one target hidden state (EAGLE-3 may differ from H)
+  int64_t draft_vocab_size = 0;    // EAGLE-3: lm_head's rows; EAGLE-1: the target's vocabulary
+  std::vector<int64_t> feature_layers;  // the target hidden states read (FeatureTarget numbering)
+  bool norm_before_residual = false;    // EAGLE-3: the residual is hidden_norm(h), not h
+
+  [[nodiscard]] int64_t hidden_size() const noexcept { return layer.dim; }
+  [[nodiscard]] int64_t vocab_size() const noexcept { return layer.vocab_size; }
+  // The width of what fc reads: three target hidden states (EAGLE-3), or [embedding; feature].
+  [[nodiscard]] int64_t fc_inputs() const noexcept {
+    return kind == EagleKind::eagle3
+               ? static_cast<int64_t>(feature_layers.size()) * target_hidden_size
+               : 2 * layer.dim;
+  }
+  // The width the attention's projections read.
+  [[nodiscard]] int64_t attention_inputs() const noexcept {
+    return kind == EagleKind::eagle3 ? 2 * layer.dim : layer.dim;
+  }
+
+  // Throws std::invalid_argument naming the first field out of range.
+  void validate() const {
+    LlamaConfig checked = layer;
+    checked.n_layers = 1;
+    checked.validate();
+    if (target_hidden_size < 1)
+      detail::throw_invalid("eagle: target_hidden_size", "be >= 1", target_hidden_size);
+    if (kind == EagleKind::eagle1 && target_hidden_size != layer.dim) {
+      detail::throw_invalid_message("eagle1: target_hidden_size = ", target_hidden_size,
+                                    " must equal hidden_size = ", layer.dim);
+    }
+    if (draft_vocab_size < 1 || draft_vocab_size > layer.vocab_size) {
+      detail::throw_invalid_message("eagle: draft_vocab_size = ", draft_vocab_size,
+                                    " must be in [1, vocab_size = ", layer.vocab_size, "]");
+    }
+    if (kind == EagleKind::eagle1 && draft_vocab_size != layer.vocab_size) {
+      detail::throw_invalid_message("eagle1: draft_vocab_size = ", draft_vocab_size,
+                                    " must equal vocab_size = ", layer.vocab_size);
+    }
+    const size_t expected = kind == EagleKind::eagle3 ? 3 : 1;
+    if (feature_layers.size() != expected) {
+      detail::throw_invalid_message(to_string(kind), ": feature_layers has ", feature_layers.size(),
+                                    " entries, expected ", expected);
+    }
+    for (size_t i = 0; i < feature_layers.size(); ++i) {
+      if (feature_layers[i] < 0)
+        detail::throw_invalid_message("eagle: feature_layers[", i, "] = ", feature_layers[i],
+                                      " must be >= 0");
+    }
+  }
+
+  // EAGLE-3's default target layers for a target of `layers` decoder layers: the inputs of layers
+  // 2, L/2 and L-3, as its reference implementation and vLLM choose them. Throws for L < 3.
+  static std::vector<int64_t> eagle3_default_layers(int64_t layers) {
+    if (layers < 3) {
+      detail::throw_invalid_message(
+          "eagle3: a target of ", layers,
+          " layers has no default feature layers (2, L/2, L-3): give them explicitly");
+    }
+    return {std::min<int64_t>(2, layers - 1), layers / 2, layers - 3};
+  }
+};
+
+// The head's weights, every projection [out, in].
+struct EagleWeights {
+  at::Tensor embedding{};    // [vocab, H]: the head's own or the target's
+  at::Tensor fc{};           // [H, fc_inputs()]
+  at::Tensor fc_bias{};      // [H]; EAGLE-1 always, EAGLE-3 optional (undefined: none)
+  at::Tensor input_norm{};   // EAGLE-3: [H], on the embedding
+  at::Tensor hidden_norm{};  // EAGLE-3: [H], on the hidden state
+  at::Tensor wq{}, wk{}, wv{},
+      wo{};               // [heads hd, attention_inputs()], [kv hd, ...] twice, [H, heads hd]
+  at::Tensor ffn_norm{};  // [H] (post_attention_layernorm)
+  at::Tensor w_gate{}, w_up{}, w_down{};  // [F, H], [F, H], [H, F]
+  at::Tensor norm{};                      // EAGLE-3: [H], before lm_head
+  at::Tensor lm_head{};  // EAGLE-3: [draft_vocab, H]; EAGLE-1: the target's classifier [vocab, H]
+  at::Tensor d2t{};      // EAGLE-3: int64 [draft_vocab], target id = draft id + d2t[draft id];
+                         // undefined: the identity (draft_vocab == vocab)
+};
+
+// A head's keys and values for positions [start, start + length()), in a buffer that grows by
+// doubling (no allocation per token) and is cut back without copying.
+class EagleCache {
+ public:
+  [[nodiscard]] int64_t start() const noexcept { return start_; }
+  [[nodiscard]] int64_t length() const noexcept { return length_; }
+  [[nodiscard]] int64_t end() const noexcept { return start_ + length_; }
+  // [kv_heads, length, head_dim] views.
+  [[nodiscard]] at::Tensor keys() const {
+    return length_ == 0 ? at::Tensor() : keys_.narrow(1, 0, length_);
+  }
+  [[nodiscard]] at::Tensor values() const {
+    return length_ == 0 ? at::Tensor() : values_.narrow(1, 0, length_);
+  }
+
+  // Forgets everything; the next entry will be at `position`.
+  void reset(int64_t position) {
+    start_ = position;
+    length_ = 0;
+  }
+  // Keeps positions before `position` (in [start, end]).
+  void truncate(int64_t position) {
+    if (position < start_ || position > end()) {
+      detail::throw_invalid_message("EagleCache::truncate: position = ", position, " must be in [",
+                                    start_, ", ", end(), "]");
+    }
+    length_ = position - start_;
+  }
+  // Appends keys and values [kv_heads, T, head_dim] at the end.
+  void append(const at::Tensor& keys, const at::Tensor& values) {
+    const int64_t count = keys.size(1);
+    if (!keys_.defined() || keys_.size(1) < length_ + count || keys_.size(0) != keys.size(0) ||
+        keys_.size(2) != keys.size(2) || keys_.scalar_type() != keys.scalar_type() ||
+        keys_.device() != keys.device()) {
+      const int64_t capacity = std::max<int64_t>(64, 2 * (length_ + count));
+      at::Tensor k = at::empty({keys.size(0), capacity, keys.size(2)}, keys.options());
+      at::Tensor v = at::empty({keys.size(0), capacity, keys.size(2)}, keys.options());
+      if (length_ > 0) {
+        k.narrow(1, 0, length_).copy_(keys_.narrow(1, 0, length_));
+        v.narrow(1, 0, length_).copy_(values_.narrow(1, 0, length_));
+      }
+      keys_ = k;
+      values_ = v;
+    }
+    keys_.narrow(1, length_, count).copy_(keys);
+    values_.narrow(1, length_, count).copy_(values);
+    length_ += count;
+  }
+
+ private:
+  at::Tensor keys_{}, values_{};
+  int64_t start_ = 0;
+  int64_t length_ = 0;
+};
+
+class EagleHead {
+ public:
+  // Throws std::invalid_argument naming the weight, its shape and the expected one when a weight
+  // does not fit `config`, and naming d2t's first entry that maps outside the target vocabulary.
+  EagleHead(EagleConfig config, EagleWeights weights)
+      : config_(std::move(config)), w_(std::move(weights)) {
+    config_.validate();
+    check_weights();
+    const at::Tensor inv_freq = LlamaModel<>::rope_inverse_frequencies(config_.layer);
+    inv_freq_ = inv_freq.to(w_.fc.device());
+    if (config_.kind == EagleKind::eagle3) {
+      at::Tensor ids =
+          at::arange(config_.draft_vocab_size, at::TensorOptions(at::kLong).device(w_.fc.device()));
+      if (w_.d2t.defined()) ids = ids + w_.d2t;
+      draft_to_target_ = ids;
+    }
+  }
+
+  [[nodiscard]] const EagleConfig& config() const noexcept { return config_; }
+  [[nodiscard]] const EagleWeights& weights() const noexcept { return w_; }
+  [[nodiscard]] at::Device device() const { return w_.fc.device(); }
+  [[nodiscard]] at::ScalarType dtype() const { return w_.fc.scalar_type(); }
+
+  // What the layer reads as the hidden state of positions whose target hidden states are
+  // `features` [T, feature width]: fc of them for EAGLE-3, themselves for EAGLE-1 (whose fc comes
+  // with the embedding).
+  [[nodiscard]] at::Tensor fuse(const at::Tensor& features) const {
+    const at::Tensor x = features.to(dtype());
+    if (config_.kind == EagleKind::eagle1) return x;
+    return at::linear(x, w_.fc, w_.fc_bias);
+  }
+
+  // The layer over T positions: tokens `ids` (int64 [T], on the head's device) with hidden states
+  // `hidden` [T, H] (fuse()d target states, or the head's own outputs), at positions
+  // [cache.end(), cache.end() + T), attending to the cache and causally to each other; appends
+  // their keys and values to `cache`. Returns the layer's outputs [T, H] (before the final norm),
+  // which logits() reads and later draft positions take as their hidden state.
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& hidden, EagleCache& cache) const {
+    const LlamaConfig& c = config_.layer;
+    const int64_t count = ids.size(0);
+    const int64_t heads = c.n_heads, kv_heads = c.n_kv_heads, head_dim = c.head_dim();
+    const at::Tensor embedded = at::embedding(w_.embedding, ids).to(dtype());
+    const at::Tensor h = hidden.to(dtype());
+    at::Tensor residual, attention_input;
+    if (config_.kind == EagleKind::eagle3) {
+      const at::Tensor normed = rms_norm(h, w_.hidden_norm);
+      residual = config_.norm_before_residual ? normed : h;
+      attention_input = at::cat({rms_norm(embedded, w_.input_norm), normed}, -1);
+    } else {
+      residual = at::linear(at::cat({embedded, h}, -1), w_.fc, w_.fc_bias);
+      attention_input = residual;
+    }
+    const at::Tensor positions = at::arange(cache.end(), cache.end() + count,
+                                            at::TensorOptions(at::kDouble).device(device()));
+    const at::Tensor angles = positions.unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, hd/2]
+    const at::Tensor cos = angles.cos().to(dtype()).unsqueeze(1),
+                     sin = angles.sin().to(dtype()).unsqueeze(1);
+    const auto rotate = [&](const at::Tensor& x) {  // x [T, n, hd]: consecutive pairs
+      const at::Tensor pairs = x.reshape({count, x.size(1), head_dim / 2, 2});
+      const at::Tensor even = pairs.select(-1, 0), odd = pairs.select(-1, 1);
+      return at::stack({even * cos - odd * sin, even * sin + odd * cos}, -1).reshape(x.sizes());
+    };
+    const at::Tensor q = rotate(at::linear(attention_input, w_.wq).view({count, heads, head_dim}));
+    const at::Tensor k =
+        rotate(at::linear(attention_input, w_.wk).view({count, kv_heads, head_dim}));
+    const at::Tensor v = at::linear(attention_input, w_.wv).view({count, kv_heads, head_dim});
+    const int64_t first = cache.end();
+    cache.append(k.transpose(0, 1), v.transpose(0, 1));
+    const int64_t length = cache.length();
+    const int64_t group = heads / kv_heads;
+    // Queries grouped by their key/value head: [kv_heads, group * T, hd].
+    const at::Tensor grouped = q.transpose(0, 1).reshape({kv_heads, group * count, head_dim});
+    at::Tensor scores = at::matmul(grouped, cache.keys().transpose(1, 2))
+                            .mul_(1.0 / std::sqrt(static_cast<double>(head_dim)));
+    // Query t (position first + t) sees keys at positions <= first + t.
+    const at::Tensor key_positions = at::arange(cache.start(), cache.start() + length,
+                                                at::TensorOptions(at::kLong).device(device()));
+    const at::Tensor query_positions =
+        at::arange(first, first + count, at::TensorOptions(at::kLong).device(device()));
+    const at::Tensor hidden_keys =
+        key_positions.unsqueeze(0) > query_positions.unsqueeze(1);  // [T, length]
+    scores.masked_fill_(hidden_keys.repeat({group, 1}).unsqueeze(0),
+                        -std::numeric_limits<double>::infinity());
+    const at::Tensor probabilities =
+        scores.softmax(-1, at::promote_types(scores.scalar_type(), at::kFloat)).to(dtype());
+    const at::Tensor attended = at::matmul(probabilities, cache.values())
+                                    .view({heads, count, head_dim})
+                                    .transpose(0, 1)
+                                    .reshape({count, heads * head_dim});
+    at::Tensor x = residual + at::linear(attended, w_.wo);
+    const at::Tensor f = rms_norm(x, w_.ffn_norm);
+    return x + at::linear(at::silu(at::linear(f, w_.w_gate)) * at::linear(f, w_.w_up), w_.w_down);
+  }
+
+  // Logits [T, draft_vocab] of layer outputs [T, H]: lm_head of their norm (EAGLE-3), or the
+  // target's classifier of them (EAGLE-1, where the draft vocabulary is the target's).
+  [[nodiscard]] at::Tensor logits(const at::Tensor& outputs) const {
+    if (config_.kind == EagleKind::eagle1) return at::linear(outputs, w_.lm_head);
+    return at::linear(rms_norm(outputs, w_.norm), w_.lm_head);
+  }
+
+  // Target ids of draft ids (any shape, on the head's device).
+  [[nodiscard]] at::Tensor to_target(const at::Tensor& draft_ids) const {
+    return config_.kind == EagleKind::eagle1
+               ? draft_ids
+               : draft_to_target_.index_select(0, draft_ids.flatten()).view_as(draft_ids);
+  }
+
+  // Draft logits [T, draft_vocab] spread over the target vocabulary [T, vocab]: each draft id's
+  // logit at its target id, -inf at target ids the draft vocabulary lacks.
+  [[nodiscard]] at::Tensor target_logits(const at::Tensor& logits) const {
+    if (config_.kind == EagleKind::eagle1 || !w_.d2t.defined()) {
+      return logits;
+    }
+    at::Tensor spread = at::full({logits.size(0), config_.vocab_size()},
+                                 -std::numeric_limits<double>::infinity(), logits.options());
+    return spread.index_copy_(1, draft_to_target_, logits);
+  }
+
+  // A random head (tests and benchmarks) on a target's embedding and classifier ([vocab, H] each,
+  // whose dtype and device it takes). EAGLE-3's draft vocabulary is the first draft_vocab_size
+  // ids in a random order.
+  static EagleWeights random(const EagleConfig& config, const at::Tensor& embedding,
+                             const at::Tensor& classifier, uint64_t seed) {
+    config.validate();
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    const auto normal = [&](std::vector<int64_t> shape, double std) {
+      return at::normal(0.0, std, shape, gen, at::TensorOptions(at::kFloat))
+          .to(embedding.options());
+    };
+    const LlamaConfig& c = config.layer;
+    const int64_t h = c.dim, in = config.attention_inputs();
+    const double s = 1.0 / std::sqrt(static_cast<double>(h));
+    EagleWeights w;
+    w.embedding = embedding;
+    w.fc =
+        normal({h, config.fc_inputs()}, 1.0 / std::sqrt(static_cast<double>(config.fc_inputs())));
+    w.fc_bias = config.kind == EagleKind::eagle1 ? normal({h}, 0.1) : at::Tensor();
+    w.wq = normal({c.n_heads * c.head_dim(), in}, 2.0 / std::sqrt(static_cast<double>(in)));
+    w.wk = normal({c.kv_dim(), in}, 2.0 / std::sqrt(static_cast<double>(in)));
+    w.wv = normal({c.kv_dim(), in}, 1.0 / std::sqrt(static_cast<double>(in)));
+    w.wo = normal({h, c.n_heads * c.head_dim()}, s);
+    w.ffn_norm = at::ones({h}, embedding.options());
+    w.w_gate = normal({c.hidden_dim, h}, s);
+    w.w_up = normal({c.hidden_dim, h}, s);
+    w.w_down = normal({h, c.hidden_dim}, 1.0 / std::sqrt(static_cast<double>(c.hidden_dim)));
+    if (config.kind == EagleKind::eagle3) {
+      w.input_norm = at::ones({h}, embedding.options());
+      w.hidden_norm = at::ones({h}, embedding.options());
+      w.norm = at::ones({h}, embedding.options());
+      const at::Tensor order = at::randperm(c.vocab_size, gen, at::TensorOptions(at::kLong))
+                                   .narrow(0, 0, config.draft_vocab_size);
+      const at::Tensor sorted = std::get<0>(order.sort());
+      w.d2t = (sorted - at::arange(config.draft_vocab_size, at::kLong)).to(embedding.device());
+      w.lm_head = classifier.index_select(0, sorted.to(classifier.device())).clone();
+    } else {
+      w.lm_head = classifier;
+    }
+    return w;
+  }
+
+ private:
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    const at::Tensor wide = x.to(at::promote_types(x.scalar_type(), at::kFloat));
+    return (wide * at::rsqrt(wide.pow(2).mean(-1, /*keepdim=*/true) + config_.layer.norm_eps))
+               .to(x.scalar_type()) *
+           weight;
+  }
+
+  void check_weights() const {
+    const LlamaConfig& c = config_.layer;
+    const int64_t h = c.dim, in = config_.attention_inputs();
+    const at::Tensor& first = w_.fc;
+    const auto expect = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape) {
+      if (!t.defined() || t.sizes() != at::IntArrayRef(shape) || !t.is_floating_point() ||
+          (first.defined() &&
+           (t.scalar_type() != first.scalar_type() || t.device() != first.device()))) {
+        detail::throw_invalid_message(
+            to_string(config_.kind), " head: ", name, " must be a ", at::IntArrayRef(shape),
+            " tensor of fc's dtype and device, got ", t.defined() ? t.sizes() : at::IntArrayRef{},
+            t.defined() ? " " : "", t.defined() ? c10::toString(t.scalar_type()) : "nothing");
+      }
+    };
+    expect(w_.fc, "fc", {h, config_.fc_inputs()});
+    if (w_.fc_bias.defined() || config_.kind == EagleKind::eagle1)
+      expect(w_.fc_bias, "fc.bias", {h});
+    expect(w_.embedding, "embedding", {c.vocab_size, h});
+    expect(w_.wq, "q_proj", {c.n_heads * c.head_dim(), in});
+    expect(w_.wk, "k_proj", {c.kv_dim(), in});
+    expect(w_.wv, "v_proj", {c.kv_dim(), in});
+    expect(w_.wo, "o_proj", {h, c.n_heads * c.head_dim()});
+    expect(w_.ffn_norm, "post_attention_layernorm", {h});
+    expect(w_.w_gate, "gate_proj", {c.hidden_dim, h});
+    expect(w_.w_up, "up_proj", {c.hidden_dim, h});
+    expect(w_.w_down, "down_proj", {h, c.hidden_dim});
+    expect(w_.lm_head, "lm_head", {config_.draft_vocab_size, h});
+    if (config_.kind == EagleKind::eagle1) return;
+    expect(w_.input_norm, "input_layernorm", {h});
+    expect(w_.hidden_norm, "hidden_norm", {h});
+    expect(w_.norm, "norm", {h});
+    if (!w_.d2t.defined()) {
+      if (config_.draft_vocab_size != c.vocab_size) {
+        detail::throw_invalid_message("eagle3 head: d2t is needed when draft_vocab_size (",
+                                      config_.draft_vocab_size, ") differs from vocab_size (",
+                                      c.vocab_size, ")");
+      }
+      return;
+    }
+    if (w_.d2t.sizes() != at::IntArrayRef{config_.draft_vocab_size} ||
+        w_.d2t.scalar_type() != at::kLong) {
+      detail::throw_invalid_message("eagle3 head: d2t must be an int64 [", config_.draft_vocab_size,
+                                    "] tensor, got ", w_.d2t.sizes(), " ",
+                                    c10::toString(w_.d2t.scalar_type()));
+    }
+    // Once, at load: every draft id must map into the target vocabulary.
+    const at::Tensor targets = at::arange(config_.draft_vocab_size, at::kLong) + w_.d2t.cpu();
+    const at::Tensor outside = ((targets < 0) | (targets >= c.vocab_size)).nonzero();
+    if (outside.numel() > 0) {
+      const int64_t d = outside[0][0].item<int64_t>();
+      detail::throw_invalid_message("eagle3 head: d2t[", d, "] = ", w_.d2t.cpu()[d].item<int64_t>(),
+                                    " maps draft id ", d, " to ", targets[d].item<int64_t>(),
+                                    ", outside the target vocabulary [0, ", c.vocab_size, ")");
+    }
+  }
+
+  EagleConfig config_;
+  EagleWeights w_;
+  at::Tensor inv_freq_{};         // float64 [hd/2], on the head's device
+  at::Tensor draft_to_target_{};  // EAGLE-3: int64 [draft_vocab], target id of each draft id
+};
+
+// An EAGLE head as a draft source of the step core. The target must be a FeatureTarget whose
+// hidden size, vocabulary and layer count fit the head; the head must outlive the source.
+//
+// After each step it runs the head over the positions the step verified, reading the target's
+// hidden states there (VerifiedDrafts::features, on the device), so that its cache holds exactly
+// the positions the target confirmed; the next step's drafts continue from the last of them, each
+// draft position reading the head's output at the one before. Drafts are the head's top tokens
+// (greedy), or sampled from its distribution spread over the target vocabulary (sampling), so
+// verification stays exact. The cache lives across generations: a generation that continues the
+// sequence the cache was made from (a Session's next turn) keeps it up to where the two agree.
+// A step that follows no verified step at the sequence's end (a generation's first, after a gap)
+// drafts nothing. Tree steps and batches hand no features: the source drafts nothing there.
+class EagleDraftSource {
+ public:
+  // Throws std::invalid_argument when the head does not fit the target (hidden size, vocabulary,
+  // feature layers).
+  template <FeatureTarget T>
+  EagleDraftSource(const EagleHead& head, const T& target) : head_(head) {
+    const EagleConfig& c = head.config();
+    const auto layers = static_cast<int64_t>(target.num_hidden_layers());
+    if (c.target_hidden_size != static_cast<int64_t>(target.hidden_size())) {
+      detail::throw_invalid_message(to_string(c.kind),
+                                    ": target_hidden_size = ", c.target_hidden_size,
+                                    " but the target's hidden size is ", target.hidden_size());
+    }
+    if (c.vocab_size() != static_cast<int64_t>(target.vocab_size())) {
+      detail::throw_invalid_message(to_string(c.kind), ": vocab_size = ", c.vocab_size(),
+                                    " but the target's vocabulary is ", target.vocab_size());
+    }
+    for (size_t i = 0; i < c.feature_layers.size(); ++i) {
+      if (c.feature_layers[i] > layers) {
+        detail::throw_invalid_message(to_string(c.kind), ": feature_layers[", i,
+                                      "] = ", c.feature_layers[i], " but the target has ", layers,
+                                      " layers (hidden states 0 to ", layers, ")");
+      }
+    }
+  }
+
+  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept {
+    return head_.config().feature_layers;
+  }
+  [[nodiscard]] int64_t vocab_size() const noexcept { return head_.config().vocab_size(); }
+  [[nodiscard]] const EagleCache& cache() const noexcept { return cache_; }
+
+  // Keeps the cache's positions whose tokens `sequence` repeats (position p read tokens up to
+  // p + 1).
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& /*options*/) {
+    const auto agree = static_cast<int64_t>(
+        std::mismatch(seen_.begin(), seen_.end(), sequence.begin(), sequence.end()).first -
+        seen_.begin());
+    const int64_t keep = std::min(cache_.end(), agree - 1);
+    if (keep < cache_.start()) {
+      cache_.reset(0);
+    } else {
+      cache_.truncate(keep);
+    }
+    seen_.resize(static_cast<size_t>(std::min<int64_t>(agree, static_cast<int64_t>(seen_.size()))));
+    last_ = at::Tensor();
+  }
+
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
+    // The last output must be the one at the position before the sequence's last token.
+    if (!last_.defined() || cache_.end() + 1 != static_cast<int64_t>(request.sequence.size()))
+      return {};
+    const int64_t k = std::min(request.gamma, request.room);
+    if (k <= 0) return {};
+    Drafts drafts{.calls = k};
+    std::vector<at::Tensor> tokens, rows;
+    at::Tensor out = last_;
+    for (int64_t i = 0; i < k; ++i) {
+      if (i > 0) out = head_.forward(tokens.back(), out, cache_);
+      const at::Tensor logits = head_.logits(out);  // [1, draft_vocab]
+      if constexpr (std::is_same_v<P, GreedyProcessor>) {
+        tokens.push_back(head_.to_target(logits.argmax(-1)));
+        rows.push_back(logits.amax(-1));
+      } else {
+        const at::Tensor q = processor(head_.target_logits(logits));
+        tokens.push_back(processor.sample(q, gen).view({1}).to(head_.device()));
+        rows.push_back(q);
+      }
+    }
+    drafts.tokens = at::cat(tokens);
+    if constexpr (std::is_same_v<P, GreedyProcessor>) {
+      drafts.finite = at::isfinite(at::cat(rows)).all();
+    } else {
+      drafts.probs = at::cat(rows, 0);
+    }
+    return drafts;
+  }
+
+  void verified(const VerifiedDrafts& verified) {
+    last_ = at::Tensor();
+    const int64_t from = verified.features_from;
+    // Positions [from, from + n) read tokens up to from + n, which the sequence must hold (a
+    // stop may have cut the step's tokens short).
+    const int64_t n = verified.features.defined()
+                          ? std::min(verified.features.size(0),
+                                     static_cast<int64_t>(verified.sequence.size()) - 1 - from)
+                          : 0;
+    if (n <= 0) {
+      cache_.reset(0);
+      seen_.clear();
+      return;
+    }
+    if (from < cache_.start() || from > cache_.end()) {
+      cache_.reset(from);  // a gap: the head starts over at `from`
+    } else {
+      cache_.truncate(from);  // drops the draft positions
+    }
+    const std::span<const int64_t> next =
+        verified.sequence.subspan(static_cast<size_t>(from + 1), static_cast<size_t>(n));
+    const at::Tensor ids = detail::to_device<int64_t>(next, {n}, head_.device());
+    const at::Tensor outputs =
+        head_.forward(ids, head_.fuse(verified.features.narrow(0, 0, n)), cache_);
+    last_ = outputs.narrow(0, n - 1, 1);
+    seen_.assign(verified.sequence.begin(), verified.sequence.begin() + from + n + 1);
+  }
+
+ private:
+  const EagleHead& head_;
+  EagleCache cache_;
+  std::vector<int64_t> seen_;  // the tokens the cache's positions read
+  at::Tensor last_{};  // [1, H]: the layer's output at cache_.end() - 1, after a verified step
+};
+static_assert(HasFeatureTaps<EagleDraftSource> && HasStartHook<EagleDraftSource>);
+
+}  // namespace specdec::models
