@@ -862,6 +862,43 @@ TEST(Eagle, SampledOutputIsDistributedAsTheTarget) {
   EXPECT_FALSE(eagle_samples_fit(/*skip_sample_adjustment=*/true));
 }
 
+// The CPU fp32 head's fused loops compute what its ATen forward computes: a prefill of 7
+// positions, then three single positions, for EAGLE-3 (both residual orders) and EAGLE-1.
+TEST(Eagle, CpuKernelsEqualTheAtenForward) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21);
+  for (const int variant : {0, 1, 2}) {
+    SCOPED_TRACE(variant);
+    models::EagleConfig c{.kind = variant == 2 ? models::EagleKind::eagle1 : models::EagleKind::eagle3,
+                          .layer = config, .target_hidden_size = config.dim,
+                          .draft_vocab_size = variant == 2 ? config.vocab_size : 30,
+                          .feature_layers = variant == 2 ? std::vector<int64_t>{2} : std::vector<int64_t>{0, 1, 2},
+                          .norm_before_residual = variant == 1};
+    models::EagleHead head(c, models::EagleHead::random(c, weights.token_embedding, weights.output, 9));
+    at::manual_seed(variant);
+    const at::Tensor features = at::randn({7, c.fc_inputs() == 2 * config.dim ? config.dim : c.fc_inputs()});
+    const at::Tensor ids = at::randint(0, config.vocab_size, {7}, at::kLong);
+    std::vector<at::Tensor> outputs[2];
+    models::EagleCache caches[2];
+    for (const bool fused : {true, false}) {
+      head.use_cpu_kernels(fused);
+      models::EagleCache& cache = caches[fused ? 0 : 1];
+      at::Tensor out = head.forward(ids, head.fuse(features), cache);
+      outputs[fused ? 0 : 1].push_back(head.logits(out));
+      for (int64_t i = 0; i < 3; ++i) {
+        out = head.forward(at::tensor({(5 * i + 3) % config.vocab_size}, at::kLong), out.narrow(0, out.size(0) - 1, 1), cache);
+        outputs[fused ? 0 : 1].push_back(head.logits(out));
+      }
+    }
+    for (size_t i = 0; i < outputs[0].size(); ++i) {
+      EXPECT_TRUE(at::allclose(outputs[0][i], outputs[1][i], 1e-4, 1e-4))
+          << i << ": " << (outputs[0][i] - outputs[1][i]).abs().max().item<float>();
+    }
+    EXPECT_TRUE(at::allclose(caches[0].keys(), caches[1].keys(), 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(caches[0].values(), caches[1].values(), 1e-5, 1e-5));
+  }
+}
+
 // A head that does not fit its target, or whose weights do not fit its config, is refused with
 // the field and value named, before any generation.
 TEST(Eagle, HeadsThatDoNotFitAreRefused) {

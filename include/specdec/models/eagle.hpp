@@ -14,7 +14,10 @@
 //     target's final normalised hidden state; the layer has no input norm, and its output goes
 //     straight to the target's own classifier.
 // Rotary embeddings rotate consecutive pairs (2i, 2i+1), as LlamaModel's do; a loader of Hugging
-// Face's rotate-half checkpoints permutes wq and wk (io/eagle.hpp).
+// Face's rotate-half checkpoints permutes wq and wk (io/eagle.hpp). On the CPU in fp32 the head
+// runs as fused loops around oneDNN or BLAS products, as LlamaModel does (a draft step of ATen
+// operations would cost several of the target's own forwards); use_cpu_kernels(false) forces the
+// ATen forward, which every other device and dtype takes.
 //
 // EagleDraftSource drafts with a head on the step core and keeps the head's cache across steps,
 // generations and Session turns, pruned to what the target verified.
@@ -24,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -35,6 +39,8 @@
 #include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 #include "specdec/draft_source.hpp"
+#include "specdec/models/detail/cpu_linear.hpp"
+#include "specdec/models/detail/llama_cpu.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/models/llama_config.hpp"
 #include "specdec/options.hpp"
@@ -202,7 +208,12 @@ class EagleHead {
       if (w_.d2t.defined()) ids = ids + w_.d2t;
       draft_to_target_ = ids;
     }
+    if (device().is_cpu() && dtype() == at::kFloat) cpu_ = std::make_shared<const CpuParts>(config_, w_, inv_freq);
   }
+
+  // Whether forwards on the CPU in fp32 run the fused loops (true by default; false runs the ATen
+  // forward, e.g. to compare the two). Forwards that record gradients always take the ATen one.
+  void use_cpu_kernels(bool enabled) noexcept { cpu_kernels_ = enabled; }
 
   [[nodiscard]] const EagleConfig& config() const noexcept { return config_; }
   [[nodiscard]] const EagleWeights& weights() const noexcept { return w_; }
@@ -224,6 +235,7 @@ class EagleHead {
   // their keys and values to `cache`. Returns the layer's outputs [T, H] (before the final norm),
   // which logits() reads and later draft positions take as their hidden state.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& hidden, EagleCache& cache) const {
+    if (kernels_apply(hidden) && cache.end() + ids.size(0) <= cpu_->positions) return forward_cpu(ids, hidden, cache);
     const LlamaConfig& c = config_.layer;
     const int64_t count = ids.size(0);
     const int64_t heads = c.n_heads, kv_heads = c.n_kv_heads, head_dim = c.head_dim();
@@ -283,6 +295,15 @@ class EagleHead {
   // Logits [T, draft_vocab] of layer outputs [T, H]: lm_head of their norm (EAGLE-3), or the
   // target's classifier of them (EAGLE-1, where the draft vocabulary is the target's).
   [[nodiscard]] at::Tensor logits(const at::Tensor& outputs) const {
+    if (kernels_apply(outputs)) {
+      const at::Tensor x = outputs.contiguous();
+      const int64_t rows = x.size(0), h = config_.layer.dim;
+      if (config_.kind == EagleKind::eagle1) return cpu_->lm_head(x, detail::kOneDnnBuilt);
+      at::Tensor normed = at::empty({rows, h}, x.options());
+      detail::rms_norm_rows(x.data_ptr<float>(), w_.norm.data_ptr<float>(), normed.data_ptr<float>(), rows, h,
+                            config_.layer.norm_eps);
+      return cpu_->lm_head(normed, detail::kOneDnnBuilt);
+    }
     if (config_.kind == EagleKind::eagle1) return at::linear(outputs, w_.lm_head);
     return at::linear(rms_norm(outputs, w_.norm), w_.lm_head);
   }
@@ -348,6 +369,124 @@ class EagleHead {
   }
 
  private:
+  // The CPU fp32 forward's fused weights, products and rotary tables, for positions below
+  // `positions` (later ones take the ATen forward).
+  struct CpuParts {
+    CpuParts(const EagleConfig& config, const EagleWeights& w, const at::Tensor& inv_freq)
+        : wqkv(at::cat({w.wq, w.wk, w.wv}, 0).contiguous()),
+          w13(at::cat({w.w_gate, w.w_up}, 0).contiguous()),
+          fc(w.fc.contiguous(), w.fc_bias.defined() ? w.fc_bias.contiguous() : at::Tensor()),
+          qkv(wqkv, at::Tensor()),
+          wo(w.wo.contiguous(), at::Tensor()),
+          gate_up(w13, at::Tensor()),
+          down(w.w_down.contiguous(), at::Tensor()),
+          lm_head(w.lm_head, at::Tensor()),
+          embedding(w.embedding.contiguous()),
+          positions(std::min<int64_t>(std::max<int64_t>(config.layer.max_seq_len, 1), 16384)) {
+      const at::Tensor angles = at::arange(positions, at::kDouble).unsqueeze(1) * inv_freq.cpu().unsqueeze(0);
+      cos = angles.cos().to(at::kFloat).contiguous();
+      sin = angles.sin().to(at::kFloat).contiguous();
+    }
+    at::Tensor wqkv, w13;
+    detail::CpuLinear fc, qkv, wo, gate_up, down, lm_head;
+    at::Tensor embedding, cos, sin;
+    int64_t positions;
+  };
+
+  [[nodiscard]] bool kernels_apply(const at::Tensor& x) const {
+    return cpu_ && cpu_kernels_ && x.device().is_cpu() && x.scalar_type() == at::kFloat &&
+           !(at::GradMode::is_enabled() && (x.requires_grad() || w_.fc.requires_grad()));
+  }
+
+  // forward() as loops over fp32 rows around the products (see the top of this file).
+  at::Tensor forward_cpu(const at::Tensor& ids_in, const at::Tensor& hidden, EagleCache& cache) const {
+    const LlamaConfig& c = config_.layer;
+    const CpuParts& p = *cpu_;
+    const bool eagle3 = config_.kind == EagleKind::eagle3;
+    const int64_t count = ids_in.size(0), h = c.dim, in = config_.attention_inputs();
+    const int64_t heads = c.n_heads, kv_heads = c.n_kv_heads, head_dim = c.head_dim(), group = heads / kv_heads;
+    const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, width = q_width + 2 * kv_width;
+    const int64_t ffn = c.hidden_dim;
+    const bool onednn = detail::kOneDnnBuilt;
+    const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+    const at::Tensor states = hidden.contiguous();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const float* state = states.data_ptr<float>();
+    const float* embedding = p.embedding.data_ptr<float>();
+    const auto options = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor out = at::empty({count, h}, options);
+    std::vector<float> input(static_cast<size_t>(count * in)), qkv(static_cast<size_t>(count * width));
+    std::vector<float> attended(static_cast<size_t>(count * q_width)), normed(static_cast<size_t>(count * h));
+    std::vector<float> gate_up(static_cast<size_t>(count * 2 * ffn)), act(static_cast<size_t>(count * ffn));
+    float* x = out.data_ptr<float>();  // the residual stream
+    if (eagle3) {
+      for (int64_t t = 0; t < count; ++t) {
+        float* row = input.data() + t * in;
+        detail::rms_norm_rows(embedding + id[t] * h, w_.input_norm.data_ptr<float>(), row, 1, h, c.norm_eps);
+        detail::rms_norm_rows(state + t * h, w_.hidden_norm.data_ptr<float>(), row + h, 1, h, c.norm_eps);
+        std::copy_n(config_.norm_before_residual ? row + h : state + t * h, h, x + t * h);
+      }
+    } else {
+      std::vector<float> joined(static_cast<size_t>(count * 2 * h));
+      for (int64_t t = 0; t < count; ++t) {
+        std::copy_n(embedding + id[t] * h, h, joined.data() + t * 2 * h);
+        std::copy_n(state + t * h, h, joined.data() + t * 2 * h + h);
+      }
+      p.fc.into(joined.data(), count, x, onednn);
+      std::copy_n(x, count * h, input.data());
+    }
+    p.qkv.into(input.data(), count, qkv.data(), onednn);
+    const int64_t first = cache.end();
+    const float* cos = p.cos.data_ptr<float>();
+    const float* sin = p.sin.data_ptr<float>();
+    for (int64_t t = 0; t < count; ++t) {
+      detail::rotate_heads(qkv.data() + t * width, heads + kv_heads, head_dim, first + t, cos, sin);
+    }
+    const at::Tensor rows = at::from_blob(qkv.data(), {count, width}, options);
+    cache.append(rows.narrow(1, q_width, kv_width).view({count, kv_heads, head_dim}).transpose(0, 1),
+                 rows.narrow(1, q_width + kv_width, kv_width).view({count, kv_heads, head_dim}).transpose(0, 1));
+    const at::Tensor keys = cache.keys(), values = cache.values();
+    const float* key = keys.data_ptr<float>();
+    const float* value = values.data_ptr<float>();
+    const int64_t head_stride = keys.stride(0);  // between key/value heads; rows are head_dim apart
+    const float scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
+    std::vector<float> scores(static_cast<size_t>(cache.length()));
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t visible = first - cache.start() + t + 1;  // causal: keys up to this position
+      for (int64_t head = 0; head < heads; ++head) {
+        const float* q = qkv.data() + t * width + head * head_dim;
+        const float* k = key + (head / group) * head_stride;
+        const float* v = value + (head / group) * head_stride;
+        float best = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < visible; ++j) {
+          scores[static_cast<size_t>(j)] = detail::dot(q, k + j * head_dim, head_dim) * scale;
+          best = std::max(best, scores[static_cast<size_t>(j)]);
+        }
+        float total = 0.0F;
+        for (int64_t j = 0; j < visible; ++j) total += scores[static_cast<size_t>(j)] = std::exp(scores[static_cast<size_t>(j)] - best);
+        float* o = attended.data() + t * q_width + head * head_dim;
+        std::fill_n(o, head_dim, 0.0F);
+        for (int64_t j = 0; j < visible; ++j) {
+          const float weight = scores[static_cast<size_t>(j)] / total;
+          const float* row = v + j * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) o[i] += weight * row[i];
+        }
+      }
+    }
+    std::vector<float> projected(static_cast<size_t>(count * h));
+    p.wo.into(attended.data(), count, projected.data(), onednn);
+    detail::add_into(x, projected.data(), count * h);
+    detail::rms_norm_rows(x, w_.ffn_norm.data_ptr<float>(), normed.data(), count, h, c.norm_eps);
+    p.gate_up.into(normed.data(), count, gate_up.data(), onednn);
+    for (int64_t t = 0; t < count; ++t) {
+      const float* g = gate_up.data() + t * 2 * ffn;
+      for (int64_t i = 0; i < ffn; ++i) act[static_cast<size_t>(t * ffn + i)] = g[i] / (1.0F + std::exp(-g[i])) * g[ffn + i];
+    }
+    p.down.into(act.data(), count, projected.data(), onednn);
+    detail::add_into(x, projected.data(), count * h);
+    return out;
+  }
+
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
     const at::Tensor wide = x.to(at::promote_types(x.scalar_type(), at::kFloat));
     return (wide * at::rsqrt(wide.pow(2).mean(-1, /*keepdim=*/true) + config_.layer.norm_eps))
@@ -415,6 +554,8 @@ class EagleHead {
   EagleWeights w_;
   at::Tensor inv_freq_{};         // float64 [hd/2], on the head's device
   at::Tensor draft_to_target_{};  // EAGLE-3: int64 [draft_vocab], target id of each draft id
+  std::shared_ptr<const CpuParts> cpu_{};  // the CPU fp32 forward's parts (CPU fp32 heads only)
+  bool cpu_kernels_ = true;
 };
 
 // An EAGLE head as a draft source of the step core. The target must be a FeatureTarget whose
