@@ -27,6 +27,10 @@ specdec_cli_case(top_p_nan 2 "--top-p: 'nan' is not a finite number" ${G} --temp
 specdec_cli_case(top_k_negative 2 "--top-k: -5 is outside" ${G} --temperature 1 --top-k -5)
 specdec_cli_case(thresholds_empty_item 2 "--thresholds: '' in '0.1,,0.2' is not a number" ${G} --calibrate
   --thresholds 0.1,,0.2)
+specdec_cli_case(medusa_head_not_a_folder 2 "--drafter .*README.md: not a folder" ${G} --mode medusa
+  --drafter "${PROJECT_SOURCE_DIR}/README.md")
+specdec_cli_case(eagle_head_of_another_target 2 "config.json: hidden_size = 192 but the target's hidden size is 96" ${G}
+  --mode eagle --target "${_bundled}/drafter")
 specdec_cli_case(num_beams_bound 2 "--num-beams: 1000 is outside \\[1, 64\\]" ${G} --mode beam --num-beams 1000)
 specdec_cli_case(unknown_flag 2 "--frobnicate" ${G} --frobnicate)
 specdec_cli_case(missing_value 2 "--gamma" ${G} --gamma)

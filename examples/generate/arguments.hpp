@@ -3,7 +3,9 @@
 #pragma once
 
 #include <specdec/io/checkpoint.hpp>
+#include <specdec/io/eagle.hpp>
 #include <specdec/io/hf_tokenizer.hpp>
+#include <specdec/io/medusa.hpp>
 #include <specdec/io/tokenizer.hpp>
 #include <specdec/models/llama.hpp>
 #include <specdec/specdec.hpp>
@@ -138,8 +140,8 @@ struct FlagModes {
 const std::vector<FlagModes>& flag_modes() {
   static const std::vector<std::string> drafting{"speculative", "ngram", "prompt-lookup"};
   static const std::vector<FlagModes> table{
-      {"--drafter", {"speculative"}},
-      {"--gamma", {"speculative", "ngram", "prompt-lookup"}},
+      {"--drafter", {"speculative", "eagle", "medusa"}},
+      {"--gamma", {"speculative", "ngram", "prompt-lookup", "eagle", "medusa"}},
       {"--gamma-policy", {"speculative"}},
       {"--gamma-min", {"speculative"}},
       {"--gamma-max", {"speculative"}},
@@ -165,13 +167,13 @@ const std::vector<FlagModes>& flag_modes() {
       {"--num-beams", {"beam"}},
       {"--length-penalty", {"beam"}},
       {"--batch-file", {"speculative", "autoregressive", "ngram"}},
-      {"--temperature", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
-      {"--top-k", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
-      {"--top-p", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
-      {"--seed", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
-      {"--stop", {"speculative", "autoregressive", "ngram", "prompt-lookup"}},
-      {"--compare", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand"}},
-      {"--trace", {"speculative", "autoregressive", "ngram", "prompt-lookup"}},
+      {"--temperature", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
+      {"--top-k", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
+      {"--top-p", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
+      {"--seed", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
+      {"--stop", {"speculative", "autoregressive", "ngram", "prompt-lookup", "eagle", "medusa"}},
+      {"--compare", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
+      {"--trace", {"speculative", "autoregressive", "ngram", "prompt-lookup", "eagle", "medusa"}},
   };
   return table;
 }
@@ -205,7 +207,10 @@ Arguments parse(int argc, char** argv) {
   const std::string models = "Models";
   app.add_option("--target", a.target, "target: llama2.c .bin file or Hugging Face Llama folder (default: the bundled target)")
       ->group(models);
-  app.add_option("--drafter", a.drafter, "drafter, same formats (default: the bundled drafter)")->group(models);
+  app.add_option("--drafter", a.drafter,
+                 "drafter, same formats (default: the bundled drafter); with --mode eagle or medusa, the head's "
+                 "folder in its published layout (default: the bundled target's)")
+      ->group(models);
   app.add_option("--tokenizer", a.tokenizer,
                  "llama2.c tokenizer file, or tokenizer.json or its folder (default: the target folder's "
                  "tokenizer.json; without one the models are byte-level)")
@@ -223,8 +228,11 @@ Arguments parse(int argc, char** argv) {
       ->check(cli::integer<int64_t>(1, int64_t{1} << 24))->group(models);
 
   const std::string common = "Decoding (every mode)";
-  app.add_option("--mode", a.mode, "speculative (default), autoregressive, ngram, prompt-lookup, stand or beam")
-      ->check(in({"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "beam"}))->group(common);
+  app.add_option("--mode", a.mode,
+                 "speculative (default), autoregressive, ngram, prompt-lookup, stand, beam, eagle (an EAGLE-3 or "
+                 "EAGLE-1 head) or medusa (Medusa heads)")
+      ->check(in({"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "beam", "eagle", "medusa"}))
+      ->group(common);
   app.add_option("--prompt", a.prompt, "the prompt (default: a line of Python)")->group(common);
   app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate (default 200)")
       ->check(cli::integer<int64_t>(0, kMaxTokens))->group(common);
@@ -345,6 +353,12 @@ Arguments parse(int argc, char** argv) {
       throw std::invalid_argument(std::string(entry.flag) + " applies to --mode " + join(entry.modes) +
                                   ", not --mode " + a.mode);
     }
+  }
+  // The heads trained for the bundled target, unless --drafter names others.
+  if (a.mode == "medusa" && app.count("--drafter") == 0) a.drafter = SPECDEC_BUNDLED_MODELS_DIR "/medusa";
+  if (a.mode == "eagle" && app.count("--drafter") == 0) a.drafter = SPECDEC_BUNDLED_MODELS_DIR "/eagle3";
+  if ((a.mode == "eagle" || a.mode == "medusa") && !std::filesystem::is_directory(a.drafter)) {
+    throw std::invalid_argument("--drafter " + a.drafter + ": not a folder (--mode " + a.mode + " reads a head's folder)");
   }
   if (a.temperature == 0 && (app.count("--top-k") > 0 || app.count("--top-p") > 0)) {
     throw std::invalid_argument("--top-k and --top-p apply when sampling: give --temperature > 0 too");

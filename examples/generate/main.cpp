@@ -39,6 +39,11 @@ int run(const Arguments& a) {
   const std::vector<int64_t>& eos = request.eos;
   if (a.mode == "beam") return run_beam(a, target, text, prompt, eos);
   if (a.mode == "stand") return run_stand(a, target, text, prompt, eos, make_processor(a));
+  // --mode eagle and medusa: heads on the target's hidden states.
+  std::optional<models::EagleHead> eagle;
+  std::optional<models::MedusaHeads> medusa;
+  if (a.mode == "eagle") eagle.emplace(io::load_eagle(a.drafter, io::EagleTarget::of(target), weights, limits));
+  if (a.mode == "medusa") medusa.emplace(io::load_medusa(a.drafter, target.hidden_size(), target.vocab_size(), weights, limits));
   if (a.mode == "speculative") {
     const io::LlamaCheckpoint drafter_checkpoint = io::load_llama(a.drafter, weights, limits);
     drafter.emplace(drafter_checkpoint.config, drafter_checkpoint.weights);
@@ -110,6 +115,17 @@ int run(const Arguments& a) {
               << a.dtype << " on " << a.device << "; threads: " << threads
               << (target.onednn() ? "; products: " + specdec::detail::onednn_version() : std::string()) << ")\n";
     if (drafter) std::cout << "drafter: " << a.drafter << " (" << drafter->config() << ")\n";
+    if (eagle) {
+      const models::EagleConfig& c = eagle->config();
+      std::cout << "head:    " << a.drafter << " (" << models::to_string(c.kind) << ", hidden " << c.hidden_size()
+                << ", draft vocabulary " << c.draft_vocab_size << ", target layers";
+      for (const int64_t layer : c.feature_layers) std::cout << " " << layer;
+      std::cout << ")\n";
+    }
+    if (medusa) {
+      std::cout << "heads:   " << a.drafter << " (medusa, " << medusa->config().num_heads << " heads of "
+                << medusa->config().num_layers << " blocks)\n";
+    }
     std::visit([&](const auto& p) { std::cout << "mode: " << a.mode << ", " << p << ", gamma " << a.gamma; }, processor);
     if (drafter) {
       std::cout << ", gamma policy " << a.gamma_policy;
@@ -160,6 +176,16 @@ int run(const Arguments& a) {
             SpeculativeOptions options = speculative_options;
             options.on_step = callback;
             return speculative_generate(*drafter, target, prompt, options, p);
+          }
+          if (eagle || medusa) {
+            SpeculativeOptions options = speculative_options;
+            options.on_step = callback;
+            if (eagle) {
+              models::EagleDraftSource heads(*eagle, target);
+              return generate_with(heads, target, prompt, options, p);
+            }
+            models::MedusaDraftSource heads(*medusa, target);
+            return generate_with(heads, target, prompt, options, p);
           }
           return autoregressive_generate(target, prompt, plain, p);
         },
