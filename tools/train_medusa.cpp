@@ -7,11 +7,12 @@
 // blocks start at zero and its classifier at the target's own, as Medusa initialises them. Half
 // of each batch (--self-fraction) is the target's own sampled continuations of training text
 // (self-distillation: the heads learn what the target says, which is what verification
-// accepts), the rest the text itself (the Python sources of the bundled pair's trainer). At the
+// accepts), the rest the text itself (the Python sources of the bundled pair's trainer; with
+// --data none, all of it is the target's own generations from --bos, as for stories260K). At the
 // end it measures the heads on held-out prompts: greedy drafts per step accepted, and that the
 // output equals the target's alone.
 //
-//   train_medusa [--target DIR] [--data DIR] [--out DIR] [--heads K] [--layers N] [--steps N]
+//   train_medusa [--target DIR] [--data DIR|none] [--bos N] [--out DIR] [--heads K] [--layers N] [--steps N]
 //                [--batch N] [--seq-len N] [--self-fraction F] [--seed N] [--threads N]
 #include <torch/torch.h>
 
@@ -22,6 +23,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -47,7 +49,8 @@ using Model = specdec::models::LlamaModel<specdec::DynamicKVCache>;
 
 struct Arguments {
   std::filesystem::path target = SPECDEC_BUNDLED_MODELS_DIR "/target";
-  std::filesystem::path data = "/usr/lib/python3.11";
+  std::string data = "/usr/lib/python3.11";
+  int64_t bos = 1;
   std::filesystem::path out = "models/bundled/medusa";
   int64_t heads = 3;
   int64_t layers = 1;
@@ -63,8 +66,11 @@ Arguments parse(int argc, char** argv) {
   Arguments args;
   CLI::App app("Trains Medusa heads for a target on Python sources and its own continuations.", "train_medusa");
   app.add_option("--target", args.target, "llama2.c file or Hugging Face folder (default: the bundled target)");
-  app.add_option("--data", args.data, "folder of *.py training sources (default /usr/lib/python3.11)")
-      ->check(CLI::ExistingDirectory);
+  app.add_option("--data", args.data,
+                 "folder of *.py training sources (default /usr/lib/python3.11), or none: the target's generations only")
+      ->check(CLI::ExistingDirectory | CLI::IsMember({"none"}));
+  app.add_option("--bos", args.bos, "first token of the target's own generations with --data none (default 1)")
+      ->check(cli::integer<int64_t>(0, int64_t{1} << 30));
   app.add_option("--out", args.out, "folder the heads are written to (default models/bundled/medusa)");
   app.add_option("--heads", args.heads, "Medusa heads (default 3)")->check(cli::integer<int64_t>(1, 16));
   app.add_option("--layers", args.layers, "residual blocks per head (default 1)")->check(cli::integer<int64_t>(0, 8));
@@ -93,34 +99,18 @@ torch::Tensor head_logits(const Head& head, torch::Tensor h) {
   return torch::linear(h, head.classifier);
 }
 
-// `count` sequences of `length` tokens: a random 32-byte window of `stream`, then the target's
-// own continuation sampled at temperature 1.
-std::vector<std::vector<int64_t>> continuations(Model& target, const std::vector<uint8_t>& stream, int64_t count,
-                                                int64_t length, std::mt19937_64& rng) {
-  constexpr int64_t kPrompt = 32;
-  std::vector<std::vector<int64_t>> sequences;
-  const auto [windows, unused] = specdec::text::batch_of(stream, count, kPrompt, rng);
-  for (int64_t i = 0; i < count; ++i) {
-    std::vector<int64_t> prompt(windows[i].data_ptr<int64_t>(), windows[i].data_ptr<int64_t>() + kPrompt);
-    const auto result = specdec::autoregressive_generate(
-        target, prompt, {.max_new_tokens = length - kPrompt, .seed = rng()}, specdec::MultinomialProcessor(1.0));
-    prompt.insert(prompt.end(), result.tokens.begin(), result.tokens.end());
-    prompt.resize(static_cast<size_t>(length), 0);
-    sequences.push_back(std::move(prompt));
-  }
-  return sequences;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     const Arguments args = parse(argc, argv);
     torch::set_num_threads(args.threads);
-    const specdec::text::PythonCorpus corpus = specdec::text::load_python_corpus(args.data);
     const specdec::io::LlamaCheckpoint checkpoint = specdec::io::load_llama(args.target.string());
     Model target(checkpoint.config, checkpoint.weights);
     const int64_t hidden = checkpoint.config.dim, vocab = checkpoint.config.vocab_size;
+    const std::optional<specdec::text::PythonCorpus> corpus = specdec::text::corpus_for(args.data, vocab);
+    const std::vector<uint8_t>* stream = corpus ? &corpus->train : nullptr;
+    if (args.bos >= vocab) throw std::invalid_argument("--bos " + std::to_string(args.bos) + " is outside the vocabulary");
     if (args.seq_len > checkpoint.config.max_seq_len) {
       throw std::invalid_argument("--seq-len " + std::to_string(args.seq_len) + " exceeds the target's context " +
                                   std::to_string(checkpoint.config.max_seq_len));
@@ -130,7 +120,8 @@ int main(int argc, char** argv) {
     torch::manual_seed(args.seed);
     std::cout << "target " << args.target << ": hidden " << hidden << ", vocabulary " << vocab << ", "
               << checkpoint.config.n_layers << " layers; " << args.heads << " heads of " << args.layers
-              << " blocks; training bytes " << corpus.train.size() << std::endl;
+              << " blocks; data " << (corpus ? args.data + " (" + std::to_string(corpus->train.size()) + " bytes)" : "the target's own")
+              << std::endl;
 
     std::vector<Head> heads(static_cast<size_t>(args.heads));
     std::vector<torch::Tensor> params;
@@ -145,21 +136,19 @@ int main(int argc, char** argv) {
       params.push_back(head.classifier);
     }
     torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(1e-3).weight_decay(0.0));
-    const int64_t self_rows = static_cast<int64_t>(std::lround(args.self_fraction * static_cast<double>(args.batch)));
+    const int64_t self_rows =
+        corpus ? static_cast<int64_t>(std::lround(args.self_fraction * static_cast<double>(args.batch))) : args.batch;
     const auto start = std::chrono::steady_clock::now();
     std::vector<double> running(heads.size(), 0.0), accuracy(heads.size(), 0.0);
     for (int64_t step = 0; step < args.steps; ++step) {
       for (auto& group : optimizer.param_groups()) {
         static_cast<torch::optim::AdamWOptions&>(group.options()).lr(specdec::text::learning_rate(step, args.steps, 1e-3));
       }
-      torch::Tensor ids = specdec::text::batch_of(corpus.train, args.batch - self_rows, args.seq_len, rng).first;
-      if (self_rows > 0) {
-        const auto own = continuations(target, corpus.train, self_rows, args.seq_len, rng);
-        torch::Tensor rows = torch::empty({self_rows, args.seq_len}, torch::kLong);
-        for (int64_t r = 0; r < self_rows; ++r) {
-          std::copy(own[static_cast<size_t>(r)].begin(), own[static_cast<size_t>(r)].end(), rows[r].data_ptr<int64_t>());
-        }
-        ids = torch::cat({ids, rows}, 0);
+      torch::Tensor ids =
+          self_rows > 0 ? specdec::text::continuations(target, stream, args.bos, self_rows, args.seq_len, rng) : torch::Tensor();
+      if (self_rows < args.batch) {
+        const torch::Tensor text = specdec::text::batch_of(*stream, args.batch - self_rows, args.seq_len, rng).first;
+        ids = ids.defined() ? torch::cat({ids, text}, 0) : text;
       }
       torch::Tensor features;
       {
@@ -213,25 +202,15 @@ int main(int argc, char** argv) {
     std::ofstream(args.out / "config.json") << config.dump(2) << "\n";
 
     const specdec::models::MedusaHeads loaded = specdec::io::load_medusa(args.out, hidden, vocab);
-    int64_t steps = 0, accepted = 0, tokens = 0;
-    bool identical = true;
-    for (size_t p = 0; p < std::min<size_t>(8, corpus.held_out_paths.size()); ++p) {
-      std::ifstream in(corpus.held_out_paths[p], std::ios::binary);
-      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      text.resize(std::min<size_t>(text.size(), 64));
-      const std::vector<int64_t> prompt(text.begin(), text.end());
-      specdec::models::MedusaDraftSource source(loaded, target);
-      const auto result = specdec::generate_with(source, target, prompt, {.max_new_tokens = 128, .gamma = args.heads});
-      identical = identical && result.tokens == specdec::autoregressive_generate(target, prompt, {.max_new_tokens = 128}).tokens;
-      steps += result.stats.steps;
-      accepted += result.stats.accepted;
-      tokens += static_cast<int64_t>(result.tokens.size());
-    }
-    std::cout << "held-out, greedy, gamma " << args.heads << ": " << static_cast<double>(accepted) / static_cast<double>(steps)
-              << " drafts accepted per step, " << static_cast<double>(tokens) / static_cast<double>(steps)
-              << " tokens per target call; output identical to the target alone: " << (identical ? "yes" : "NO") << std::endl;
+    const auto prompts = specdec::text::held_out_prompts(target, corpus ? &corpus->held_out_paths : nullptr, args.bos, 8);
+    const specdec::text::HeldOut held_out = specdec::text::measure_held_out(
+        target, prompts, [&] { return specdec::models::MedusaDraftSource(loaded, target); }, args.heads);
+    std::cout << "held-out, greedy, gamma " << args.heads << ": " << held_out.accepted_per_step
+              << " drafts accepted per step, " << held_out.tokens_per_call
+              << " tokens per target call; output identical to the target alone: " << (held_out.identical ? "yes" : "NO")
+              << std::endl;
     std::cout << "wrote " << args.out << std::endl;
-    return identical ? 0 : 1;
+    return held_out.identical ? 0 : 1;
   } catch (const CLI::ParseError& e) {
     std::cerr << "train_medusa: " << e.what() << " (see --help)\n";
     return 2;

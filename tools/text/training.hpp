@@ -1,17 +1,26 @@
-// What the trainers in tools/ share: random training windows of a byte stream and the learning
-// rate schedule (linear warm-up over the first 5% of steps, then a cosine down to 10% of the
-// peak). Not a public header.
+// What the trainers in tools/ share: random training windows of a byte stream, the target's own
+// continuations (self-distillation data) and the learning rate schedule (linear warm-up over the
+// first 5% of steps, then a cosine down to 10% of the peak). Not a public header.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <numbers>
+#include <optional>
+#include <stdexcept>
+#include <string>
 #include <random>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+
+#include "specdec/generate.hpp"
+#include "python_corpus.hpp"
 
 namespace specdec::text {
 
@@ -26,6 +35,90 @@ inline std::pair<at::Tensor, at::Tensor> batch_of(const std::vector<uint8_t>& st
     for (int64_t t = 0; t <= length; ++t) data[b * (length + 1) + t] = stream[s + static_cast<size_t>(t)];
   }
   return {window.narrow(1, 0, length).contiguous(), window.narrow(1, 1, length).contiguous()};
+}
+
+// The training text of a trainer's --data: none (the target's own generations only), or a folder
+// of Python sources read as bytes, which needs a byte-level target.
+inline std::optional<PythonCorpus> corpus_for(const std::string& data, int64_t vocab) {
+  if (data == "none") return std::nullopt;
+  if (vocab != 256) {
+    throw std::invalid_argument("--data reads text as bytes: it needs a byte-level target (vocabulary 256), not " +
+                                std::to_string(vocab) + "; use --data none");
+  }
+  return load_python_corpus(data);
+}
+
+// `count` sequences of `length` tokens [count, length]: a prompt (a random 32-token window of
+// `stream`, or {bos} without one), then the target's own continuation sampled at temperature 1
+// (padded with bos where it ends early).
+template <class Model>
+at::Tensor continuations(Model& target, const std::vector<uint8_t>* stream, int64_t bos, int64_t count, int64_t length,
+                         std::mt19937_64& rng) {
+  const int64_t prompt_length = stream != nullptr ? 32 : 1;
+  at::Tensor rows = at::empty({count, length}, at::kLong);
+  const at::Tensor windows = stream != nullptr ? batch_of(*stream, count, prompt_length, rng).first : at::Tensor();
+  for (int64_t i = 0; i < count; ++i) {
+    std::vector<int64_t> prompt =
+        stream != nullptr ? std::vector<int64_t>(windows[i].data_ptr<int64_t>(), windows[i].data_ptr<int64_t>() + prompt_length)
+                          : std::vector<int64_t>{bos};
+    const auto result = autoregressive_generate(target, prompt, {.max_new_tokens = length - prompt_length, .seed = rng()},
+                                                MultinomialProcessor(1.0));
+    prompt.insert(prompt.end(), result.tokens.begin(), result.tokens.end());
+    prompt.resize(static_cast<size_t>(length), bos);
+    std::copy(prompt.begin(), prompt.end(), rows[i].data_ptr<int64_t>());
+  }
+  return rows;
+}
+
+// Prompts for a trainer's held-out measurement: the first 64 bytes of up to `count` held-out
+// files, or, without files, bos and 8 tokens the target samples after it with seeds training
+// never uses.
+template <class Model>
+std::vector<std::vector<int64_t>> held_out_prompts(Model& target, const std::vector<std::filesystem::path>* files, int64_t bos,
+                                                   int64_t count) {
+  std::vector<std::vector<int64_t>> prompts;
+  for (int64_t p = 0; p < count; ++p) {
+    if (files != nullptr) {
+      if (static_cast<size_t>(p) >= files->size()) break;
+      std::ifstream in((*files)[static_cast<size_t>(p)], std::ios::binary);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      text.resize(std::min<size_t>(text.size(), 64));
+      prompts.emplace_back(text.begin(), text.end());
+    } else {
+      const auto opening = autoregressive_generate(target, std::vector<int64_t>{bos},
+                                                   {.max_new_tokens = 8, .seed = ~uint64_t{0} - static_cast<uint64_t>(p)},
+                                                   MultinomialProcessor(1.0));
+      prompts.push_back({bos});
+      prompts.back().insert(prompts.back().end(), opening.tokens.begin(), opening.tokens.end());
+    }
+  }
+  return prompts;
+}
+
+// A trainer's held-out measurement of a draft source (make_source() gives a fresh one per
+// prompt): greedy, 128 new tokens, drafts accepted per step, tokens per target call, and whether
+// every output equals the target's alone.
+struct HeldOut {
+  double accepted_per_step = 0;
+  double tokens_per_call = 0;
+  bool identical = true;
+};
+template <class Model, class MakeSource>
+HeldOut measure_held_out(Model& target, const std::vector<std::vector<int64_t>>& prompts, MakeSource make_source,
+                         int64_t gamma) {
+  int64_t steps = 0, accepted = 0, tokens = 0;
+  HeldOut result;
+  for (const auto& prompt : prompts) {
+    auto source = make_source();
+    const auto spec = generate_with(source, target, prompt, {.max_new_tokens = 128, .gamma = gamma});
+    result.identical = result.identical && spec.tokens == autoregressive_generate(target, prompt, {.max_new_tokens = 128}).tokens;
+    steps += spec.stats.steps;
+    accepted += spec.stats.accepted;
+    tokens += static_cast<int64_t>(spec.tokens.size());
+  }
+  result.accepted_per_step = static_cast<double>(accepted) / static_cast<double>(std::max<int64_t>(1, steps));
+  result.tokens_per_call = static_cast<double>(tokens) / static_cast<double>(std::max<int64_t>(1, steps));
+  return result;
 }
 
 inline double learning_rate(int64_t step, int64_t steps, double peak) {
