@@ -781,12 +781,19 @@ TEST(Eagle, GreedyOutputEqualsAutoregressiveDecodingAndTheCacheRecomputes) {
   const std::vector<int64_t> prompt{3, 1, 5, 5, 4, 2};
   for (const auto kind : {models::EagleKind::eagle3, models::EagleKind::eagle1}) {
     SCOPED_TRACE(models::to_string(kind));
-    const models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 6 : 8, 4);
+    models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 6 : 8, 4);
+    // The ATen forward and drafts made with tensor operations (other devices) give the same output.
+    head.use_cpu_kernels(false);
+    models::EagleDraftSource aten(head, target);
+    const GenerationResult through_aten = generate_with(aten, target, prompt, {.max_new_tokens = 60, .gamma = 3});
+    head.use_cpu_kernels(true);
     models::EagleDraftSource source(head, target);
     GenerationResult result;
     const int64_t copies =
         copies_during([&] { result = generate_with(source, target, prompt, {.max_new_tokens = 60, .gamma = 3}); });
     EXPECT_EQ(result.tokens, autoregressive_generate(reference, prompt, {.max_new_tokens = 60}).tokens);
+    EXPECT_EQ(through_aten.tokens, result.tokens);
+    EXPECT_EQ(through_aten.stats.accepted, result.stats.accepted);
     EXPECT_EQ(copies, result.stats.steps);
     EXPECT_GT(result.stats.accepted, 0);
     EXPECT_LT(result.stats.accepted, result.stats.drafted) << "the test should see rejected drafts too";
@@ -882,6 +889,7 @@ TEST(Eagle, CpuKernelsEqualTheAtenForward) {
     models::EagleCache caches[2];
     for (const bool fused : {true, false}) {
       head.use_cpu_kernels(fused);
+      ASSERT_EQ(head.uses_cpu_kernels(), fused);
       models::EagleCache& cache = caches[fused ? 0 : 1];
       at::Tensor out = head.forward(ids, head.fuse(features), cache);
       outputs[fused ? 0 : 1].push_back(head.logits(out));

@@ -168,25 +168,51 @@ class EagleCache {
   // Appends keys and values [kv_heads, T, head_dim] at the end.
   void append(const at::Tensor& keys, const at::Tensor& values) {
     const int64_t count = keys.size(1);
-    if (!keys_.defined() || keys_.size(1) < length_ + count || keys_.size(0) != keys.size(0) ||
-        keys_.size(2) != keys.size(2) || keys_.scalar_type() != keys.scalar_type() ||
-        keys_.device() != keys.device()) {
-      const int64_t capacity = std::max<int64_t>(64, 2 * (length_ + count));
-      at::Tensor k = at::empty({keys.size(0), capacity, keys.size(2)}, keys.options());
-      at::Tensor v = at::empty({keys.size(0), capacity, keys.size(2)}, keys.options());
-      if (length_ > 0) {
-        k.narrow(1, 0, length_).copy_(keys_.narrow(1, 0, length_));
-        v.narrow(1, 0, length_).copy_(values_.narrow(1, 0, length_));
-      }
-      keys_ = k;
-      values_ = v;
-    }
+    reserve(count, keys.size(0), keys.size(2), keys.options());
     keys_.narrow(1, length_, count).copy_(keys);
     values_.narrow(1, length_, count).copy_(values);
     length_ += count;
   }
 
+  // append() for fp32 rows on the host: row t's kv_heads * head_dim keys at keys + t * stride, its
+  // values at values + t * stride. The cache must hold fp32 CPU tensors or nothing yet.
+  void append_host(const float* keys, const float* values, int64_t stride, int64_t count, int64_t kv_heads,
+                   int64_t head_dim) {
+    reserve(count, kv_heads, head_dim, at::TensorOptions().dtype(at::kFloat));
+    const int64_t capacity = keys_.size(1);
+    float* k = keys_.data_ptr<float>();
+    float* v = values_.data_ptr<float>();
+    for (int64_t t = 0; t < count; ++t) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::copy_n(keys + t * stride + h * head_dim, head_dim, k + (h * capacity + length_ + t) * head_dim);
+        std::copy_n(values + t * stride + h * head_dim, head_dim, v + (h * capacity + length_ + t) * head_dim);
+      }
+    }
+    length_ += count;
+  }
+
+  // The whole buffers [kv_heads, capacity, head_dim], of which positions [0, length()) are held.
+  [[nodiscard]] const at::Tensor& key_buffer() const noexcept { return keys_; }
+  [[nodiscard]] const at::Tensor& value_buffer() const noexcept { return values_; }
+
  private:
+  // Room for `count` more positions of this shape and type (the buffers double when full).
+  void reserve(int64_t count, int64_t kv_heads, int64_t head_dim, const at::TensorOptions& options) {
+    if (keys_.defined() && keys_.size(1) >= length_ + count && keys_.size(0) == kv_heads && keys_.size(2) == head_dim &&
+        keys_.scalar_type() == options.dtype().toScalarType() && keys_.device() == options.device()) {
+      return;
+    }
+    const int64_t capacity = std::max<int64_t>(64, 2 * (length_ + count));
+    at::Tensor k = at::empty({kv_heads, capacity, head_dim}, options);
+    at::Tensor v = at::empty({kv_heads, capacity, head_dim}, options);
+    if (length_ > 0) {
+      k.narrow(1, 0, length_).copy_(keys_.narrow(1, 0, length_));
+      v.narrow(1, 0, length_).copy_(values_.narrow(1, 0, length_));
+    }
+    keys_ = k;
+    values_ = v;
+  }
+
   at::Tensor keys_{}, values_{};
   int64_t start_ = 0;
   int64_t length_ = 0;
@@ -208,12 +234,19 @@ class EagleHead {
       if (w_.d2t.defined()) ids = ids + w_.d2t;
       draft_to_target_ = ids;
     }
+    if (config_.kind == EagleKind::eagle3) {
+      const at::Tensor table = draft_to_target_.cpu().contiguous();
+      draft_to_target_host_.assign(table.data_ptr<int64_t>(), table.data_ptr<int64_t>() + table.numel());
+    }
     if (device().is_cpu() && dtype() == at::kFloat) cpu_ = std::make_shared<const CpuParts>(config_, w_, inv_freq);
   }
 
   // Whether forwards on the CPU in fp32 run the fused loops (true by default; false runs the ATen
   // forward, e.g. to compare the two). Forwards that record gradients always take the ATen one.
   void use_cpu_kernels(bool enabled) noexcept { cpu_kernels_ = enabled; }
+  // Whether forwards that do not record gradients run the fused loops (a CPU fp32 head, not
+  // switched off).
+  [[nodiscard]] bool uses_cpu_kernels() const noexcept { return cpu_ != nullptr && cpu_kernels_; }
 
   [[nodiscard]] const EagleConfig& config() const noexcept { return config_; }
   [[nodiscard]] const EagleWeights& weights() const noexcept { return w_; }
@@ -306,6 +339,11 @@ class EagleHead {
     }
     if (config_.kind == EagleKind::eagle1) return at::linear(outputs, w_.lm_head);
     return at::linear(rms_norm(outputs, w_.norm), w_.lm_head);
+  }
+
+  // The target id of draft id `d` (in [0, draft_vocab)), on the host.
+  [[nodiscard]] int64_t target_id(int64_t d) const {
+    return config_.kind == EagleKind::eagle1 ? d : draft_to_target_host_[static_cast<size_t>(d)];
   }
 
   // Target ids of draft ids (any shape, on the head's device).
@@ -442,13 +480,10 @@ class EagleHead {
     for (int64_t t = 0; t < count; ++t) {
       detail::rotate_heads(qkv.data() + t * width, heads + kv_heads, head_dim, first + t, cos, sin);
     }
-    const at::Tensor rows = at::from_blob(qkv.data(), {count, width}, options);
-    cache.append(rows.narrow(1, q_width, kv_width).view({count, kv_heads, head_dim}).transpose(0, 1),
-                 rows.narrow(1, q_width + kv_width, kv_width).view({count, kv_heads, head_dim}).transpose(0, 1));
-    const at::Tensor keys = cache.keys(), values = cache.values();
-    const float* key = keys.data_ptr<float>();
-    const float* value = values.data_ptr<float>();
-    const int64_t head_stride = keys.stride(0);  // between key/value heads; rows are head_dim apart
+    cache.append_host(qkv.data() + q_width, qkv.data() + q_width + kv_width, width, count, kv_heads, head_dim);
+    const float* key = cache.key_buffer().data_ptr<float>();
+    const float* value = cache.value_buffer().data_ptr<float>();
+    const int64_t head_stride = cache.key_buffer().stride(0);  // between key/value heads; rows are head_dim apart
     const float scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
     std::vector<float> scores(static_cast<size_t>(cache.length()));
     for (int64_t t = 0; t < count; ++t) {
@@ -554,6 +589,7 @@ class EagleHead {
   EagleWeights w_;
   at::Tensor inv_freq_{};         // float64 [hd/2], on the head's device
   at::Tensor draft_to_target_{};  // EAGLE-3: int64 [draft_vocab], target id of each draft id
+  std::vector<int64_t> draft_to_target_host_{};  // the same on the host
   std::shared_ptr<const CpuParts> cpu_{};  // the CPU fp32 forward's parts (CPU fp32 heads only)
   bool cpu_kernels_ = true;
 };
@@ -625,6 +661,9 @@ class EagleDraftSource {
       return {};
     const int64_t k = std::min(request.gamma, request.room);
     if (k <= 0) return {};
+    if constexpr (std::is_same_v<P, GreedyProcessor>) {
+      if (head_.uses_cpu_kernels() && last_.device().is_cpu() && last_.scalar_type() == at::kFloat) return draft_on_host(k);
+    }
     Drafts drafts{.calls = k};
     std::vector<at::Tensor> tokens, rows;
     at::Tensor out = last_;
@@ -678,6 +717,28 @@ class EagleDraftSource {
   }
 
  private:
+  // draft() under greedy decoding with the head's CPU loops: the same drafts, each the first
+  // maximum of its logits row read by the host, without an ATen call per draft.
+  Drafts draft_on_host(int64_t k) {
+    std::vector<int64_t> tokens(static_cast<size_t>(k));
+    bool finite = true;
+    at::Tensor id = at::empty({1}, at::kLong);
+    at::Tensor out = last_;
+    for (int64_t i = 0; i < k; ++i) {
+      if (i > 0) {
+        id.data_ptr<int64_t>()[0] = tokens[static_cast<size_t>(i - 1)];
+        out = head_.forward(id, out, cache_);
+      }
+      const at::Tensor logits = head_.logits(out);
+      const detail::RowMax best = detail::row_max(logits.data_ptr<float>(), logits.size(1), 1);
+      tokens[static_cast<size_t>(i)] = head_.target_id(best.index);
+      finite = finite && best.finite;
+    }
+    Drafts drafts = Drafts::from_host(tokens, at::kCPU, k);
+    if (!finite) drafts.finite = at::zeros({}, at::kBool);
+    return drafts;
+  }
+
   const EagleHead& head_;
   EagleCache cache_;
   std::vector<int64_t> seen_;  // the tokens the cache's positions read
