@@ -50,7 +50,7 @@ specdec_cli_case(trace_in_beam 2 "--trace applies to" ${G} --mode beam --trace)
 specdec_cli_case(compare_in_beam 2 "--compare applies to" ${G} --mode beam --compare)
 specdec_cli_case(temperature_in_beam 2 "--temperature applies to" ${G} --mode beam --temperature 0.5)
 foreach(_mode autoregressive beam stand)
-  specdec_cli_case(gamma_in_${_mode} 2 "--gamma applies to --mode speculative, ngram or prompt-lookup" ${G}
+  specdec_cli_case(gamma_in_${_mode} 2 "--gamma applies to --mode speculative, ngram, prompt-lookup, eagle or medusa" ${G}
     --mode ${_mode} --gamma 3)
 endforeach()
 specdec_cli_case(top_p_without_temperature 2 "--top-k and --top-p apply when sampling" ${G} --top-p 0.9)
