@@ -658,6 +658,32 @@ TEST(Medusa, GreedyOutputEqualsAutoregressiveDecoding) {
                        {"medusa_num_heads = 0"});
 }
 
+// The exact distribution of the `steps` tokens a target samples after `prompt` through
+// `processor`, by enumerating every continuation (small vocabularies only).
+template <class Model, class P>
+std::map<std::vector<int64_t>, double> exact_continuations(Model& target, const P& processor, const std::vector<int64_t>& prompt,
+                                                           int steps) {
+  const int64_t vocab = target.vocab_size();
+  std::map<std::vector<int64_t>, double> expected{{{}, 1.0}};
+  for (int step = 0; step < steps; ++step) {
+    std::map<std::vector<int64_t>, double> longer;
+    for (const auto& [prefix, probability] : expected) {
+      std::vector<int64_t> sequence = prompt;
+      sequence.insert(sequence.end(), prefix.begin(), prefix.end());
+      auto cache = target.make_cache(1);
+      const at::Tensor logits = target.forward(at::tensor(sequence, at::kLong).view({1, -1}), cache)[0];
+      const at::Tensor p = processor(logits[-1]).to(at::kDouble);
+      for (int64_t token = 0; token < vocab; ++token) {
+        std::vector<int64_t> next = prefix;
+        next.push_back(token);
+        longer[next] = probability * p[token].item<double>();
+      }
+    }
+    expected = std::move(longer);
+  }
+  return expected;
+}
+
 // Whether three sampled tokens after a prompt, with Medusa heads drafting from the second step
 // on, fit the target's exact distribution by chi-square at a tail of 1e-6.
 bool medusa_samples_fit(bool skip_sample_adjustment) {
@@ -670,24 +696,7 @@ bool medusa_samples_fit(bool skip_sample_adjustment) {
   const models::MedusaHeads heads(heads_config, models::MedusaHeads::random(heads_config, 4));
   const MultinomialProcessor processor{2.0};
   const std::vector<int64_t> prompt{1, 4, 2};
-  // The exact distribution of the three tokens, by enumeration.
-  std::map<std::vector<int64_t>, double> expected{{{}, 1.0}};
-  for (int step = 0; step < 3; ++step) {
-    std::map<std::vector<int64_t>, double> longer;
-    for (const auto& [prefix, probability] : expected) {
-      std::vector<int64_t> sequence = prompt;
-      sequence.insert(sequence.end(), prefix.begin(), prefix.end());
-      auto cache = target.make_cache(1);
-      const at::Tensor logits = target.forward(at::tensor(sequence, at::kLong).view({1, -1}), cache)[0];
-      const at::Tensor p = processor(logits[-1]).to(at::kDouble);
-      for (int64_t token = 0; token < 6; ++token) {
-        std::vector<int64_t> next = prefix;
-        next.push_back(token);
-        longer[next] = probability * p[token].item<double>();
-      }
-    }
-    expected = std::move(longer);
-  }
+  const std::map<std::vector<int64_t>, double> expected = exact_continuations(target, processor, prompt, 3);
   constexpr int64_t kSamples = 4000;
   std::map<std::vector<int64_t>, int64_t> observed;
   int64_t drafted = 0;
@@ -830,22 +839,7 @@ bool eagle_samples_fit(bool skip_sample_adjustment) {
   const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 4, 6);
   const MultinomialProcessor processor{2.0};
   const std::vector<int64_t> prompt{1, 4, 2};
-  std::map<std::vector<int64_t>, double> expected{{{}, 1.0}};
-  for (int step = 0; step < 3; ++step) {
-    std::map<std::vector<int64_t>, double> longer;
-    for (const auto& [prefix, probability] : expected) {
-      std::vector<int64_t> sequence = prompt;
-      sequence.insert(sequence.end(), prefix.begin(), prefix.end());
-      auto cache = target.make_cache(1);
-      const at::Tensor p = processor(target.forward(at::tensor(sequence, at::kLong).view({1, -1}), cache)[0][-1]).to(at::kDouble);
-      for (int64_t token = 0; token < 6; ++token) {
-        std::vector<int64_t> next = prefix;
-        next.push_back(token);
-        longer[next] = probability * p[token].item<double>();
-      }
-    }
-    expected = std::move(longer);
-  }
+  const std::map<std::vector<int64_t>, double> expected = exact_continuations(target, processor, prompt, 3);
   constexpr int64_t kSamples = 4000;
   std::map<std::vector<int64_t>, int64_t> observed;
   int64_t drafted = 0;

@@ -417,10 +417,7 @@ int main(int argc, char** argv) {
     const auto prompts = specdec::text::held_out_prompts(target, corpus ? &corpus->held_out_paths : nullptr, args.bos, 8);
     const specdec::text::HeldOut held_out = specdec::text::measure_held_out(
         target, prompts, [&] { return specdec::models::EagleDraftSource(loaded, target); }, args.gamma);
-    std::cout << "held-out, greedy, gamma " << args.gamma << ": " << held_out.accepted_per_step
-              << " drafts accepted per step, " << held_out.tokens_per_call
-              << " tokens per target call; output identical to the target alone: " << (held_out.identical ? "yes" : "NO")
-              << std::endl;
+    specdec::text::print_held_out(held_out, args.gamma);
     std::cout << "wrote " << args.out << std::endl;
     return held_out.identical ? 0 : 1;
   } catch (const CLI::ParseError& e) {

@@ -205,10 +205,7 @@ int main(int argc, char** argv) {
     const auto prompts = specdec::text::held_out_prompts(target, corpus ? &corpus->held_out_paths : nullptr, args.bos, 8);
     const specdec::text::HeldOut held_out = specdec::text::measure_held_out(
         target, prompts, [&] { return specdec::models::MedusaDraftSource(loaded, target); }, args.heads);
-    std::cout << "held-out, greedy, gamma " << args.heads << ": " << held_out.accepted_per_step
-              << " drafts accepted per step, " << held_out.tokens_per_call
-              << " tokens per target call; output identical to the target alone: " << (held_out.identical ? "yes" : "NO")
-              << std::endl;
+    specdec::text::print_held_out(held_out, args.heads);
     std::cout << "wrote " << args.out << std::endl;
     return held_out.identical ? 0 : 1;
   } catch (const CLI::ParseError& e) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -119,6 +120,15 @@ HeldOut measure_held_out(Model& target, const std::vector<std::vector<int64_t>>&
   result.accepted_per_step = static_cast<double>(accepted) / static_cast<double>(std::max<int64_t>(1, steps));
   result.tokens_per_call = static_cast<double>(tokens) / static_cast<double>(std::max<int64_t>(1, steps));
   return result;
+}
+
+// Prints a held-out measurement as both trainers report it (the smoke tests match this line).
+inline void print_held_out(const HeldOut& held_out, int64_t gamma) {
+  std::printf("held-out, greedy, gamma %lld: %.4g drafts accepted per step, %.4g tokens per target call; "
+              "output identical to the target alone: %s\n",
+              static_cast<long long>(gamma), held_out.accepted_per_step, held_out.tokens_per_call,
+              held_out.identical ? "yes" : "NO");
+  std::fflush(stdout);
 }
 
 inline double learning_rate(int64_t step, int64_t steps, double peak) {

@@ -713,7 +713,12 @@ class EagleDraftSource {
     const at::Tensor outputs =
         head_.forward(ids, head_.fuse(verified.features.narrow(0, 0, n)), cache_);
     last_ = outputs.narrow(0, n - 1, 1);
-    seen_.assign(verified.sequence.begin(), verified.sequence.begin() + from + n + 1);
+    // seen_ already holds the sequence up to `from` (the cache's positions before it read those
+    // tokens): only the step's new tokens are appended, not the whole sequence.
+    const auto agreed = static_cast<size_t>(from + 1);
+    if (seen_.size() > agreed) seen_.resize(agreed);
+    seen_.insert(seen_.end(), verified.sequence.begin() + static_cast<std::ptrdiff_t>(seen_.size()),
+                 verified.sequence.begin() + from + n + 1);
   }
 
  private:
