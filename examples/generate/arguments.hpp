@@ -166,7 +166,7 @@ const std::vector<FlagModes>& flag_modes() {
       {"--tree-nodes", {"stand"}},
       {"--num-beams", {"beam"}},
       {"--length-penalty", {"beam"}},
-      {"--batch-file", {"speculative", "autoregressive", "ngram"}},
+      {"--batch-file", {"speculative", "autoregressive", "ngram", "eagle", "medusa"}},
       {"--temperature", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
       {"--top-k", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
       {"--top-p", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
@@ -331,7 +331,8 @@ Arguments parse(int argc, char** argv) {
 
   const std::string output = "Output";
   app.add_option("--batch-file", a.batch_file,
-                 "generate for every line of FILE as one batch (speculative, autoregressive, ngram); \\n in a line "
+                 "generate for every line of FILE as one batch (speculative, autoregressive, ngram, eagle, medusa); "
+                 "\\n in a line "
                  "stands for a newline")
       ->group(output);
   app.add_flag("--compare", a.compare,

@@ -50,7 +50,8 @@ int run(const Arguments& a) {
   }
   const Processor processor = make_processor(a);
   if (!a.batch_file.empty()) {
-    return run_batch_file(a, target, drafter ? &*drafter : nullptr, text, eos, stops, processor);
+    return run_batch_file(a, target, drafter ? &*drafter : nullptr, eagle ? &*eagle : nullptr,
+                          medusa ? &*medusa : nullptr, text, eos, stops, processor);
   }
   SpeculativeOptions speculative_options = make_speculative_options(a, eos, stops);
   std::optional<CalibrationResult> calibration;

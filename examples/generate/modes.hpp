@@ -155,9 +155,10 @@ CalibrationResult calibrate(const Arguments& a, Model& drafter, Model& target, c
 }
 
 // --batch-file: every line of the file is a prompt; all rows generate together as one batch.
-int run_batch_file(const Arguments& a, Model& target, Model* drafter, const Text& text,
-                   const std::vector<int64_t>& eos, const std::vector<std::vector<int64_t>>& stops,
-                   const Processor& processor) {
+// Heads (--mode eagle, medusa) draft with a source per row.
+int run_batch_file(const Arguments& a, Model& target, Model* drafter, const models::EagleHead* eagle,
+                   const models::MedusaHeads* medusa, const Text& text, const std::vector<int64_t>& eos,
+                   const std::vector<std::vector<int64_t>>& stops, const Processor& processor) {
   std::ifstream in(a.batch_file);
   if (!in) throw std::invalid_argument("--batch-file: cannot open " + a.batch_file);
   std::vector<std::string> lines;
@@ -187,11 +188,18 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const Text
                                                 .filler_top_k = 1, .draft_rule = a.draft_rule},
                                                p);
         }
-        if (drafter != nullptr) {
-          return speculative_generate_batch(*drafter, target, prompts,
-                                            {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
-                                             .stop_sequences = stops, .seed = a.seed, .gamma = a.gamma},
-                                            p);
+        const SpeculativeOptions options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
+                                         .stop_sequences = stops, .seed = a.seed, .gamma = a.gamma};
+        if (drafter != nullptr) return speculative_generate_batch(*drafter, target, prompts, options, p);
+        if (eagle != nullptr) {
+          std::vector<models::EagleDraftSource> sources;
+          for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(*eagle, target);
+          return generate_with_batch(std::span(sources), target, prompts, options, p);
+        }
+        if (medusa != nullptr) {
+          std::vector<models::MedusaDraftSource> sources;
+          for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(*medusa, target);
+          return generate_with_batch(std::span(sources), target, prompts, options, p);
         }
         return autoregressive_generate_batch(target, prompts,
                                              {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,

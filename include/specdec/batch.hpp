@@ -3,7 +3,9 @@
 // decides per row in one tensor expression, and each row keeps only its own accepted prefix:
 // its cache rows are pruned to its own length (BatchedKVCache). Rows finish independently and
 // leave the batch, so finished requests cost nothing. A step costs one device-to-host copy for
-// the whole batch.
+// the whole batch. Drafts come from a drafter model (batched forwards), one shared n-gram storage,
+// or a draft source per row (generate_with_batch: EAGLE and Medusa heads, fed their row of the
+// target's hidden states).
 //
 // Layout: rows are right-ragged. Row r's cached positions are its first row_lengths()[r], new
 // tokens of a forward are placed at each row's own positions, and a shorter input is padded at
@@ -61,13 +63,25 @@ inline at::Tensor rows_from(const at::Tensor& logits, const at::Tensor& first, i
   return logits.gather(1, index);
 }
 
+// kFiniteDrafter for each of b rows whose drafter side was finite: its q (when drafts were
+// sampled) and its drafter_finite flag (when given), as int64 [b].
+inline at::Tensor drafter_flags(const at::Tensor& q, int64_t k, const at::Tensor& drafter_finite, int64_t b,
+                                const at::Device& device) {
+  at::Tensor ok = q.defined() && k > 0 ? at::isfinite(q.sum({1, 2}))
+                                       : at::ones({b}, at::TensorOptions().dtype(at::kBool).device(device));
+  if (drafter_finite.defined()) ok = ok.logical_and(drafter_finite.to(device));
+  return ok.to(at::kLong) * kFiniteDrafter;
+}
+
 // Per-row rejection sampling for a batch, one tensor expression: p [b, k + 1, V], q [b, k, V]
 // (undefined: deterministic drafts, q one-hot), drafts int64 [b, k], valid int64 [b] (row r's
-// drafts beyond valid[r] are padding and never accepted). Returns int64 [b, 3 + k]: accepted,
-// token, finite, drafts.
+// drafts beyond valid[r] are padding and never accepted), drafter_finite bool [b] (whether the
+// logits behind row r's deterministic drafts were finite; undefined: all were). Returns int64
+// [b, 3 + k]: accepted, token, finite, drafts.
 template <LogitsProcessor P>
 at::Tensor verify_batch(const at::Tensor& p, const at::Tensor& q, const at::Tensor& drafts, const at::Tensor& valid,
-                        const P& processor, at::Generator& gen, bool skip_sample_adjustment) {
+                        const P& processor, at::Generator& gen, bool skip_sample_adjustment,
+                        const at::Tensor& drafter_finite = {}) {
   const int64_t b = p.size(0);
   const int64_t k = drafts.size(1);
   const int64_t vocab = p.size(2);
@@ -95,9 +109,8 @@ at::Tensor verify_batch(const at::Tensor& p, const at::Tensor& q, const at::Tens
     next = at::where(mass > 0, residual / mass.clamp_min(1e-300), p_row);
   }
   const at::Tensor token = processor.sample(next, gen).view({b, 1});
-  at::Tensor finite = at::isfinite(p.sum({1, 2})).to(at::kLong) * kFiniteTarget;
-  finite = finite + (q.defined() && k > 0 ? at::isfinite(q.sum({1, 2})).to(at::kLong) * kFiniteDrafter
-                                          : at::full_like(finite, kFiniteDrafter));
+  const at::Tensor finite = at::isfinite(p.sum({1, 2})).to(at::kLong) * kFiniteTarget +
+                            drafter_flags(q, k, drafter_finite, b, p.device());
   return at::cat({accepted.view({b, 1}), token.to(at::kLong), finite.view({b, 1}), drafts}, 1);
 }
 
@@ -107,7 +120,7 @@ at::Tensor verify_batch(const at::Tensor& p, const at::Tensor& q, const at::Tens
 // computes for one-hot p, whatever q; no distribution, uniform or float64 residual is built.
 // Non-finite rows (NaN, +inf, or all -inf) are reported as GreedyProcessor's NaN would be.
 inline at::Tensor verify_batch_greedy(const at::Tensor& rows, const at::Tensor& q, const at::Tensor& drafts,
-                                      const at::Tensor& valid) {
+                                      const at::Tensor& valid, const at::Tensor& drafter_finite = {}) {
   const int64_t b = rows.size(0);
   const int64_t k = drafts.size(1);
   const at::Tensor best = rows.argmax(2);  // [b, k + 1]
@@ -117,9 +130,8 @@ inline at::Tensor verify_batch_greedy(const at::Tensor& rows, const at::Tensor& 
     accepted = best.narrow(1, 0, k).eq(drafts).logical_and(in_range).to(at::kLong).cumprod(1).sum(1);
   }
   const at::Tensor token = best.gather(1, accepted.view({b, 1}));
-  at::Tensor finite = at::isfinite(rows.amax(2)).all(1).to(at::kLong) * kFiniteTarget;
-  finite = finite + (q.defined() && k > 0 ? at::isfinite(q.sum({1, 2})).to(at::kLong) * kFiniteDrafter
-                                          : at::full_like(finite, kFiniteDrafter));
+  const at::Tensor finite = at::isfinite(rows.amax(2)).all(1).to(at::kLong) * kFiniteTarget +
+                            drafter_flags(q, k, drafter_finite, b, rows.device());
   return at::cat({accepted.view({b, 1}), token, finite.view({b, 1}), drafts}, 1);
 }
 
@@ -162,6 +174,19 @@ class BatchRunner {
     return rows.empty() ? 0 : *std::max_element(rows.begin(), rows.end());
   }
 
+  // Makes every later forward() also tap these hidden states (FeatureTarget), kept as features()
+  // until the next forward; empty: none (the default).
+  void set_taps(std::span<const int64_t> taps)
+    requires FeatureTarget<M>
+  {
+    taps_.assign(taps.begin(), taps.end());
+  }
+  // The tapped hidden states of the last forward(), [b, width, taps * hidden] on the device: row
+  // r's index j is its sequence position fed_from()[r] + j. Undefined without taps.
+  [[nodiscard]] const at::Tensor& features() const noexcept { return features_; }
+  // Each row's first position the last forward() fed (the positions it held before).
+  [[nodiscard]] std::span<const int64_t> fed_from() const noexcept { return fed_from_; }
+
   // One forward over each row's uncached tokens of `sequences` followed by `tail` [b, k] (device
   // tokens, every row the same count). Returns logits [b, width, V] and, per row, the index of its
   // last uncached token's row (uncached[r] - 1), as int64 [b] on the device.
@@ -170,6 +195,7 @@ class BatchRunner {
     const auto b = static_cast<int64_t>(sequences.size());
     uncached_rows_.clear();
     uncached_.clear();
+    fed_from_.assign(lengths_.begin(), lengths_.end());
     int64_t width = 0;
     for (int64_t r = 0; r < b; ++r) {
       const auto seq = sequences[static_cast<size_t>(r)];
@@ -186,7 +212,17 @@ class BatchRunner {
     {
       ScopedTimer timer(*counters_.seconds);
       at::NoGradGuard no_grad;
-      logits = model_.forward(ids, cache_);
+      if constexpr (FeatureTarget<M>) {
+        if (!taps_.empty()) {
+          TargetOutput out = model_.forward_features(ids, cache_, taps_);
+          logits = std::move(out.logits);
+          features_ = std::move(out.features);
+        } else {
+          logits = model_.forward(ids, cache_);
+        }
+      } else {
+        logits = model_.forward(ids, cache_);
+      }
     }
     ++*counters_.calls;
     *counters_.positions += b * (width + k);
@@ -239,21 +275,41 @@ class BatchRunner {
   std::vector<int64_t> lengths_;  // positions each row holds that belong to its sequence
   std::vector<std::span<const int64_t>> uncached_rows_;
   std::vector<int64_t> uncached_, buffer_;
+  std::vector<int64_t> taps_, fed_from_;  // set_taps(), fed_from()
+  at::Tensor features_;                   // features()
 };
 
 // Drafts of a batch step: tokens [b, k], their q [b, k, V] (or undefined), valid [b] drafts per
-// row (host), drafter calls.
+// row (host), and finite bool [b]: whether the logits behind each row's deterministic drafts were
+// finite (undefined: nothing to check).
 struct BatchDrafts {
   at::Tensor tokens{};
   at::Tensor probs{};
   std::vector<int64_t> valid{};
+  at::Tensor finite{};
 };
 
-// The generation loop of a batch. Drafting: draft(active rows' sequences, k, processor, gen,
-// stats) -> BatchDrafts of at most k drafts per row (fewer columns where its own context allows
-// fewer), after(sequences, accepted lengths) after every step, select(rows) when rows leave; a
-// step with no drafts is target-only (autoregressive decoding, a first target step). `limit` is
-// the target's: rows stop there.
+// What a batch step decided, for the drafting to learn from; index i is the step's i-th row.
+struct BatchStep {
+  std::span<const std::span<const int64_t>> sequences{};  // each row's sequence after the step
+  std::span<const int64_t> positions{};  // each row's length before it (its first draft's position)
+  std::span<const int64_t> drafted{};    // drafts verified per row
+  std::span<const int64_t> accepted{};   // leading drafts accepted per row
+  std::span<const int64_t> kept{};       // positions each row keeps cached (positions + accepted)
+  std::span<const uint8_t> finished{};   // rows that finished with this step (1) and leave
+  // The target's tapped hidden states (when the drafting asked for feature_taps()), on its device:
+  // [b, width, taps * hidden], row i's index j at sequence position features_from[i] + j; rows
+  // hold every position the step fed them up to their last accepted draft, then padding.
+  at::Tensor features{};
+  std::span<const int64_t> features_from{};
+};
+
+// The generation loop of a batch. Drafting: draft(active rows' sequences, rooms, k, processor,
+// gen, stats) -> BatchDrafts of at most k drafts per row (rooms[i] <= k: what row i can verify;
+// fewer columns where the drafter's own context allows fewer), after(BatchStep) after every step,
+// select(rows) when rows leave; with feature_taps(), the target's forwards tap them and the steps
+// hand them on. A step with no drafts is target-only (autoregressive decoding, a first target
+// step). `limit` is the target's: rows stop there.
 template <BatchedLanguageModel T, class Drafting, LogitsProcessor P>
 std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<int64_t>> prompts,
                                         const SpeculativeOptions& options, const P& processor, Drafting& drafting,
@@ -287,9 +343,14 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
     runner.select(active);
     drafting.select(active);
   }
+  if constexpr (requires { drafting.feature_taps(); }) {
+    static_assert(FeatureTarget<T>, "a draft source with feature_taps() needs a target that models FeatureTarget");
+    runner.set_taps(drafting.feature_taps());
+  }
   bool first = true;
   std::vector<std::span<const int64_t>> views;
-  std::vector<int64_t> positions, rooms, keep, prune_to, local_keep;
+  std::vector<int64_t> positions, rooms, keep, prune_to, local_keep, accepted;
+  std::vector<uint8_t> finished;
   while (!active.empty()) {
     const auto b = static_cast<int64_t>(active.size());
     views.clear();
@@ -314,7 +375,7 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
     const double drafter_before = shared.drafter_seconds;
     if (k > 0) {
       ScopedTimer timer(shared.drafter_seconds);
-      drafts = drafting.draft(views, k, processor, gen, shared);
+      drafts = drafting.draft(views, rooms, k, processor, gen, shared);
       // A drafter near its own limit drafts fewer.
       k = drafts.tokens.defined() ? drafts.tokens.size(1) : 0;
     }
@@ -332,9 +393,10 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
     const at::Tensor q = k > 0 ? drafts.probs : at::Tensor();
     at::Tensor packed;
     if constexpr (std::is_same_v<P, GreedyProcessor>) {
-      packed = verify_batch_greedy(target_rows, q, draft_tokens, valid);
+      packed = verify_batch_greedy(target_rows, q, draft_tokens, valid, drafts.finite);
     } else {
-      packed = verify_batch(processor(target_rows), q, draft_tokens, valid, processor, gen, options.skip_sample_adjustment);
+      packed = verify_batch(processor(target_rows), q, draft_tokens, valid, processor, gen, options.skip_sample_adjustment,
+                            drafts.finite);
     }
     const at::Tensor host = to_host(packed);
     const int64_t* values = host.data_ptr<int64_t>();
@@ -345,6 +407,8 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
       }
     }
     prune_to.clear();
+    accepted.clear();
+    finished.clear();
     for (int64_t i = 0; i < b; ++i) {
       const int64_t* row = values + i * stride;
       GenerationState& state = *states[static_cast<size_t>(active[static_cast<size_t>(i)])];
@@ -360,11 +424,28 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
       if (k > 0) emitted.gamma = made;
       state.emit(emitted);
       prune_to.push_back(positions[static_cast<size_t>(i)] + row[0]);
+      accepted.push_back(row[0]);
+      finished.push_back(state.finished() ? 1 : 0);
     }
     runner.prune(prune_to);
     views.clear();
     for (const int64_t r : active) views.push_back(states[static_cast<size_t>(r)]->sequence());
-    drafting.after(views, prune_to);
+    {
+      // What the drafting learns from the step is drafter time, in every row that took part.
+      const double before = shared.drafter_seconds;
+      {
+        ScopedTimer timer(shared.drafter_seconds);
+        drafting.after(BatchStep{.sequences = views,
+                                 .positions = positions,
+                                 .drafted = rooms,
+                                 .accepted = accepted,
+                                 .kept = prune_to,
+                                 .finished = finished,
+                                 .features = runner.features(),
+                                 .features_from = runner.fed_from()});
+      }
+      for (const int64_t r : active) states[static_cast<size_t>(r)]->stats().drafter_seconds += shared.drafter_seconds - before;
+    }
     // Finished rows leave the batch.
     keep.clear();
     local_keep.clear();
@@ -390,10 +471,11 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
 // No drafts: autoregressive decoding of a batch.
 struct NoBatchDrafts {
   template <LogitsProcessor P>
-  BatchDrafts draft(const std::vector<std::span<const int64_t>>&, int64_t, const P&, at::Generator&, GenerationStats&) {
+  BatchDrafts draft(const std::vector<std::span<const int64_t>>&, std::span<const int64_t>, int64_t, const P&,
+                    at::Generator&, GenerationStats&) {
     return {};
   }
-  void after(const std::vector<std::span<const int64_t>>&, std::span<const int64_t>) {}
+  void after(const BatchStep&) {}
   void select(std::span<const int64_t>) {}
 };
 
@@ -410,8 +492,8 @@ class ModelBatchDrafts {
   }
 
   template <LogitsProcessor P>
-  BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences, int64_t k, const P& processor,
-                    at::Generator& gen, GenerationStats& /*shared*/) {
+  BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences, std::span<const int64_t> /*rooms*/,
+                    int64_t k, const P& processor, at::Generator& gen, GenerationStats& /*shared*/) {
     const auto b = static_cast<int64_t>(sequences.size());
     leave_where_full(sequences);
     members_.clear();
@@ -456,10 +538,10 @@ class ModelBatchDrafts {
     return result;
   }
 
-  void after(const std::vector<std::span<const int64_t>>& /*sequences*/, std::span<const int64_t> accepted_lengths) {
+  void after(const BatchStep& step) {
     lengths_.clear();
     for (size_t i = 0; i < row_of_.size(); ++i) {
-      if (row_of_[i] >= 0) lengths_.push_back(accepted_lengths[i]);
+      if (row_of_[i] >= 0) lengths_.push_back(step.kept[i]);
     }
     if (!lengths_.empty()) runner_.prune(lengths_);
   }
@@ -547,8 +629,8 @@ class NGramBatchDrafts {
   }
 
   template <LogitsProcessor P>
-  BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences, int64_t k, const P&, at::Generator&,
-                    GenerationStats&) {
+  BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences, std::span<const int64_t> /*rooms*/,
+                    int64_t k, const P&, at::Generator&, GenerationStats&) {
     const auto b = static_cast<int64_t>(sequences.size());
     BatchDrafts result;
     buffer_.assign(static_cast<size_t>(b * k), 0);
@@ -562,9 +644,9 @@ class NGramBatchDrafts {
     return result;
   }
 
-  void after(const std::vector<std::span<const int64_t>>& sequences, std::span<const int64_t> /*accepted*/) {
-    for (size_t r = 0; r < sequences.size(); ++r) {
-      const auto sequence = sequences[r];
+  void after(const BatchStep& step) {
+    for (size_t r = 0; r < step.sequences.size(); ++r) {
+      const auto sequence = step.sequences[r];
       for (size_t position = learned_[r]; position < sequence.size(); ++position) {
         storage_.update(sequence.first(position), sequence.subspan(position, 1));
       }
@@ -580,6 +662,136 @@ class NGramBatchDrafts {
   NGramDraftRule rule_;
   std::vector<size_t> learned_;
   std::vector<int64_t> buffer_, context_;
+};
+
+// Draft sources over a batch, one per row: row i's drafts come from its own source, which keeps
+// its own state (an EAGLE head's cache, a drafter's), learns each step's outcome as in
+// generate_with, and, with feature_taps(), reads its row of the target's hidden states. Sources
+// draft one after another; their drafts are padded into one [b, k] block.
+template <class S>
+class SourceBatchDrafts {
+ public:
+  SourceBatchDrafts(std::span<S> sources, const at::Device& device, int64_t vocab)
+      : sources_(sources), device_(device), vocab_(vocab), rows_(sources.size()) {
+    for (size_t r = 0; r < rows_.size(); ++r) rows_[r] = static_cast<int64_t>(r);
+    if constexpr (HasFeatureTaps<S>) {
+      const auto first = sources_.front().feature_taps();
+      taps_.assign(first.begin(), first.end());
+      for (size_t r = 1; r < sources_.size(); ++r) {
+        const auto taps = sources_[r].feature_taps();
+        if (!std::equal(taps.begin(), taps.end(), taps_.begin(), taps_.end())) {
+          throw_invalid_message("sources[", r, "].feature_taps() must equal sources[0]'s: one target forward serves "
+                                "every row");
+        }
+      }
+    }
+    for (size_t r = 0; r < sources_.size(); ++r) {
+      if (source_top_k(sources_[r]) > 0) {
+        throw_invalid_message("sources[", r, "].target_top_k() = ", source_top_k(sources_[r]),
+                              ": batch generation hands no target top-k to a source (it must be 0)");
+      }
+    }
+  }
+
+  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept
+    requires HasFeatureTaps<S>
+  {
+    return taps_;
+  }
+
+  void start(std::span<const std::vector<int64_t>> prompts, const SpeculativeOptions& options) {
+    if constexpr (HasStartHook<S>) {
+      for (size_t r = 0; r < prompts.size(); ++r) sources_[r].start(prompts[r], options);
+    }
+  }
+
+  template <LogitsProcessor P>
+  BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences, std::span<const int64_t> rooms, int64_t /*k*/,
+                    const P& processor, at::Generator& gen, GenerationStats& /*shared*/) {
+    const auto b = static_cast<int64_t>(sequences.size());
+    drafts_.clear();
+    BatchDrafts result{.valid = std::vector<int64_t>(static_cast<size_t>(b), 0)};
+    int64_t width = 0;
+    bool any_probs = false, any_finite = false;
+    for (int64_t i = 0; i < b; ++i) {
+      S& source = sources_[static_cast<size_t>(rows_[static_cast<size_t>(i)])];
+      const auto sequence = sequences[static_cast<size_t>(i)];
+      const int64_t room =
+          std::min(rooms[static_cast<size_t>(i)], source_room(source, static_cast<int64_t>(sequence.size())));
+      Drafts drafts;
+      if (room > 0) {
+        drafts = source.draft(DraftRequest{.sequence = sequence, .gamma = room, .room = room, .device = device_},
+                              processor, gen);
+      }
+      if (drafts.size() > room) {
+        throw_invalid_message("sources[", rows_[static_cast<size_t>(i)], "] proposed ", drafts.size(),
+                              " drafts, more than room = ", room);
+      }
+      result.valid[static_cast<size_t>(i)] = drafts.size();
+      width = std::max(width, drafts.size());
+      any_probs = any_probs || (drafts.size() > 0 && drafts.probs.defined());
+      any_finite = any_finite || (drafts.size() > 0 && drafts.finite.defined());
+      drafts_.push_back(std::move(drafts));
+    }
+    if (width == 0) return result;
+    const auto long_options = at::TensorOptions().dtype(at::kLong).device(device_);
+    result.tokens = at::zeros({b, width}, long_options);
+    if (any_probs) result.probs = at::zeros({b, width, vocab_}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    std::vector<at::Tensor> finite;
+    for (int64_t i = 0; i < b; ++i) {
+      const Drafts& drafts = drafts_[static_cast<size_t>(i)];
+      const int64_t n = drafts.size();
+      if (n > 0) {
+        const at::Tensor tokens = drafts.tokens.to(device_).view({n});
+        result.tokens.select(0, i).narrow(0, 0, n).copy_(tokens);
+        if (any_probs) {
+          at::Tensor q = result.probs.select(0, i).narrow(0, 0, n);
+          if (drafts.probs.defined()) {
+            q.copy_(drafts.probs.to(device_).view({n, vocab_}));
+          } else {  // deterministic drafts: q is one-hot at each
+            q.scatter_(1, tokens.view({n, 1}), 1.0);
+          }
+        }
+      }
+      if (any_finite) {
+        finite.push_back(n > 0 && drafts.finite.defined()
+                             ? drafts.finite.to(device_).view({})
+                             : at::ones({}, at::TensorOptions().dtype(at::kBool).device(device_)));
+      }
+    }
+    if (any_finite) result.finite = at::stack(finite);
+    return result;
+  }
+
+  void after(const BatchStep& step) {
+    for (size_t i = 0; i < step.sequences.size(); ++i) {
+      S& source = sources_[static_cast<size_t>(rows_[i])];
+      VerifiedDrafts verified{.sequence = step.sequences[i],
+                              .position = step.positions[i],
+                              .drafted = step.drafted[i],
+                              .accepted = step.accepted[i]};
+      if constexpr (HasFeatureTaps<S>) {
+        // The row's positions from features_from up to its last accepted draft.
+        verified.features_from = step.features_from[i];
+        verified.features = step.features.select(0, static_cast<int64_t>(i))
+                                .narrow(0, 0, step.positions[i] - step.features_from[i] + step.accepted[i]);
+      }
+      source.verified(verified);
+      if constexpr (HasFinishHook<S>) {
+        if (step.finished[i] != 0) source.finish(step.sequences[i]);
+      }
+    }
+  }
+
+  void select(std::span<const int64_t> rows) { rows_ = pick_rows(rows_, rows); }
+
+ private:
+  std::span<S> sources_;
+  at::Device device_;
+  int64_t vocab_;
+  std::vector<int64_t> rows_;  // each batch row's source
+  std::vector<int64_t> taps_;
+  std::vector<Drafts> drafts_;
 };
 
 // Validates a batch: non-empty, every row valid (the message names the row).
@@ -658,6 +870,45 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
   const int64_t limit = detail::sequence_limit(target);
   detail::check_batch(options, prompts, vocab, limit);
   detail::ModelBatchDrafts<D> drafts(drafter, static_cast<int64_t>(prompts.size()));
+  return detail::run_batch(target, prompts, options, processor, drafts, limit, /*draft=*/true);
+}
+
+// Speculative decoding of a batch from draft sources, one per row: sources[r] drafts for
+// prompts[r] and keeps its own state across the steps (an EAGLE or Medusa head its cache, fed its
+// row of the target's hidden states; a drafter its KV cache; an n-gram source its tables), learning
+// each step's outcome as in generate_with. The target verifies every row's drafts in one forward
+// per step. Greedy output equals each row's generate_with (and autoregressive_generate) output
+// token for token; sampled output is distributed exactly as the target's, row by row. The sources
+// draft one row after another (a head's forwards are per row; its cost grows with the batch).
+//
+// Requires: sources.size() == prompts.size(); each source models DraftSource<S, P>, with the
+//   target's vocabulary where it says, the same feature_taps() for all (the target then models
+//   FeatureTarget) and no target_top_k(); options as speculative_generate_batch.
+// Returns: one GenerationResult per prompt, in order.
+// Throws: std::invalid_argument naming the parameter, or the row and its problem.
+template <Target T, class S, LogitsProcessor P = GreedyProcessor>
+  requires BatchedLanguageModel<T> && DraftSource<S, P>
+[[nodiscard]] std::vector<GenerationResult> generate_with_batch(std::span<S> sources, T& target,
+                                                                std::span<const std::vector<int64_t>> prompts,
+                                                                const SpeculativeOptions& options = {},
+                                                                const P& processor = {}) {
+  const auto vocab = static_cast<int64_t>(target.vocab_size());
+  if (sources.size() != prompts.size()) {
+    detail::throw_invalid_message("sources.size() must equal prompts.size() = ", prompts.size(), ", got ",
+                                  sources.size());
+  }
+  detail::check_batch_options(options);
+  for (size_t r = 0; r < sources.size(); ++r) {
+    try {
+      detail::check_source(sources[r], vocab, options);
+    } catch (const std::invalid_argument& e) {
+      detail::throw_invalid_message("sources[", r, "]: ", e.what());
+    }
+  }
+  const int64_t limit = detail::sequence_limit(target);
+  detail::check_batch(options, prompts, vocab, limit);
+  detail::SourceBatchDrafts<S> drafts(sources, target.device(), vocab);
+  drafts.start(prompts, options);
   return detail::run_batch(target, prompts, options, processor, drafts, limit, /*draft=*/true);
 }
 

@@ -605,7 +605,8 @@ class EagleHead {
 // verification stays exact. The cache lives across generations: a generation that continues the
 // sequence the cache was made from (a Session's next turn) keeps it up to where the two agree.
 // A step that follows no verified step at the sequence's end (a generation's first, after a gap)
-// drafts nothing. Tree steps and batches hand no features: the source drafts nothing there.
+// drafts nothing. Tree steps hand no features: the source drafts nothing there. In batches
+// (generate_with_batch) each row has its own source, fed its row of the target's hidden states.
 class EagleDraftSource {
  public:
   // Throws std::invalid_argument when the head does not fit the target (hidden size, vocabulary,
