@@ -829,8 +829,10 @@ TEST(Eagle, GreedyOutputEqualsAutoregressiveDecodingAndTheCacheRecomputes) {
 }
 
 // Whether three sampled tokens after a prompt, an EAGLE-3 head drafting over a draft vocabulary
-// of 4 of the target's 6 ids, fit the target's exact distribution by chi-square at a tail of 1e-6.
-bool eagle_samples_fit(bool skip_sample_adjustment) {
+// of 4 of the target's 6 ids, fit the target's exact distribution by chi-square at a tail of 1e-6:
+// one prompt through generate_with, or (`batched`) each of two prompts generated as one batch
+// with a head per row.
+bool eagle_samples_fit(bool skip_sample_adjustment, bool batched = false) {
   using Model = models::LlamaModel<StaticKVCache>;
   models::LlamaConfig config = test::small_llama_config();
   config.vocab_size = 6;
@@ -838,23 +840,33 @@ bool eagle_samples_fit(bool skip_sample_adjustment) {
   Model target(config, weights);
   const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 4, 6);
   const MultinomialProcessor processor{2.0};
-  const std::vector<int64_t> prompt{1, 4, 2};
-  const std::map<std::vector<int64_t>, double> expected = exact_continuations(target, processor, prompt, 3);
+  std::vector<std::vector<int64_t>> prompts{{1, 4, 2}};
+  if (batched) prompts.push_back({5, 0, 3, 3, 1});
+  std::vector<std::map<std::vector<int64_t>, double>> expected;
+  for (const auto& prompt : prompts) expected.push_back(exact_continuations(target, processor, prompt, 3));
   constexpr int64_t kSamples = 4000;
-  std::map<std::vector<int64_t>, int64_t> observed;
+  std::vector<std::map<std::vector<int64_t>, int64_t>> observed(prompts.size());
   int64_t drafted = 0;
-  models::EagleDraftSource source(head, target);
+  std::vector<models::EagleDraftSource> sources;
+  for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(head, target);
   for (int64_t i = 0; i < kSamples; ++i) {
-    const GenerationResult result = generate_with(
-        source, target, prompt,
-        {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2, .skip_sample_adjustment = skip_sample_adjustment},
-        processor);
-    ++observed[result.tokens];
-    drafted += result.stats.drafted;
+    const SpeculativeOptions options{.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2,
+                                     .skip_sample_adjustment = skip_sample_adjustment};
+    const std::vector<GenerationResult> results =
+        batched ? generate_with_batch(std::span(sources), target, prompts, options, processor)
+                : std::vector<GenerationResult>{generate_with(sources[0], target, prompts[0], options, processor)};
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      ++observed[r][results[r].tokens];
+      drafted += results[r].stats.drafted;
+    }
   }
-  EXPECT_GT(drafted, kSamples / 2) << "the head should draft in most generations";
-  const test::ChiSquare fit = test::chi_square(observed, expected, kSamples);
-  return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
+  EXPECT_GT(drafted, kSamples / 2 * static_cast<int64_t>(prompts.size())) << "the head should draft in most generations";
+  bool fit = true;
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    const test::ChiSquare row = test::chi_square(observed[r], expected[r], kSamples);
+    fit = fit && row.outside_support == 0 && row.statistic < test::chi_square_quantile(row.dof, 4.75);
+  }
+  return fit;
 }
 
 TEST(Eagle, SampledOutputIsDistributedAsTheTarget) {
@@ -1033,47 +1045,10 @@ TEST(HeadsInBatches, GreedyRowsEqualAutoregressiveDecodingAndEachRowAlone) {
                        {"gamma_policy must be fixed"});
 }
 
-// Whether three sampled tokens after each of two prompts, generated as one batch with an EAGLE-3
-// head per row, fit each row's exact distribution by chi-square at a tail of 1e-6.
-bool eagle_batch_samples_fit(bool skip_sample_adjustment) {
-  using Model = models::LlamaModel<StaticKVCache>;
-  models::LlamaConfig config = test::small_llama_config();
-  config.vocab_size = 6;
-  const models::LlamaWeights weights = models::LlamaWeights::random(config, 8);
-  Model target(config, weights);
-  const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 4, 6);
-  const MultinomialProcessor processor{2.0};
-  const std::vector<std::vector<int64_t>> prompts{{1, 4, 2}, {5, 0, 3, 3, 1}};
-  std::vector<std::map<std::vector<int64_t>, double>> expected;
-  for (const auto& prompt : prompts) expected.push_back(exact_continuations(target, processor, prompt, 3));
-  constexpr int64_t kSamples = 4000;
-  std::vector<std::map<std::vector<int64_t>, int64_t>> observed(prompts.size());
-  int64_t drafted = 0;
-  std::vector<models::EagleDraftSource> sources;
-  for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(head, target);
-  for (int64_t i = 0; i < kSamples; ++i) {
-    const std::vector<GenerationResult> results = generate_with_batch(
-        std::span(sources), target, prompts,
-        {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2, .skip_sample_adjustment = skip_sample_adjustment},
-        processor);
-    for (size_t r = 0; r < prompts.size(); ++r) {
-      ++observed[r][results[r].tokens];
-      drafted += results[r].stats.drafted;
-    }
-  }
-  EXPECT_GT(drafted, kSamples) << "the heads should draft in most generations";
-  bool fit = true;
-  for (size_t r = 0; r < prompts.size(); ++r) {
-    const test::ChiSquare row = test::chi_square(observed[r], expected[r], kSamples);
-    fit = fit && row.outside_support == 0 && row.statistic < test::chi_square_quantile(row.dof, 4.75);
-  }
-  return fit;
-}
-
 TEST(HeadsInBatches, SampledRowsAreDistributedAsTheTarget) {
-  EXPECT_TRUE(eagle_batch_samples_fit(/*skip_sample_adjustment=*/false));
+  EXPECT_TRUE(eagle_samples_fit(/*skip_sample_adjustment=*/false, /*batched=*/true));
   // Power: a verification that samples a rejected position from p instead of the residual fails.
-  EXPECT_FALSE(eagle_batch_samples_fit(/*skip_sample_adjustment=*/true));
+  EXPECT_FALSE(eagle_samples_fit(/*skip_sample_adjustment=*/true, /*batched=*/true));
 }
 
 }  // namespace
