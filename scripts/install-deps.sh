@@ -9,11 +9,12 @@
 # (the remote verification service), clang with its
 # libFuzzer runtime (for the loaders' fuzz target and the headers' clang check), libpython3.11-stdlib
 # (the Python sources the bundled models were trained and are evaluated on) and python3 (the
-# check of --compare's arithmetic). Idempotent: installs only what is missing.
+# check of --compare's arithmetic), ccache (the test script's compiler cache). Idempotent: installs
+# only what is missing.
 set -euo pipefail
 
 packages=(g++ cmake ninja-build libtorch-dev libopenblas0-pthread libgtest-dev libbenchmark-dev
-  nlohmann-json3-dev libpcre2-dev libutf8proc-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libtsl-hopscotch-map-dev libcli11-dev libxxhash-dev libdnnl-dev ocl-icd-opencl-dev clang libclang-rt-14-dev libpython3.11-stdlib python3)
+  nlohmann-json3-dev libpcre2-dev libutf8proc-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libtsl-hopscotch-map-dev libcli11-dev libxxhash-dev libdnnl-dev ocl-icd-opencl-dev clang libclang-rt-14-dev libpython3.11-stdlib python3 ccache)
 
 missing=()
 for package in "${packages[@]}"; do
