@@ -11,8 +11,8 @@
 #
 # The wheel's virtual environment (scripts/install-torch2.sh) is made in the background while the
 # first leg builds. Each leg builds only what it runs; the unit tests run as two shards at once.
-# Compilers run through ccache: a rerun on the same machine, from any clone, compiles only what
-# changed (precompiled headers included); a fresh machine compiles everything.
+# Compilers run through ccache: a rerun in the same checkout compiles only what changed
+# (precompiled headers included); a fresh machine compiles everything.
 # Leak detection is off under the sanitizers: libtorch keeps process-lifetime allocations
 # (operator registries, thread pools) that LeakSanitizer reports.
 set -euo pipefail
@@ -30,8 +30,9 @@ export OMP_NUM_THREADS=1
 launcher=()
 if command -v ccache > /dev/null; then
   launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-  # Paths relative to the checkout, so that clones in other folders share the cache; the
-  # precompiled headers' defines and timestamps do not split it.
+  # Paths relative to the checkout (another clone still misses where a definition names a path
+  # of the checkout: the tests' and examples' data folders); the precompiled headers' defines
+  # and timestamps do not split the cache.
   export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-12G}"
   export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
 fi
