@@ -10,10 +10,11 @@
 // accepts), the rest the text itself (the Python sources of the bundled pair's trainer; with
 // --data none, all of it is the target's own generations from --bos, as for stories260K). At the
 // end it measures the heads on held-out prompts: greedy drafts per step accepted, and that the
-// output equals the target's alone.
+// output equals the target's alone. --temperature sets how the target's own generations are
+// sampled (0: greedy).
 //
 //   train_medusa [--target DIR] [--data DIR|none] [--bos N] [--out DIR] [--heads K] [--layers N] [--steps N]
-//                [--batch N] [--seq-len N] [--self-fraction F] [--seed N] [--threads N]
+//                [--batch N] [--seq-len N] [--self-fraction F] [--temperature T] [--seed N] [--threads N]
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -58,6 +59,7 @@ struct Arguments {
   int64_t batch = 8;
   int64_t seq_len = 128;
   double self_fraction = 0.5;
+  double temperature = 1.0;
   uint64_t seed = 20261125;
   int threads = 2;
 };
@@ -81,6 +83,9 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--self-fraction", args.self_fraction,
                  "share of each batch that is the target's own continuations (default 0.5)")
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--temperature", args.temperature,
+                 "sampling temperature of the target's own generations (default 1; 0: greedy)")
+      ->check(CLI::Range(0.0, 100.0));
   app.add_option("--seed", args.seed, "initialisation and sampling seed")
       ->check(cli::integer<uint64_t>(0, std::numeric_limits<uint64_t>::max()));
   app.add_option("--threads", args.threads, "torch threads (default 2)")->check(cli::integer<int>(1, 1024));
@@ -145,7 +150,7 @@ int main(int argc, char** argv) {
         static_cast<torch::optim::AdamWOptions&>(group.options()).lr(specdec::text::learning_rate(step, args.steps, 1e-3));
       }
       torch::Tensor ids =
-          self_rows > 0 ? specdec::text::continuations(target, stream, args.bos, self_rows, args.seq_len, rng) : torch::Tensor();
+          self_rows > 0 ? specdec::text::continuations(target, stream, args.bos, self_rows, args.seq_len, rng, args.temperature) : torch::Tensor();
       if (self_rows < args.batch) {
         const torch::Tensor text = specdec::text::batch_of(*stream, args.batch - self_rows, args.seq_len, rng).first;
         ids = ids.defined() ? torch::cat({ids, text}, 0) : text;

@@ -50,25 +50,32 @@ inline std::optional<PythonCorpus> corpus_for(const std::string& data, int64_t v
 }
 
 // `count` sequences of `length` tokens [count, length]: a prompt (a random 32-token window of
-// `stream`, or {bos} without one), then the target's own continuation sampled at temperature 1
-// (padded with bos where it ends early).
+// `stream`, or {bos} without one), then the target's own continuation sampled at `temperature`
+// (0: greedy). The rows are generated together, one batched target forward per position.
 template <class Model>
 at::Tensor continuations(Model& target, const std::vector<uint8_t>* stream, int64_t bos, int64_t count, int64_t length,
-                         std::mt19937_64& rng) {
-  const int64_t prompt_length = stream != nullptr ? 32 : 1;
-  at::Tensor rows = at::empty({count, length}, at::kLong);
-  const at::Tensor windows = stream != nullptr ? batch_of(*stream, count, prompt_length, rng).first : at::Tensor();
-  for (int64_t i = 0; i < count; ++i) {
-    std::vector<int64_t> prompt =
-        stream != nullptr ? std::vector<int64_t>(windows[i].data_ptr<int64_t>(), windows[i].data_ptr<int64_t>() + prompt_length)
-                          : std::vector<int64_t>{bos};
-    const auto result = autoregressive_generate(target, prompt, {.max_new_tokens = length - prompt_length, .seed = rng()},
-                                                MultinomialProcessor(1.0));
-    prompt.insert(prompt.end(), result.tokens.begin(), result.tokens.end());
-    prompt.resize(static_cast<size_t>(length), bos);
-    std::copy(prompt.begin(), prompt.end(), rows[i].data_ptr<int64_t>());
+                         std::mt19937_64& rng, double temperature = 1.0) {
+  if (!(temperature >= 0.0) || !std::isfinite(temperature)) {
+    throw std::invalid_argument("temperature must be a finite number >= 0, got " + std::to_string(temperature));
   }
-  return rows;
+  const int64_t prompt_length = stream != nullptr ? 32 : 1;
+  if (length <= prompt_length) {
+    throw std::invalid_argument("length " + std::to_string(length) + " leaves no room after a prompt of " +
+                                std::to_string(prompt_length));
+  }
+  const at::Tensor prompts = stream != nullptr ? batch_of(*stream, count, prompt_length, rng).first
+                                               : at::full({count, 1}, bos, at::TensorOptions().dtype(at::kLong));
+  at::Generator gen = detail::make_generator(rng());
+  auto cache = target.make_cache(count);
+  std::vector<at::Tensor> columns{prompts};
+  at::Tensor logits = target.forward(prompts, cache).select(1, prompt_length - 1).to(at::kFloat);
+  for (int64_t t = prompt_length; t < length; ++t) {
+    const at::Tensor next = temperature == 0.0 ? logits.argmax(-1, /*keepdim=*/true)
+                                               : detail::sample_categorical(at::softmax(logits / temperature, -1), gen);
+    columns.push_back(next);
+    if (t + 1 < length) logits = target.forward(next, cache).select(1, 0).to(at::kFloat);
+  }
+  return at::cat(columns, 1);
 }
 
 // Prompts for a trainer's held-out measurement: the first 64 bytes of up to `count` held-out
