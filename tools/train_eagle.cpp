@@ -18,10 +18,13 @@
 // held-out prompts: greedy drafts accepted per step at --gamma, and that the output equals the
 // target's alone.
 //
+// --init DIR continues training a saved head (its layers and draft vocabulary); --temperature
+// sets how the target's own generations are sampled (0: greedy).
+//
 //   train_eagle [--target PATH] [--data DIR|none] [--bos N] [--out DIR] [--layers a,b,c]
-//               [--draft-vocab N] [--intermediate N] [--ttt N] [--steps N] [--batch N] [--seq-len
-//               N]
-//               [--self-fraction F] [--lr X] [--gamma N] [--seed N] [--threads N]
+//               [--draft-vocab N] [--intermediate N] [--ttt N] [--steps N] [--batch N]
+//               [--seq-len N] [--self-fraction F] [--temperature T] [--init DIR] [--lr X]
+//               [--gamma N] [--seed N] [--threads N]
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -73,6 +76,8 @@ struct Arguments {
   int64_t batch = 8;
   int64_t seq_len = 128;
   double self_fraction = 0.5;
+  double temperature = 1.0;
+  std::string init;  // empty: a fresh head
   double lr = 2e-3;
   int64_t gamma = 4;
   uint64_t seed = 20261126;
@@ -116,6 +121,13 @@ Arguments parse(int argc, char** argv) {
                  "share of each batch that is the target's own continuations (default 0.5; 1 with "
                  "--data none)")
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--temperature", args.temperature,
+                 "sampling temperature of the target's own generations (default 1; 0: greedy)")
+      ->check(CLI::Range(0.0, 100.0));
+  app.add_option("--init", args.init,
+                 "start from the head saved in this folder (its layers and draft vocabulary) "
+                 "instead of a fresh one")
+      ->check(CLI::ExistingDirectory);
   app.add_option("--lr", args.lr, "peak learning rate (default 2e-3)")
       ->check(CLI::Range(1e-6, 1.0));
   app.add_option("--gamma", args.gamma, "drafts per step of the held-out measurement (default 4)")
@@ -263,8 +275,21 @@ int main(int argc, char** argv) {
     if (args.bos >= vocab)
       throw std::invalid_argument("--bos " + std::to_string(args.bos) +
                                   " is outside the vocabulary");
+    if (!args.init.empty() && (!args.layers.empty() || args.draft_vocab > 0 || args.intermediate > 0)) {
+      throw std::invalid_argument(
+          "--layers, --draft-vocab and --intermediate come from the head with --init " + args.init +
+          "; leave them out");
+    }
+    std::optional<EagleHead> init;
+    if (!args.init.empty()) {
+      init.emplace(specdec::io::load_eagle(args.init, specdec::io::EagleTarget::of(target)));
+      if (init->config().kind != specdec::models::EagleKind::eagle3) {
+        throw std::invalid_argument("--init " + args.init + " is not an EAGLE-3 head");
+      }
+    }
     const int64_t draft_vocab =
-        args.draft_vocab > 0 ? args.draft_vocab : std::max<int64_t>(1, vocab / 2);
+        init ? init->config().draft_vocab_size
+             : (args.draft_vocab > 0 ? args.draft_vocab : std::max<int64_t>(1, vocab / 2));
     if (draft_vocab > vocab) {
       throw std::invalid_argument("--draft-vocab " + std::to_string(draft_vocab) +
                                   " exceeds the target's vocabulary " + std::to_string(vocab));
@@ -282,13 +307,18 @@ int main(int argc, char** argv) {
     std::mt19937_64 rng(args.seed);
     torch::manual_seed(args.seed);
 
-    EagleConfig config{.kind = specdec::models::EagleKind::eagle3,
-                       .layer = tc,
-                       .target_hidden_size = hidden,
-                       .draft_vocab_size = draft_vocab,
-                       .feature_layers = parse_layers(args.layers, tc.n_layers)};
-    config.layer.n_layers = 1;
-    if (args.intermediate > 0) config.layer.hidden_dim = args.intermediate;
+    EagleConfig config;
+    if (init) {
+      config = init->config();
+    } else {
+      config = EagleConfig{.kind = specdec::models::EagleKind::eagle3,
+                           .layer = tc,
+                           .target_hidden_size = hidden,
+                           .draft_vocab_size = draft_vocab,
+                           .feature_layers = parse_layers(args.layers, tc.n_layers)};
+      config.layer.n_layers = 1;
+      if (args.intermediate > 0) config.layer.hidden_dim = args.intermediate;
+    }
     std::cout << "target " << args.target << ": hidden " << hidden << ", vocabulary " << vocab
               << ", " << tc.n_layers << " layers; feature layers " << config.feature_layers[0]
               << "," << config.feature_layers[1] << "," << config.feature_layers[2]
@@ -305,19 +335,38 @@ int main(int argc, char** argv) {
           corpus->train.data(), {static_cast<int64_t>(corpus->train.size())}, torch::kUInt8);
       counts += torch::bincount(bytes.to(torch::kLong), {}, vocab);
     }
-    counts += torch::bincount(
-        specdec::text::continuations(target, stream, args.bos, 64, args.seq_len, rng).flatten(), {}, vocab);
-    const torch::Tensor chosen = std::get<0>(std::get<1>(counts.topk(draft_vocab)).sort());
+    counts += torch::bincount(specdec::text::continuations(target, stream, args.bos, 64,
+                                                           args.seq_len, rng, args.temperature)
+                                  .flatten(),
+                              {}, vocab);
+    // With --init, the head's own draft vocabulary (d2t maps draft id i to target id i + d2t[i]).
+    const torch::Tensor chosen =
+        init ? (init->weights().d2t.to(torch::kCPU, torch::kLong) +
+                torch::arange(draft_vocab, torch::kLong))
+             : std::get<0>(std::get<1>(counts.topk(draft_vocab)).sort());
     const double covered =
         counts.index_select(0, chosen).sum().item<double>() / counts.sum().item<double>();
     std::cout << "draft vocabulary covers " << covered << " of the sampled tokens" << std::endl;
 
-    // Initial weights: fc and the layer random, norms at one, lm_head the target's classifier rows.
-    EagleWeights w = EagleHead::random(config, checkpoint.weights.token_embedding.to(torch::kFloat),
-                                       checkpoint.weights.output.to(torch::kFloat), args.seed);
-    w.d2t = chosen - torch::arange(draft_vocab, torch::kLong);
-    w.lm_head = checkpoint.weights.output.to(torch::kFloat).index_select(0, chosen).clone();
-    w.fc = w.fc * 0.5;
+    // Initial weights: --init's, or fc and the layer random, norms at one, lm_head the target's
+    // classifier rows.
+    EagleWeights w;
+    if (init) {
+      w = detached(init->weights());
+      for (torch::Tensor* t : {&w.fc, &w.wq, &w.wk, &w.wv, &w.wo, &w.ffn_norm, &w.w_gate, &w.w_up,
+                               &w.w_down, &w.input_norm, &w.hidden_norm, &w.norm, &w.lm_head}) {
+        *t = t->to(torch::kCPU, torch::kFloat);
+      }
+      if (w.fc_bias.defined()) w.fc_bias = w.fc_bias.to(torch::kCPU, torch::kFloat);
+      w.d2t = w.d2t.to(torch::kCPU, torch::kLong);
+      w.embedding = checkpoint.weights.token_embedding.to(torch::kFloat);
+    } else {
+      w = EagleHead::random(config, checkpoint.weights.token_embedding.to(torch::kFloat),
+                            checkpoint.weights.output.to(torch::kFloat), args.seed);
+      w.d2t = chosen - torch::arange(draft_vocab, torch::kLong);
+      w.lm_head = checkpoint.weights.output.to(torch::kFloat).index_select(0, chosen).clone();
+      w.fc = w.fc * 0.5;
+    }
     std::vector<torch::Tensor> params;
     for (torch::Tensor* t : {&w.fc, &w.wq, &w.wk, &w.wv, &w.wo, &w.ffn_norm, &w.w_gate, &w.w_up,
                              &w.w_down, &w.input_norm, &w.hidden_norm, &w.norm, &w.lm_head}) {
@@ -330,7 +379,8 @@ int main(int argc, char** argv) {
     // The training forward's step 0 equals the library's head on the same weights.
     {
       torch::NoGradGuard no_grad;
-      const torch::Tensor ids = specdec::text::continuations(target, stream, args.bos, 1, 48, rng);
+      const torch::Tensor ids =
+          specdec::text::continuations(target, stream, args.bos, 1, 48, rng, args.temperature);
       auto cache = target.make_cache(1);
       const torch::Tensor features = target.forward_features(ids, cache, taps).features;
       const torch::Tensor trained = ttt_forward(config, w, embedding, ids, features, 1)[0][0];
@@ -355,7 +405,8 @@ int main(int argc, char** argv) {
             .lr(specdec::text::learning_rate(step, args.steps, args.lr));
       }
       torch::Tensor ids =
-          self_rows > 0 ? specdec::text::continuations(target, stream, args.bos, self_rows, args.seq_len, rng)
+          self_rows > 0 ? specdec::text::continuations(target, stream, args.bos, self_rows,
+                                                       args.seq_len, rng, args.temperature)
                         : torch::Tensor();
       if (self_rows < args.batch) {
         const torch::Tensor text =
