@@ -1045,6 +1045,69 @@ TEST(HeadsInBatches, GreedyRowsEqualAutoregressiveDecodingAndEachRowAlone) {
                        {"gamma_policy must be fixed"});
 }
 
+// A model draft source that counts its start and finish hooks and keeps what it was finished with.
+template <class D>
+class HookCounter {
+ public:
+  explicit HookCounter(D& drafter) : inner_(drafter) {}
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) {
+    ++starts;
+    inner_.start(sequence, options);
+  }
+  void finish(std::span<const int64_t> sequence) {
+    ++finishes;
+    finished.assign(sequence.begin(), sequence.end());
+    inner_.finish(sequence);
+  }
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
+    return inner_.draft(request, processor, gen);
+  }
+  void verified(const VerifiedDrafts& outcome) { inner_.verified(outcome); }
+
+  int starts = 0;
+  int finishes = 0;
+  std::vector<int64_t> finished;
+
+ private:
+  ModelDraftSource<D> inner_;
+};
+
+// In a batch every row's source is started once and finished once with its row's whole sequence,
+// as generate_with does it: also a row that ends before the first step (a prompt at the target's
+// limit) and every row of a batch asked for no tokens.
+TEST(SourcesInBatches, EveryRowsStartAndFinishHooksRunOnce) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 5);
+  Model target(config, weights);
+  Model drafter(config, test::perturbed(weights, 0.02, 9));
+  const std::vector<int64_t> at_limit(static_cast<size_t>(config.max_seq_len), 3);
+  const std::vector<std::vector<int64_t>> prompts{{3, 17, 5}, at_limit, {6, 2, 9, 9}};
+  for (const int64_t new_tokens : {12, 0}) {
+    SCOPED_TRACE(new_tokens);
+    std::vector<HookCounter<Model>> sources;
+    sources.reserve(prompts.size());
+    for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(drafter);
+    const std::vector<GenerationResult> results =
+        generate_with_batch(std::span(sources), target, prompts, {.max_new_tokens = new_tokens, .gamma = 3});
+    ASSERT_EQ(results.size(), prompts.size());
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      SCOPED_TRACE(r);
+      EXPECT_EQ(sources[r].starts, 1);
+      EXPECT_EQ(sources[r].finishes, 1);
+      std::vector<int64_t> sequence = prompts[r];
+      sequence.insert(sequence.end(), results[r].tokens.begin(), results[r].tokens.end());
+      EXPECT_EQ(sources[r].finished, sequence);
+    }
+    EXPECT_TRUE(results[1].tokens.empty());
+    EXPECT_EQ(results[0].tokens.size(), static_cast<size_t>(new_tokens));
+    if (new_tokens > 0) {
+      EXPECT_EQ(results[1].stop_reason, StopReason::sequence_limit);
+    }
+  }
+}
+
 TEST(HeadsInBatches, SampledRowsAreDistributedAsTheTarget) {
   EXPECT_TRUE(eagle_samples_fit(/*skip_sample_adjustment=*/false, /*batched=*/true));
   // Power: a verification that samples a rejected position from p instead of the residual fails.

@@ -307,8 +307,9 @@ struct BatchStep {
 // The generation loop of a batch. Drafting: draft(active rows' sequences, rooms, k, processor,
 // gen, stats) -> BatchDrafts of at most k drafts per row (rooms[i] <= k: what row i can verify;
 // fewer columns where the drafter's own context allows fewer), after(BatchStep) after every step,
-// select(rows) when rows leave; with feature_taps(), the target's forwards tap them and the steps
-// hand them on. A step with no drafts is target-only (autoregressive decoding, a first target
+// select(rows) when rows leave, and, where it has one, finished_before_start(row, sequence) for
+// each row that ends before the first step; with feature_taps(), the target's forwards tap them
+// and the steps hand them on. A step with no drafts is target-only (autoregressive decoding, a first target
 // step). `limit` is the target's: rows stop there.
 template <BatchedLanguageModel T, class Drafting, LogitsProcessor P>
 std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<int64_t>> prompts,
@@ -335,7 +336,10 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
   for (int64_t r = 0; r < batch; ++r) {
     if (!states[static_cast<size_t>(r)]->finished()) {
       active.push_back(r);
-    } else {
+    } else {  // max_new_tokens 0, or a prompt at the target's limit
+      if constexpr (requires { drafting.finished_before_start(r, std::span<const int64_t>{}); }) {
+        drafting.finished_before_start(r, std::span<const int64_t>(sequences[static_cast<size_t>(r)]));
+      }
       results[static_cast<size_t>(r)] = std::move(*states[static_cast<size_t>(r)]).finish();
     }
   }
@@ -781,6 +785,12 @@ class SourceBatchDrafts {
         if (step.finished[i] != 0) source.finish(step.sequences[i]);
       }
     }
+  }
+
+  // Row `row` (of the prompts) ended before the first step: its source's finish hook still runs,
+  // as generate_with runs it.
+  void finished_before_start(int64_t row, std::span<const int64_t> sequence) {
+    if constexpr (HasFinishHook<S>) sources_[static_cast<size_t>(row)].finish(sequence);
   }
 
   void select(std::span<const int64_t> rows) { rows_ = pick_rows(rows_, rows); }
