@@ -247,13 +247,15 @@ std::vector<torch::Tensor> ttt_forward(const EagleConfig& config, const EagleWei
   return logits;
 }
 
+// A float32 CPU copy of a head's trained tensors, cut from autograd (for EagleHead, or to train on
+// from a loaded head of any dtype).
 EagleWeights detached(const EagleWeights& w) {
   EagleWeights d = w;
   for (torch::Tensor* t : {&d.fc, &d.wq, &d.wk, &d.wv, &d.wo, &d.ffn_norm, &d.w_gate, &d.w_up,
                            &d.w_down, &d.input_norm, &d.hidden_norm, &d.norm, &d.lm_head}) {
-    *t = t->detach().clone();
+    *t = t->detach().to(torch::kCPU, torch::kFloat).clone();
   }
-  if (d.fc_bias.defined()) d.fc_bias = d.fc_bias.detach().clone();
+  if (d.fc_bias.defined()) d.fc_bias = d.fc_bias.detach().to(torch::kCPU, torch::kFloat).clone();
   return d;
 }
 
@@ -353,11 +355,6 @@ int main(int argc, char** argv) {
     EagleWeights w;
     if (init) {
       w = detached(init->weights());
-      for (torch::Tensor* t : {&w.fc, &w.wq, &w.wk, &w.wv, &w.wo, &w.ffn_norm, &w.w_gate, &w.w_up,
-                               &w.w_down, &w.input_norm, &w.hidden_norm, &w.norm, &w.lm_head}) {
-        *t = t->to(torch::kCPU, torch::kFloat);
-      }
-      if (w.fc_bias.defined()) w.fc_bias = w.fc_bias.to(torch::kCPU, torch::kFloat);
       w.d2t = w.d2t.to(torch::kCPU, torch::kLong);
       w.embedding = checkpoint.weights.token_embedding.to(torch::kFloat);
     } else {

@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 
+#include "specdec/batch.hpp"
 #include "specdec/generate.hpp"
 #include "python_corpus.hpp"
 
@@ -51,31 +52,31 @@ inline std::optional<PythonCorpus> corpus_for(const std::string& data, int64_t v
 
 // `count` sequences of `length` tokens [count, length]: a prompt (a random 32-token window of
 // `stream`, or {bos} without one), then the target's own continuation sampled at `temperature`
-// (0: greedy). The rows are generated together, one batched target forward per position.
+// (0: greedy), the rows generated together by autoregressive_generate_batch (padded with bos
+// where one ends early).
 template <class Model>
 at::Tensor continuations(Model& target, const std::vector<uint8_t>* stream, int64_t bos, int64_t count, int64_t length,
                          std::mt19937_64& rng, double temperature = 1.0) {
-  if (!(temperature >= 0.0) || !std::isfinite(temperature)) {
-    throw std::invalid_argument("temperature must be a finite number >= 0, got " + std::to_string(temperature));
-  }
   const int64_t prompt_length = stream != nullptr ? 32 : 1;
-  if (length <= prompt_length) {
-    throw std::invalid_argument("length " + std::to_string(length) + " leaves no room after a prompt of " +
-                                std::to_string(prompt_length));
+  std::vector<std::vector<int64_t>> prompts(static_cast<size_t>(count), std::vector<int64_t>{bos});
+  if (stream != nullptr) {
+    const at::Tensor windows = batch_of(*stream, count, prompt_length, rng).first;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t* row = windows[i].data_ptr<int64_t>();
+      prompts[static_cast<size_t>(i)].assign(row, row + prompt_length);
+    }
   }
-  const at::Tensor prompts = stream != nullptr ? batch_of(*stream, count, prompt_length, rng).first
-                                               : at::full({count, 1}, bos, at::TensorOptions().dtype(at::kLong));
-  at::Generator gen = detail::make_generator(rng());
-  auto cache = target.make_cache(count);
-  std::vector<at::Tensor> columns{prompts};
-  at::Tensor logits = target.forward(prompts, cache).select(1, prompt_length - 1).to(at::kFloat);
-  for (int64_t t = prompt_length; t < length; ++t) {
-    const at::Tensor next = temperature == 0.0 ? logits.argmax(-1, /*keepdim=*/true)
-                                               : detail::sample_categorical(at::softmax(logits / temperature, -1), gen);
-    columns.push_back(next);
-    if (t + 1 < length) logits = target.forward(next, cache).select(1, 0).to(at::kFloat);
+  const GenerationOptions options{.max_new_tokens = length - prompt_length, .seed = rng()};
+  const std::vector<GenerationResult> results =
+      temperature == 0.0 ? autoregressive_generate_batch(target, prompts, options)
+                         : autoregressive_generate_batch(target, prompts, options, MultinomialProcessor(temperature));
+  at::Tensor rows = at::full({count, length}, bos, at::TensorOptions().dtype(at::kLong));
+  for (int64_t i = 0; i < count; ++i) {
+    std::vector<int64_t> row = std::move(prompts[static_cast<size_t>(i)]);
+    row.insert(row.end(), results[static_cast<size_t>(i)].tokens.begin(), results[static_cast<size_t>(i)].tokens.end());
+    std::copy_n(row.begin(), std::min<int64_t>(length, static_cast<int64_t>(row.size())), rows[i].data_ptr<int64_t>());
   }
-  return at::cat(columns, 1);
+  return rows;
 }
 
 // Prompts for a trainer's held-out measurement: the first 64 bytes of up to `count` held-out
