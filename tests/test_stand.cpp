@@ -14,7 +14,9 @@
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/tokenizer.hpp"
+#include "specdec/model_tree.hpp"
 #include "specdec/models/llama.hpp"
+#include "specdec/session.hpp"
 #include "specdec/stand.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
@@ -423,6 +425,168 @@ TEST(StandGenerate, StoriesGreedyEqualsAutoregressiveAndDraftsFromSharedMemory) 
   std::cout << "stories260K STAND greedy: " << runs[0].stats.tokens_per_target_call() << " then "
             << runs[1].stats.tokens_per_target_call() << " tokens per target call\n";
   EXPECT_GT(runs[1].stats.tokens_per_target_call(), 3.0);
+}
+
+// --- Static trees from a drafter model (model_tree.hpp) -----------------------------------------
+
+TEST(TreeTemplate, FromPathsNumbersBreadthFirstAndRejectsBadPaths) {
+  const TreeTemplate tree = TreeTemplate::from_paths({{0, 0}, {1}, {0}, {0, 1}, {0, 0, 0}, {1, 0}});
+  // Breadth-first: {0}, {1}, {0,0}, {0,1}, {1,0}, {0,0,0}.
+  EXPECT_EQ(std::vector<int64_t>(tree.parents().begin(), tree.parents().end()),
+            (std::vector<int64_t>{-1, -1, 0, 0, 1, 2}));
+  EXPECT_EQ(tree.rank(3), 1);
+  EXPECT_EQ(tree.max_depth(), 3);
+  expect_invalid([] { (void)TreeTemplate::from_paths({}); }, {"paths", "empty"});
+  expect_invalid([] { (void)TreeTemplate::from_paths({{0}, {}}); }, {"paths[1]", "empty"});
+  expect_invalid([] { (void)TreeTemplate::from_paths({{0}, {0, -2}}); }, {"paths[1]", "-2"});
+  expect_invalid([] { (void)TreeTemplate::from_paths({{0}, {0}}); }, {"paths[1]", "twice"});
+  expect_invalid([] { (void)TreeTemplate::from_paths({{0}, {1, 0}}); }, {"paths[1]", "prefix"});
+  expect_invalid([] { (void)TreeTemplate::from_paths({{0}, {2}}); }, {"paths[1]", "rank 2", "rank 1"});
+}
+
+// The same small tree as STAND's, as paths: three below the root, two below each, one below those.
+TreeTemplate small_paths() {
+  return TreeTemplate::from_paths({{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {1, 1}, {2, 0}, {2, 1}, {0, 0, 0},
+                                   {0, 1, 0}, {1, 0, 0}, {1, 1, 0}, {2, 0, 0}, {2, 1, 0}});
+}
+
+// A model tree whose verification follows `rule` (the biased ones must be detected).
+class RuledTree : public ModelTreeSource<test::MarkovModel> {
+ public:
+  RuledTree(test::MarkovModel& drafter, TreeChildren children, specdec::detail::ModelTreeRule rule)
+      : ModelTreeSource(drafter, small_paths(), children), rule_(rule) {}
+  template <LogitsProcessor P>
+  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
+    return score(logits, uncached, processor, gen, rule_);
+  }
+
+ private:
+  specdec::detail::ModelTreeRule rule_;
+};
+static_assert(TreeDraftSource<RuledTree, MultinomialProcessor>);
+
+template <class P>
+test::ChiSquare model_tree_fit(const P& processor, TreeChildren children, specdec::detail::ModelTreeRule rule,
+                               int64_t samples, int64_t* accepted = nullptr) {
+  test::MarkovModel target(target_rows());
+  test::MarkovModel drafter(memory_rows());
+  RuledTree source(drafter, children, rule);
+  const std::vector<int64_t> prompt{0};
+  std::map<std::vector<int64_t>, int64_t> observed;
+  SpeculativeOptions options{.max_new_tokens = 3};
+  for (int64_t i = 0; i < samples; ++i) {
+    options.seed = static_cast<uint64_t>(9000 + i);
+    const auto result = generate_with(source, target, prompt, options, processor);
+    ++observed[result.tokens];
+    if (accepted != nullptr) *accepted += result.stats.accepted;
+  }
+  const at::Tensor step = processor(target.logits()).to(at::kDouble);
+  std::map<std::vector<int64_t>, double> expected;
+  for (int64_t a = 0; a < 4; ++a) {
+    for (int64_t b = 0; b < 4; ++b) {
+      for (int64_t c = 0; c < 4; ++c) {
+        expected[{a, b, c}] = (step[0][a] * step[a][b] * step[b][c]).template item<double>();
+      }
+    }
+  }
+  return test::chi_square(observed, expected, samples);
+}
+
+template <class P>
+void expect_model_tree_exact(const P& processor, TreeChildren children) {
+  constexpr int64_t kSamples = 6000;
+  int64_t accepted = 0;
+  const auto fit = model_tree_fit(processor, children, specdec::detail::ModelTreeRule::exact, kSamples, &accepted);
+  EXPECT_EQ(fit.outside_support, 0) << processor;
+  EXPECT_GE(fit.min_expected, 5.0);
+  EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, kZ)) << processor << " children " << static_cast<int>(children);
+  EXPECT_GT(accepted, kSamples / 2);  // trees were accepted into, not just sampled past
+}
+
+TEST(ModelTreeDistribution, SampledChildrenEqualTheTargetUnderMultinomialAndTopK) {
+  expect_model_tree_exact(MultinomialProcessor{}, TreeChildren::sampled);
+  expect_model_tree_exact(TopKProcessor{3}, TreeChildren::sampled);
+}
+
+TEST(ModelTreeDistribution, TopKChildrenEqualTheTarget) {
+  expect_model_tree_exact(MultinomialProcessor{}, TreeChildren::top_k);
+}
+
+TEST(ModelTreeDistribution, TheHarnessDetectsAResidualThatIgnoresQOrSiblingsWithReplacement) {
+  constexpr int64_t kSamples = 6000;
+  for (const auto rule : {specdec::detail::ModelTreeRule::residual_ignores_q, specdec::detail::ModelTreeRule::with_replacement}) {
+    const auto fit = model_tree_fit(MultinomialProcessor{}, TreeChildren::sampled, rule, kSamples);
+    EXPECT_GT(fit.statistic, test::chi_square_quantile(fit.dof, kZ)) << static_cast<int>(rule);
+  }
+}
+
+template <class Cache>
+void expect_model_tree_greedy(bool use_cache, TreeChildren children) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<Cache> target(config, weights);
+  // A drafter right often enough, and wrong often enough that second choices are accepted.
+  models::LlamaModel<Cache> drafter(config, test::perturbed(weights, 0.14, 4));
+  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = 40});
+  ModelTreeSource source(drafter, TreeTemplate::from_paths({{0}, {1}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}, {0, 0, 0, 0}}),
+                         children);
+  int64_t steps = 0;
+  const SpeculativeOptions options{.max_new_tokens = 40, .use_cache = use_cache,
+                                   .on_step = [&](const StepInfo& step) {
+                                     ++steps;
+                                     EXPECT_LE(step.accepted, 4);
+                                   }};
+  const int64_t copies = device_to_host_copies();
+  const auto result = generate_with(source, target, kPrompt, options);
+  EXPECT_EQ(device_to_host_copies() - copies, steps);  // one per step, the drafting's included
+  EXPECT_EQ(result.tokens, reference.tokens) << use_cache;
+  EXPECT_GT(result.stats.accepted, 0);
+  EXPECT_EQ(result.stats.target_calls, steps);
+  // Its chain of the same depth makes 1.43 tokens per target call.
+  EXPECT_GT(result.stats.tokens_per_target_call(), 1.9);
+  // A second generation on the same source continues from the drafter's kept cache.
+  const auto again = generate_with(source, target, kPrompt, options);
+  EXPECT_EQ(again.tokens, reference.tokens);
+}
+
+TEST(ModelTreeGenerate, GreedyEqualsAutoregressiveWithBothCachesWithAndWithoutCaching) {
+  for (const TreeChildren children : {TreeChildren::top_k, TreeChildren::sampled}) {
+    expect_model_tree_greedy<DynamicKVCache>(true, children);
+    expect_model_tree_greedy<StaticKVCache>(true, children);
+    expect_model_tree_greedy<StaticKVCache>(false, children);
+  }
+}
+
+TEST(ModelTreeGenerate, SessionsTakeTreesAndTheTreeIsCutNearTheLimit) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<DynamicKVCache> target(config, weights);
+  models::LlamaModel<DynamicKVCache> drafter(config, test::perturbed(weights, 0.3, 4));
+  // The whole context: the last steps must cut the tree to what fits.
+  const int64_t limit = config.max_seq_len;
+  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = limit});
+  ModelTreeSource source(drafter, TreeTemplate::full(2, 4));
+  Session session(target);
+  session.append(kPrompt);
+  const auto first = session.generate(source, {.max_new_tokens = 10});
+  const auto rest = session.generate(source, {.max_new_tokens = limit});
+  std::vector<int64_t> joined = first.tokens;
+  joined.insert(joined.end(), rest.tokens.begin(), rest.tokens.end());
+  EXPECT_EQ(joined, reference.tokens);
+  EXPECT_EQ(rest.stop_reason, StopReason::sequence_limit);
+}
+
+TEST(ModelTreeGenerate, RejectsBadInputNamingIt) {
+  test::MarkovModel target(target_rows());
+  test::MarkovModel drafter(memory_rows());
+  expect_invalid([&] { ModelTreeSource source(drafter, TreeTemplate::full(5, 1)); }, {"shape", "5 children", "4"});
+  test::MarkovModel wide(test::rows_of({{.5, .5, 0, 0, 0}, {.5, .5, 0, 0, 0}, {.5, .5, 0, 0, 0}, {.5, .5, 0, 0, 0},
+                                        {.5, .5, 0, 0, 0}}));
+  ModelTreeSource other(wide, TreeTemplate::chain(2));
+  expect_invalid([&] { (void)generate_with(other, target, std::vector<int64_t>{0}); }, {"vocab_size", "4", "5"});
+  const models::LlamaConfig config = test::small_llama_config();
+  models::LlamaModel<DynamicKVCache> small(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  expect_invalid([&] { ModelTreeSource source(small, TreeTemplate::full(2, 7)); }, {"shape", "254", "max_sequence_length"});
 }
 
 }  // namespace

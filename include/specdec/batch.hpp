@@ -922,6 +922,21 @@ template <Target T, class S, LogitsProcessor P = GreedyProcessor>
   return detail::run_batch(target, prompts, options, processor, drafts, limit, /*draft=*/true);
 }
 
+// Draft trees (STAND, ModelTreeSource) are not batched: a batch verifies one chain per row.
+// Serving engines switch trees off above batch 1 too: a tree multiplies the positions every row
+// feeds the target, and once the batch fills the device, those extra positions cost what they
+// save. This overload only turns the constraint failure into a readable compile-time message.
+template <Target T, class S, LogitsProcessor P = GreedyProcessor>
+  requires BatchedLanguageModel<T> && TreeDraftSource<S, P> && (!DraftSource<S, P>)
+std::vector<GenerationResult> generate_with_batch(std::span<S> /*sources*/, T& /*target*/,
+                                                  std::span<const std::vector<int64_t>> /*prompts*/,
+                                                  const SpeculativeOptions& /*options*/ = {}, const P& /*processor*/ = {}) {
+  static_assert(!TreeDraftSource<S, P>,
+                "generate_with_batch verifies one chain of drafts per row: draft trees run one sequence at a time "
+                "(generate_with or a Session)");
+  return {};
+}
+
 // N-gram assisted decoding of a batch: one storage shared by the rows (it learns every row's
 // prompt and output, so rows that share text draft for each other), drafts per row, one target
 // forward per step for the whole batch. Exact as ngram_assisted_generate. The target's top-k

@@ -38,6 +38,9 @@ struct DraftRequest {
   int64_t gamma = 0;                    // drafts the options ask for (>= 1, within room)
   int64_t room = 0;                     // the most drafts this step can verify (>= gamma)
   at::Device device = at::kCPU;         // the target's device, where verification runs
+  int64_t capacity = std::numeric_limits<int64_t>::max();  // tree steps: the most draft nodes the
+                                        // target can score after sequence (its limit less the
+                                        // sequence)
 };
 
 // A chain of drafts, as a draft source proposes them.

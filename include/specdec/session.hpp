@@ -109,10 +109,11 @@ class Session {
     return run(none, detail::step_options(options), processor, /*draft=*/false);
   }
 
-  // Generates with drafts from `source` (ModelDraftSource, NGramDraftSource or your own) and
-  // appends the output. Requires: a non-empty session; options as speculative_generate.
+  // Generates with drafts from `source` (ModelDraftSource, NGramDraftSource, a tree source such
+  // as ModelTreeSource with a TreeTarget, or your own) and appends the output. Requires: a
+  // non-empty session; options as speculative_generate.
   template <class S, LogitsProcessor P = GreedyProcessor>
-    requires DraftSource<S, P>
+    requires DraftSource<S, P> || (TreeDraftSource<S, P> && TreeTarget<T>)
   GenerationResult generate(S& source, const SpeculativeOptions& options = {}, const P& processor = {}) {
     return run(source, options, processor, /*draft=*/true);
   }

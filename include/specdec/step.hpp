@@ -41,7 +41,9 @@ namespace specdec {
 struct TreeDrafts {
   std::span<const int64_t> tokens{};
   std::span<const int64_t> parents{};
-  int64_t calls = 0;  // look-ups made, for stats
+  int64_t calls = 0;  // look-ups or drafter forwards made, for stats
+  at::Tensor ids{};   // when defined: the tokens as int64 [parents.size()] on the target's device,
+                      // in place of `tokens` (a drafter model's tree never visits the host)
 };
 
 // What walking a scored tree decided, on the host.
@@ -55,8 +57,9 @@ struct TreeVerdict {
 // TreeDraftSource: proposes a draft tree per step and verifies it exactly (STAND).
 //
 // A type S satisfies TreeDraftSource<S, P> if, for `s` an S:
-//   1. `s.draft_tree(request)` returns TreeDrafts no deeper than request.room, with no more
-//      nodes than the target's cache can take after request.sequence.
+//   1. `s.draft_tree(request)` or `s.draft_tree(request, processor, gen)` (a source that samples
+//      its drafts; preferred when both exist) returns TreeDrafts no deeper than request.room,
+//      with no more than request.capacity nodes.
 //   2. `s.score_tree(logits, uncached, processor, gen)` takes the target's logits [u + n, vocab]
 //      (u rows for the uncached context, then one per node) and returns a 1-D float64 tensor on
 //      the target's device: everything the host walk needs, fetched in the step's one copy.
@@ -67,7 +70,8 @@ concept TreeDraftSource =
     LogitsProcessor<P> &&
     requires(S& s, const DraftRequest& request, const at::Tensor& logits, int64_t uncached, const P& processor,
              at::Generator& gen, const double* values, std::span<const int64_t> sequence, int64_t position) {
-      { s.draft_tree(request) } -> std::same_as<TreeDrafts>;
+      requires requires { { s.draft_tree(request) } -> std::same_as<TreeDrafts>; } ||
+                   requires { { s.draft_tree(request, processor, gen) } -> std::same_as<TreeDrafts>; };
       { s.score_tree(logits, uncached, processor, gen) } -> std::convertible_to<at::Tensor>;
       { s.walk_tree(values) } -> std::same_as<TreeVerdict>;
       s.verified_tree(sequence, position);
@@ -231,15 +235,23 @@ void tree_step(ModelRunner<T>& target, GenerationState& state, S& source, const 
   TreeDrafts tree;
   {
     ScopedTimer timer(stats.drafter_seconds);
-    tree = source.draft_tree(DraftRequest{.sequence = state.sequence(),
-                                          .gamma = std::min(options.gamma, room),
-                                          .room = room,
-                                          .device = target.device()});
+    const DraftRequest request{.sequence = state.sequence(),
+                               .gamma = std::min(options.gamma, room),
+                               .room = room,
+                               .device = target.device(),
+                               .capacity = state.limit() - position};
+    if constexpr (requires { source.draft_tree(request, processor, gen); }) {
+      tree = source.draft_tree(request, processor, gen);
+    } else {
+      tree = source.draft_tree(request);
+    }
   }
   stats.drafter_calls += tree.calls;
-  const auto n = static_cast<int64_t>(tree.tokens.size());
+  const auto n = static_cast<int64_t>(tree.parents.size());
   int64_t uncached = 0;
-  const at::Tensor logits = target.forward_tree(state.sequence(), tree.tokens, tree.parents, &uncached);
+  const at::Tensor logits = tree.ids.defined()
+                                ? target.forward_tree(state.sequence(), tree.ids, tree.parents, &uncached)
+                                : target.forward_tree(state.sequence(), tree.tokens, tree.parents, &uncached);
   const at::Tensor host = to_host(source.score_tree(logits, uncached, processor, gen));
   const TreeVerdict verdict = source.walk_tree(host.data_ptr<double>());
   const auto accepted = static_cast<int64_t>(verdict.path.size());

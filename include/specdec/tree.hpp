@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <ostream>
 #include <queue>
 #include <span>
@@ -179,6 +180,54 @@ class TreeTemplate {
                        c.depth, pushed++});
       }
       if (c.depth < max_depth) frontier.push({c.score * rank_acceptance[0], index, 0, c.depth + 1, pushed++});
+    }
+    return TreeTemplate(std::move(parents));
+  }
+
+  // A static tree given as paths of child ranks from the root, in the format of Medusa's tree
+  // choices: {0} is the root's first child, {0, 1} that node's second child. Requires every path
+  // non-empty with ranks >= 0, no path twice, every proper prefix of a path also listed, and
+  // below each parent the ranks 0 .. c - 1 with no gap (a node of rank r > 0 needs its sibling of
+  // rank r - 1). Nodes are numbered breadth-first: by depth, then by path. Throws
+  // std::invalid_argument naming the offending paths[i].
+  static TreeTemplate from_paths(const std::vector<std::vector<int64_t>>& paths) {
+    if (paths.empty()) throw std::invalid_argument("paths must not be empty");
+    if (paths.size() > 100000) detail::throw_invalid_message("paths must hold at most 100000 paths, got ", paths.size());
+    std::vector<size_t> order(paths.size());
+    for (size_t i = 0; i < paths.size(); ++i) {
+      order[i] = i;
+      if (paths[i].empty()) detail::throw_invalid_message("paths[", i, "] must not be empty");
+      for (const int64_t rank : paths[i]) {
+        if (rank < 0) detail::throw_invalid_message("paths[", i, "] must hold ranks >= 0, got ", rank);
+      }
+    }
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return paths[a].size() != paths[b].size() ? paths[a].size() < paths[b].size() : paths[a] < paths[b];
+    });
+    std::map<std::vector<int64_t>, int64_t> index;  // path -> node
+    std::vector<int64_t> parents;
+    for (const size_t i : order) {
+      const std::vector<int64_t>& path = paths[i];
+      if (index.contains(path)) detail::throw_invalid_message("paths[", i, "] is listed twice");
+      std::vector<int64_t> prefix(path.begin(), path.end() - 1);
+      int64_t parent = -1;
+      if (!prefix.empty()) {
+        const auto found = index.find(prefix);
+        if (found == index.end()) {
+          detail::throw_invalid_message("paths[", i, "] needs its prefix listed too (paths must be prefix-closed)");
+        }
+        parent = found->second;
+      }
+      if (path.back() > 0) {
+        std::vector<int64_t> sibling = path;
+        --sibling.back();
+        if (!index.contains(sibling)) {
+          detail::throw_invalid_message("paths[", i, "] has rank ", path.back(), " but its sibling of rank ",
+                                        path.back() - 1, " is not listed (ranks below a parent must run 0, 1, ...)");
+        }
+      }
+      index.emplace(path, static_cast<int64_t>(parents.size()));
+      parents.push_back(parent);
     }
     return TreeTemplate(std::move(parents));
   }

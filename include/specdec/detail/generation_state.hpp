@@ -75,6 +75,8 @@ class GenerationState {
   // Tokens so far, prompt included.
   [[nodiscard]] std::span<const int64_t> sequence() const noexcept { return sequence_; }
   [[nodiscard]] int64_t length() const noexcept { return static_cast<int64_t>(sequence_.size()); }
+  // The most tokens the sequence may hold: the target's limit.
+  [[nodiscard]] int64_t limit() const noexcept { return limit_; }
   // Tokens that can still be appended.
   [[nodiscard]] int64_t room() const noexcept { return reason_ ? 0 : end_ - length(); }
   [[nodiscard]] bool finished() const noexcept { return room() <= 0; }

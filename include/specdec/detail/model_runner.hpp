@@ -149,6 +149,32 @@ class ModelRunner {
     return timed(ids.size(1), ".forward_tree", [&] { return model_.forward_tree(ids, cache, tree_parents_); })[0];
   }
 
+  // forward_tree() with the nodes' tokens on the device: `ids` int64 [n] on this model's device
+  // (undefined: no nodes). The context may be wholly cached (u = 0: the nodes' roots hang below
+  // the last cached position), which a drafter growing a tree level by level relies on.
+  at::Tensor forward_tree(std::span<const int64_t> context, const at::Tensor& ids, std::span<const int64_t> parents,
+                          int64_t* uncached)
+    requires TreeTarget<M>
+  {
+    cache_type& cache = active_cache();
+    const auto known = static_cast<int64_t>(cache.length());
+    const int64_t u = static_cast<int64_t>(context.size()) - known;
+    const int64_t n = ids.defined() ? ids.numel() : 0;
+    if (u < 0 || u + n < 1) throw std::logic_error("forward_tree: nothing to feed, or more cached than the context");
+    if (static_cast<int64_t>(parents.size()) != n) throw std::logic_error("forward_tree: one parent per node");
+    tree_parents_.resize(static_cast<size_t>(u + n));
+    for (int64_t j = 0; j < u; ++j) tree_parents_[static_cast<size_t>(j)] = j - 1;
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t parent = parents[static_cast<size_t>(k)];
+      tree_parents_[static_cast<size_t>(u + k)] = parent < 0 ? u - 1 : u + parent;
+    }
+    at::Tensor all;
+    if (u > 0) all = to_device_ids(context.subspan(static_cast<size_t>(known)), device_);
+    if (n > 0) all = u > 0 ? at::cat({all, ids.view({1, n})}, 1) : ids.view({1, n});
+    *uncached = u;
+    return timed(u + n, ".forward_tree", [&] { return model_.forward_tree(all, cache, tree_parents_); })[0];
+  }
+
   // After forward_tree: keeps the first `prefix` positions (the context) and the tree nodes
   // `nodes` (increasing indices into the tree's tokens), dropping the other nodes.
   void keep_tree(int64_t prefix, std::span<const int64_t> nodes)
