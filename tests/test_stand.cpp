@@ -14,6 +14,7 @@
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/tokenizer.hpp"
+#include "specdec/dynamic_tree.hpp"
 #include "specdec/model_tree.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/session.hpp"
@@ -587,6 +588,119 @@ TEST(ModelTreeGenerate, RejectsBadInputNamingIt) {
   const models::LlamaConfig config = test::small_llama_config();
   models::LlamaModel<DynamicKVCache> small(config, models::LlamaWeights::random(config, 21, at::kDouble));
   expect_invalid([&] { ModelTreeSource source(small, TreeTemplate::full(2, 7)); }, {"shape", "254", "max_sequence_length"});
+}
+
+// --- Dynamic trees from a drafter model (dynamic_tree.hpp) ---------------------------------------
+
+class RuledDynamicTree : public DynamicTreeSource<test::MarkovModel> {
+ public:
+  RuledDynamicTree(test::MarkovModel& drafter, specdec::detail::ModelTreeRule rule)
+      : DynamicTreeSource(drafter, {.depth = 3, .top_k = 2, .total_tokens = 6}), rule_(rule) {}
+  template <LogitsProcessor P>
+  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
+    return score(logits, uncached, processor, gen, rule_);
+  }
+
+ private:
+  specdec::detail::ModelTreeRule rule_;
+};
+
+template <class P>
+test::ChiSquare dynamic_tree_fit(const P& processor, specdec::detail::ModelTreeRule rule, int64_t samples,
+                                 int64_t* accepted = nullptr) {
+  test::MarkovModel target(target_rows());
+  test::MarkovModel drafter(memory_rows());
+  RuledDynamicTree source(drafter, rule);
+  std::map<std::vector<int64_t>, int64_t> observed;
+  SpeculativeOptions options{.max_new_tokens = 3};
+  for (int64_t i = 0; i < samples; ++i) {
+    options.seed = static_cast<uint64_t>(7000 + i);
+    const auto result = generate_with(source, target, std::vector<int64_t>{0}, options, processor);
+    ++observed[result.tokens];
+    if (accepted != nullptr) *accepted += result.stats.accepted;
+  }
+  const at::Tensor step = processor(target.logits()).to(at::kDouble);
+  std::map<std::vector<int64_t>, double> expected;
+  for (int64_t a = 0; a < 4; ++a) {
+    for (int64_t b = 0; b < 4; ++b) {
+      for (int64_t c = 0; c < 4; ++c) {
+        expected[{a, b, c}] = (step[0][a] * step[a][b] * step[b][c]).template item<double>();
+      }
+    }
+  }
+  return test::chi_square(observed, expected, samples);
+}
+
+TEST(DynamicTreeDistribution, EqualsTheTargetUnderMultinomialAndTopKAndTheHarnessDetectsNoResidual) {
+  constexpr int64_t kSamples = 6000;
+  for (const bool top_k : {false, true}) {
+    int64_t accepted = 0;
+    const auto fit = top_k ? dynamic_tree_fit(TopKProcessor{3}, specdec::detail::ModelTreeRule::exact, kSamples, &accepted)
+                           : dynamic_tree_fit(MultinomialProcessor{}, specdec::detail::ModelTreeRule::exact, kSamples,
+                                              &accepted);
+    EXPECT_EQ(fit.outside_support, 0);
+    EXPECT_GE(fit.min_expected, 5.0);
+    EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, kZ)) << top_k;
+    EXPECT_GT(accepted, kSamples / 2);
+  }
+  const auto biased = dynamic_tree_fit(MultinomialProcessor{}, specdec::detail::ModelTreeRule::no_residual, kSamples);
+  EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, kZ));
+}
+
+template <class Cache>
+void expect_dynamic_tree_greedy(bool use_cache) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<Cache> target(config, weights);
+  models::LlamaModel<Cache> drafter(config, test::perturbed(weights, 0.14, 4));
+  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = 40});
+  DynamicTreeSource source(drafter);
+  int64_t steps = 0;
+  const SpeculativeOptions options{.max_new_tokens = 40, .use_cache = use_cache, .on_step = [&](const StepInfo& step) {
+                                     ++steps;
+                                     EXPECT_LE(step.gamma, 16);  // a tree step reports its size
+                                   }};
+  const int64_t copies = device_to_host_copies();
+  const auto result = generate_with(source, target, kPrompt, options);
+  EXPECT_EQ(device_to_host_copies() - copies, steps);
+  EXPECT_EQ(result.tokens, reference.tokens) << use_cache;
+  // The chain of depth 4 makes 1.43 tokens per target call, the static tree of 7 nodes 2.1.
+  EXPECT_GT(result.stats.tokens_per_target_call(), 2.5);
+  std::cout << "dynamic tree: " << result.stats.tokens_per_target_call() << " tokens per target call\n";
+  const auto again = generate_with(source, target, kPrompt, options);
+  EXPECT_EQ(again.tokens, reference.tokens);
+}
+
+TEST(DynamicTreeGenerate, GreedyEqualsAutoregressiveWithBothCachesWithAndWithoutCaching) {
+  expect_dynamic_tree_greedy<DynamicKVCache>(true);
+  expect_dynamic_tree_greedy<StaticKVCache>(true);
+  expect_dynamic_tree_greedy<StaticKVCache>(false);
+}
+
+TEST(DynamicTreeGenerate, SessionsTakeTreesAndTheTreeIsCutNearTheLimit) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  models::LlamaModel<StaticKVCache> drafter(config, test::perturbed(weights, 0.14, 4));
+  const int64_t limit = config.max_seq_len;
+  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = limit});
+  DynamicTreeSource source(drafter, {.depth = 6, .top_k = 3, .total_tokens = 20});
+  Session session(target);
+  session.append(kPrompt);
+  const auto first = session.generate(source, {.max_new_tokens = 10});
+  const auto rest = session.generate(source, {.max_new_tokens = limit});
+  std::vector<int64_t> joined = first.tokens;
+  joined.insert(joined.end(), rest.tokens.begin(), rest.tokens.end());
+  EXPECT_EQ(joined, reference.tokens);
+  EXPECT_EQ(rest.stop_reason, StopReason::sequence_limit);
+}
+
+TEST(DynamicTreeGenerate, RejectsBadOptionsNamingThem) {
+  test::MarkovModel drafter(memory_rows());
+  expect_invalid([&] { DynamicTreeSource source(drafter, {.depth = 0}); }, {"depth", "0"});
+  expect_invalid([&] { DynamicTreeSource source(drafter, {.top_k = 0}); }, {"top_k", "0"});
+  expect_invalid([&] { DynamicTreeSource source(drafter, {.total_tokens = 0}); }, {"total_tokens", "0"});
+  expect_invalid([&] { DynamicTreeSource source(drafter, {.top_k = 5}); }, {"top_k", "4", "5"});
 }
 
 }  // namespace

@@ -134,6 +134,23 @@ concept TreeTarget =
       { m.forward_tree(ids, cache, parents) } -> std::convertible_to<at::Tensor>;
     };
 
+// MaskedTreeTarget: a TreeTarget that also takes a tree's layout as device tensors, for trees
+// whose shape is decided on the device (dynamic draft trees: no host copy before the target's
+// forward).
+//
+// A type M satisfies MaskedTreeTarget if it satisfies TreeTarget and, for `m` an M,
+// `m.forward_with_mask(ids, cache, depth, visible)` takes ids int64 [1, T], depth int64 [T] and
+// visible bool [T, T] on the model's device: token i sits at position cache.length() + depth[i]
+// and attends to every cached position and to the new tokens j with visible[i][j] (its ancestors
+// and itself). It returns logits [1, T, vocab] and appends T positions to the cache in index
+// order, as forward_tree() does for the same tree.
+template <class M>
+concept MaskedTreeTarget =
+    TreeTarget<M> && requires(M& m, const at::Tensor& ids, typename M::cache_type& cache, const at::Tensor& depth,
+                              const at::Tensor& visible) {
+      { m.forward_with_mask(ids, cache, depth, visible) } -> std::convertible_to<at::Tensor>;
+    };
+
 // What a FeatureTarget's forward returns: the logits forward() returns, and the hidden states
 // asked for, side by side.
 struct TargetOutput {

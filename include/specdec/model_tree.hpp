@@ -64,6 +64,7 @@ enum class ModelTreeRule {
   residual_ignores_q,  // sampled children accepted by r / q_j, but the residual of a rejected
                        // one is r without x_j, as for deterministic children
   with_replacement,    // sampled children verified as if drawn with replacement
+  no_residual,         // a rejected child leaves r as it was (it may be drawn after all)
 };
 
 // A TreeTemplate renumbered breadth-first (parents before children, each level contiguous), and
@@ -165,7 +166,7 @@ std::pair<at::Tensor, at::Tensor> verify_tree_children(const at::Tensor& p,
     // A rejection leaves r unchanged where the child does not exist, and where nothing would be
     // left of it (r == q_j exactly cannot reject: guards rounding).
     const at::Tensor keep = v.logical_and(next.sum(1, /*keepdim=*/true) > 0);
-    r = at::where(keep, next, rn);
+    r = rule == ModelTreeRule::no_residual ? rn : at::where(keep, next, rn);
     accepted.push_back(uniform.narrow(1, j, 1).lt(chance).logical_and(v));
   }
   const at::Tensor token =
@@ -173,6 +174,31 @@ std::pair<at::Tensor, at::Tensor> verify_tree_children(const at::Tensor& p,
   const at::Tensor accept =
       width > 0 ? at::cat(accepted, 1) : at::zeros({positions, 0}, valid.options());
   return {accept, token};
+}
+
+// Walks a verified tree from the root: at each position to its first accepted child (accept[pos *
+// width + j] != 0 for the child of rank j), until a position accepts none. child(pos, j) is the
+// node of rank j below position pos, or -1. Fills `path` (nodes, root to leaf); returns the last
+// position and the first rejected child there (-1: none).
+template <class Child>
+std::pair<int64_t, int64_t> walk_accepted(const double* accept, int64_t width, Child child, std::vector<int64_t>& path) {
+  path.clear();
+  int64_t position = 0;
+  while (true) {
+    int64_t next = -1, rejected = -1;
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t node = child(position, j);
+      if (node < 0) continue;
+      if (accept[position * width + j] != 0.0) {
+        next = node;
+        break;
+      }
+      if (rejected < 0) rejected = node;
+    }
+    if (next < 0) return {position, rejected};
+    path.push_back(next);
+    position = next + 1;
+  }
 }
 
 }  // namespace detail
@@ -326,36 +352,17 @@ class ModelTreeSource {
   TreeVerdict walk_tree(const double* values) {
     const int64_t n = n_;
     const int64_t width = layout_.width;
-    const double* accept = values;
     const double* tokens = values + (n + 1) * width;
     const double* ids = tokens + (n + 1);
     if (ids[n] == 0.0) detail::throw_non_finite("generate_with", "target");
-    if (ids[n + 1] == 0.0)
-      detail::throw_invalid_message("generate_with: the drafter's logits are not finite");
-    path_.clear();
+    if (ids[n + 1] == 0.0) detail::throw_invalid_message("generate_with: the drafter's logits are not finite");
+    const auto [position, rejected] = detail::walk_accepted(
+        values, width, [&](int64_t pos, int64_t j) { return layout_.children[static_cast<size_t>(pos * width + j)]; },
+        path_);
     drafts_.clear();
-    int64_t position = 0;
-    int64_t rejected = -1;
-    while (true) {
-      int64_t next = -1;
-      rejected = -1;
-      for (int64_t j = 0; j < width; ++j) {
-        const int64_t child = layout_.children[static_cast<size_t>(position * width + j)];
-        if (child < 0) continue;
-        if (accept[position * width + j] != 0.0) {
-          next = child;
-          break;
-        }
-        if (rejected < 0) rejected = child;
-      }
-      if (next < 0) break;
-      path_.push_back(next);
-      position = next + 1;
-    }
     for (const int64_t node : path_) drafts_.push_back(static_cast<int64_t>(ids[node]));
     if (rejected >= 0) drafts_.push_back(static_cast<int64_t>(ids[rejected]));
-    return TreeVerdict{
-        .path = path_, .drafts = drafts_, .token = static_cast<int64_t>(tokens[position])};
+    return TreeVerdict{.path = path_, .drafts = drafts_, .token = static_cast<int64_t>(tokens[position])};
   }
 
   // Keeps in the drafter's cache the context and the accepted nodes it scored.

@@ -11,6 +11,7 @@
 #include "specdec/generate.hpp"
 #include "specdec/kv_cache.hpp"
 #include "specdec/logits_processor.hpp"
+#include "specdec/dynamic_tree.hpp"
 #include "specdec/model_tree.hpp"
 #include "specdec/ngram_options.hpp"
 #include "specdec/ngram_storage.hpp"

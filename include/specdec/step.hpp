@@ -42,8 +42,16 @@ struct TreeDrafts {
   std::span<const int64_t> tokens{};
   std::span<const int64_t> parents{};
   int64_t calls = 0;  // look-ups or drafter forwards made, for stats
-  at::Tensor ids{};   // when defined: the tokens as int64 [parents.size()] on the target's device,
-                      // in place of `tokens` (a drafter model's tree never visits the host)
+  at::Tensor ids{};   // when defined: the tokens as int64 [n] on the target's device, in place of
+                      // `tokens` (a drafter model's tree never visits the host)
+  at::Tensor device_parents{};  // when defined: the parents as int64 [n] on the target's device, in
+                                // place of `parents`, for a tree shaped on the device (the target
+                                // must model MaskedTreeTarget)
+  int64_t depth = 0;            // with device_parents: no node is deeper
+
+  [[nodiscard]] int64_t size() const {
+    return device_parents.defined() ? device_parents.numel() : static_cast<int64_t>(parents.size());
+  }
 };
 
 // What walking a scored tree decided, on the host.
@@ -247,11 +255,21 @@ void tree_step(ModelRunner<T>& target, GenerationState& state, S& source, const 
     }
   }
   stats.drafter_calls += tree.calls;
-  const auto n = static_cast<int64_t>(tree.parents.size());
+  const int64_t n = tree.size();
   int64_t uncached = 0;
-  const at::Tensor logits = tree.ids.defined()
-                                ? target.forward_tree(state.sequence(), tree.ids, tree.parents, &uncached)
-                                : target.forward_tree(state.sequence(), tree.tokens, tree.parents, &uncached);
+  at::Tensor logits;
+  if (tree.device_parents.defined()) {
+    if constexpr (MaskedTreeTarget<T>) {
+      logits = target.forward_tree(state.sequence(), tree.ids, tree.device_parents, tree.depth, &uncached);
+    } else {
+      throw std::invalid_argument("a tree shaped on the device (DynamicTreeSource) needs a target that models "
+                                  "MaskedTreeTarget (forward_with_mask)");
+    }
+  } else if (tree.ids.defined()) {
+    logits = target.forward_tree(state.sequence(), tree.ids, tree.parents, &uncached);
+  } else {
+    logits = target.forward_tree(state.sequence(), tree.tokens, tree.parents, &uncached);
+  }
   const at::Tensor host = to_host(source.score_tree(logits, uncached, processor, gen));
   const TreeVerdict verdict = source.walk_tree(host.data_ptr<double>());
   const auto accepted = static_cast<int64_t>(verdict.path.size());

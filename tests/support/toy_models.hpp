@@ -137,6 +137,11 @@ class MarkovModel {
     if (static_cast<int64_t>(parents.size()) != ids.size(1)) throw std::invalid_argument("parents size");
     return forward(ids, cache);
   }
+  at::Tensor forward_with_mask(const at::Tensor& ids, TokenCache& cache, const at::Tensor& depth,
+                               const at::Tensor& visible) {
+    if (depth.numel() != ids.size(1) || visible.size(0) != ids.size(1)) throw std::invalid_argument("mask size");
+    return forward(ids, cache);
+  }
   [[nodiscard]] int64_t vocab_size() const { return logits_.size(0); }
   [[nodiscard]] at::Device device() const { return logits_.device(); }
   [[nodiscard]] const at::Tensor& logits() const { return logits_; }
@@ -144,7 +149,7 @@ class MarkovModel {
  private:
   at::Tensor logits_;
 };
-static_assert(TreeTarget<MarkovModel>);
+static_assert(MaskedTreeTarget<MarkovModel>);
 
 // A model whose logits at each position depend on the whole prefix and on the position: a hash of
 // (position, token) pairs summed over the prefix picks a row of a random table. A cache pruned by

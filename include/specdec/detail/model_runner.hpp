@@ -175,6 +175,40 @@ class ModelRunner {
     return timed(u + n, ".forward_tree", [&] { return model_.forward_tree(all, cache, tree_parents_); })[0];
   }
 
+  // forward_tree() for a tree laid out on the device (MaskedTreeTarget): nodes `ids` int64 [n],
+  // node i below node parents[i] (int64 [n], parents[i] < i) or, for -1, below the context's last
+  // token; no node deeper than max_depth. Depths and visibility are built on the device by
+  // following parent pointers max_depth times: nothing is read back.
+  at::Tensor forward_tree(std::span<const int64_t> context, const at::Tensor& ids, const at::Tensor& parents,
+                          int64_t max_depth, int64_t* uncached)
+    requires MaskedTreeTarget<M>
+  {
+    cache_type& cache = active_cache();
+    const auto known = static_cast<int64_t>(cache.length());
+    const int64_t u = static_cast<int64_t>(context.size()) - known;
+    const int64_t n = ids.numel();
+    if (u < 1) throw std::logic_error("forward_tree: the context's last token must not be cached yet");
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
+    const at::Tensor up = parents.to(device_);
+    // Node depths (1 below the root) and ancestors, max_depth hops up.
+    at::Tensor node_depth = at::ones({n}, longs);
+    at::Tensor ancestors = at::zeros({n, n}, longs.dtype(at::kBool));
+    at::Tensor current = at::arange(n, longs);
+    for (int64_t k = 0; k < max_depth && n > 0; ++k) {
+      ancestors.scatter_(1, current.view({n, 1}), true);
+      const at::Tensor parent = up.index_select(0, current);
+      node_depth = node_depth + (k + 1 < max_depth ? parent.ge(0).to(at::kLong) : at::zeros_like(parent));
+      current = at::where(parent.ge(0), parent, current);
+    }
+    const at::Tensor context_visible = at::ones({u, u}, longs.dtype(at::kBool)).tril();
+    const at::Tensor visible = at::cat({at::cat({context_visible, at::zeros({u, n}, longs.dtype(at::kBool))}, 1),
+                                        at::cat({at::ones({n, u}, longs.dtype(at::kBool)), ancestors}, 1)});
+    const at::Tensor depth = at::cat({at::arange(u, longs), node_depth + (u - 1)});
+    const at::Tensor all = at::cat({to_device_ids(context.subspan(static_cast<size_t>(known)), device_), ids.view({1, n})}, 1);
+    *uncached = u;
+    return timed(u + n, ".forward_tree", [&] { return model_.forward_with_mask(all, cache, depth, visible); })[0];
+  }
+
   // After forward_tree: keeps the first `prefix` positions (the context) and the tree nodes
   // `nodes` (increasing indices into the tree's tokens), dropping the other nodes.
   void keep_tree(int64_t prefix, std::span<const int64_t> nodes)

@@ -836,5 +836,6 @@ inline std::pair<LlamaConfig, LlamaWeights> truncated(const LlamaConfig& config,
 
 static_assert(FeatureTreeTarget<LlamaModel<DynamicKVCache>>);
 static_assert(FeatureTreeTarget<LlamaModel<StaticKVCache>>);
+static_assert(MaskedTreeTarget<LlamaModel<DynamicKVCache>> && MaskedTreeTarget<LlamaModel<StaticKVCache>>);
 
 }  // namespace specdec::models
