@@ -1,0 +1,156 @@
+// Draft trees against chains of the same drafter model, at matched verification cost: a chain of
+// gamma drafts and a tree of gamma nodes both make the target score gamma + 1 positions per step.
+//   bundled: the bundled target and drafter on held-out Python;
+//   stories: stories260K (from SPECDEC_MODELS_DIR) with the llama2xs drafter, four openings.
+// Methods: chain (ModelDraftSource), static (ModelTreeSource on TreeTemplate::default_tree of
+// gamma nodes; sampled children at temperature 1) and dynamic (DynamicTreeSource with depth 5,
+// top_k 4, total_tokens gamma). Greedy (temperature 0) and temperature 1; 128 new tokens per
+// prompt. Each iteration runs every prompt with the method and then autoregressively, so the
+// speedup compares runs made moments apart.
+// Counters: accepted drafts per step, tokens per target call, tokens/s of both, measured speedup,
+// the drafter's and the target's milliseconds per step, and the library's own.
+#include <benchmark/benchmark.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+
+#include "bench_support.hpp"
+#include "specdec/io/checkpoint.hpp"
+#include "specdec/io/tokenizer.hpp"
+#include "specdec/text/prompts.hpp"
+#include "text/python_corpus.hpp"
+
+namespace {
+
+using namespace specdec;
+using Model = models::LlamaModel<StaticKVCache>;
+constexpr int64_t kNewTokens = 128;
+
+struct Setup {
+  std::optional<Model> target, drafter;
+  std::vector<std::vector<int64_t>> prompts;
+  std::string missing;
+};
+
+Model load(const std::filesystem::path& path) {
+  const auto checkpoint = io::load_llama(path, bench::on_device());
+  return Model(checkpoint.config, checkpoint.weights);
+}
+
+Setup& bundled() {
+  static Setup setup = [] {
+    Setup s;
+    if (!std::filesystem::exists("/usr/lib/python3.11")) {
+      s.missing = "the held-out text needs /usr/lib/python3.11 (Debian's libpython3.11-stdlib)";
+      return s;
+    }
+    const std::filesystem::path models = SPECDEC_BUNDLED_MODELS_DIR;
+    s.target.emplace(load(models / "target"));
+    s.drafter.emplace(load(models / "drafter"));
+    const auto corpus = text::load_python_corpus("/usr/lib/python3.11");
+    const io::ByteTokenizer bytes;
+    for (const auto& prompt : text::line_prompts(corpus.held_out, 8, 200)) s.prompts.push_back(bytes.encode(prompt));
+    return s;
+  }();
+  return setup;
+}
+
+Setup& stories() {
+  static Setup setup = [] {
+    Setup s;
+    const char* folder = std::getenv("SPECDEC_MODELS_DIR");
+    const std::filesystem::path models = folder ? folder : "";
+    if (!folder || !std::filesystem::exists(models / "stories260K/stories260K.bin")) {
+      s.missing = "set SPECDEC_MODELS_DIR to ../shared/models";
+      return s;
+    }
+    s.target.emplace(load(models / "stories260K/stories260K.bin"));
+    s.drafter.emplace(load(models / "llama2xs/model.bin"));
+    const auto tokenizer = io::Llama2cTokenizer::load(models / "stories260K/tok512.bin", 512);
+    for (const char* text : {"Once upon a time", "The little dog", "Tom and Sue went to the park", "One day, a girl named Mia"}) {
+      s.prompts.push_back(tokenizer.encode(text));
+    }
+    return s;
+  }();
+  return setup;
+}
+
+enum class Method { chain, fixed, dynamic };
+
+template <LogitsProcessor P>
+GenerationResult run(Setup& s, Method method, int64_t gamma, const std::vector<int64_t>& prompt, const P& processor,
+                     uint64_t seed) {
+  const SpeculativeOptions options{.max_new_tokens = kNewTokens, .seed = seed, .gamma = gamma};
+  switch (method) {
+    case Method::chain: {
+      ModelDraftSource source(*s.drafter);
+      return generate_with(source, *s.target, prompt, options, processor);
+    }
+    case Method::fixed: {
+      ModelTreeSource source(*s.drafter, TreeTemplate::default_tree(gamma), TreeChildren::sampled);
+      return generate_with(source, *s.target, prompt, options, processor);
+    }
+    case Method::dynamic: {
+      DynamicTreeSource source(*s.drafter, {.depth = 5, .top_k = 4, .total_tokens = gamma});
+      return generate_with(source, *s.target, prompt, options, processor);
+    }
+  }
+  return {};
+}
+
+template <LogitsProcessor P>
+void measure(benchmark::State& state, Setup& s, Method method, const P& processor) {
+  const int64_t gamma = state.range(0);
+  (void)run(s, method, gamma, s.prompts.front(), processor, 1);  // warm-up
+  (void)autoregressive_generate(*s.target, s.prompts.front(), {.max_new_tokens = kNewTokens});
+  GenerationStats with, alone;
+  uint64_t seed = 0;
+  for (auto _ : state) {
+    for (const auto& prompt : s.prompts) {
+      ++seed;
+      with += run(s, method, gamma, prompt, processor, seed).stats;
+      alone += autoregressive_generate(*s.target, prompt, {.max_new_tokens = kNewTokens, .seed = seed}, processor).stats;
+    }
+  }
+  const double steps = static_cast<double>(with.steps);
+  const double per_token = with.total_seconds / static_cast<double>(with.generated);
+  const double alone_per_token = alone.total_seconds / static_cast<double>(alone.generated);
+  state.counters["accepted_per_step"] = static_cast<double>(with.accepted) / steps;
+  state.counters["tokens_per_target_call"] = with.tokens_per_target_call();
+  state.counters["tokens_per_second"] = 1.0 / per_token;
+  state.counters["autoregressive_tokens_per_second"] = 1.0 / alone_per_token;
+  state.counters["speedup"] = alone_per_token / per_token;
+  state.counters["drafter_ms_per_step"] = 1e3 * with.drafter_seconds / steps;
+  state.counters["target_ms_per_step"] = 1e3 * with.target_seconds / steps;
+  state.counters["library_ms_per_step"] = 1e3 * with.library_seconds() / steps;
+}
+
+void BM_Trees(benchmark::State& state, Setup& (*setup)(), Method method, double temperature) {
+  Setup& s = setup();
+  if (!s.target) return state.SkipWithError(s.missing.c_str());
+  if (temperature == 0.0) return measure(state, s, method, GreedyProcessor{});
+  measure(state, s, method, MultinomialProcessor(temperature));
+}
+
+void sizes(benchmark::internal::Benchmark* b) {
+  for (const int64_t gamma : {2, 4, 6, 8, 16}) b->Arg(gamma);
+  b->Unit(benchmark::kMillisecond)->Iterations(1);
+}
+
+BENCHMARK_CAPTURE(BM_Trees, stories_chain_greedy, &stories, Method::chain, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_static_greedy, &stories, Method::fixed, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_dynamic_greedy, &stories, Method::dynamic, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_chain_t1, &stories, Method::chain, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_static_t1, &stories, Method::fixed, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_dynamic_t1, &stories, Method::dynamic, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_chain_greedy, &bundled, Method::chain, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_static_greedy, &bundled, Method::fixed, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_dynamic_greedy, &bundled, Method::dynamic, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_chain_t1, &bundled, Method::chain, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_static_t1, &bundled, Method::fixed, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_dynamic_t1, &bundled, Method::dynamic, 1.0)->Apply(sizes);
+
+}  // namespace
+
+int main(int argc, char** argv) { return specdec::bench::run_benchmarks(argc, argv); }
