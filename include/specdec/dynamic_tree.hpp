@@ -51,6 +51,156 @@ struct DynamicTreeOptions {
   }
 };
 
+namespace detail {
+
+// Throws std::invalid_argument naming the first bad option.
+inline void check_dynamic_tree_options(const DynamicTreeOptions& options, int64_t vocab) {
+  if (options.depth < 1) throw_invalid("depth", "be >= 1", options.depth);
+  if (options.top_k < 1) throw_invalid("top_k", "be >= 1", options.top_k);
+  if (options.total_tokens < 1) throw_invalid("total_tokens", "be >= 1", options.total_tokens);
+  if (options.top_k > vocab) {
+    throw_invalid_message("top_k must be at most the drafter's vocab_size ", vocab, ", got ", options.top_k);
+  }
+}
+
+}  // namespace detail
+
+namespace detail {
+
+// The drafter-independent part of a dynamic tree: the candidates, the frontier, the final
+// selection and its verification. A source supplies the drafter's logits: build() takes the
+// root's row and calls expand(round, paths, parent_rows) for rounds 2 .. depth, which returns
+// the logits [top_k, V] after each frontier node; paths [top_k, round - 1] holds the frontier's
+// tokens root to node and parent_rows [top_k] which row of the round before each node's parent
+// was (its row there). Everything stays on the device.
+class DynamicTreeBuilder {
+ public:
+  [[nodiscard]] int64_t size() const noexcept { return n_; }
+  [[nodiscard]] const at::Tensor& ids() const noexcept { return ids_; }
+  [[nodiscard]] const at::Tensor& parents() const noexcept { return parents_; }
+  [[nodiscard]] int64_t depth() const noexcept { return depth_; }
+
+  // The most candidates a tree of `depth` rounds of `top_k` has.
+  static int64_t candidates(int64_t depth, int64_t top_k) { return depth < 1 ? 0 : top_k + (depth - 1) * top_k * top_k; }
+
+  // An empty tree (nothing to draft this step).
+  void clear(int64_t top_k, const at::Device& device) {
+    n_ = 0;
+    depth_ = 0;
+    k_ = top_k;
+    finite_.clear();
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+    ids_ = at::empty({0}, longs);
+    parents_ = at::empty({0}, longs);
+    children_ = at::full({1, top_k}, -1, longs);
+  }
+
+  // A tree of n nodes (n <= candidates(depth, top_k)) from the root's logits [1, V].
+  template <class Expand>
+  void build(const at::Tensor& root, int64_t depth, int64_t top_k, int64_t n, Expand expand) {
+    const int64_t k = top_k;
+    clear(k, root.device());
+    n_ = n;
+    depth_ = depth;
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(root.device());
+    auto [root_scores, root_tokens] = log_probs(root).topk(k, -1);  // [1, k]
+    std::vector<at::Tensor> tokens{root_tokens.view({k})}, scores{root_scores.view({k}) - kStep},
+        parents{at::full({k}, -1, longs)}, slots{at::arange(k, longs)};
+    at::Tensor frontier = at::arange(k, longs);  // candidate indices
+    at::Tensor frontier_scores = scores.back();
+    at::Tensor paths = root_tokens.view({k, 1});
+    at::Tensor parent_rows = at::zeros({k}, longs);
+    int64_t total = k;
+    for (int64_t round = 2; round <= depth; ++round) {
+      const at::Tensor logits = expand(round, paths, parent_rows);
+      const auto [child_scores, child_tokens] = log_probs(logits).topk(k, -1);  // [k, k]
+      const at::Tensor path_scores = (frontier_scores.view({k, 1}) + child_scores - kStep).flatten();
+      tokens.push_back(child_tokens.flatten());
+      scores.push_back(path_scores);
+      parents.push_back(frontier.repeat_interleave(k));
+      slots.push_back(at::arange(k, longs).repeat({k}));
+      const auto [best, index] = path_scores.topk(k);
+      frontier = index + total;
+      frontier_scores = best;
+      parent_rows = at::floor_divide(index, k);
+      paths = at::cat({paths.index_select(0, parent_rows), child_tokens.flatten().index_select(0, index).view({k, 1})}, 1);
+      total += k * k;
+    }
+    // The n best candidates, in candidate order (parents before children), renumbered.
+    const at::Tensor chosen = std::get<0>(std::get<1>(at::cat(scores).topk(n)).sort());
+    const at::Tensor number = at::full({total}, -1, longs).scatter(0, chosen, at::arange(n, longs));
+    const at::Tensor parent_candidate = at::cat(parents).index_select(0, chosen);
+    parents_ = at::where(parent_candidate.ge(0), number.index_select(0, parent_candidate.clamp_min(0)), parent_candidate);
+    ids_ = at::cat(tokens).index_select(0, chosen);
+    const at::Tensor place = (parents_ + 1) * k + at::cat(slots).index_select(0, chosen);
+    children_ = at::full({(n + 1) * k}, -1, longs).scatter(0, place, at::arange(n, longs)).view({n + 1, k});
+  }
+
+  // The step's drafts for the target on `device`.
+  [[nodiscard]] TreeDrafts drafts(const at::Device& device, int64_t calls) const {
+    return TreeDrafts{.calls = calls, .ids = ids_.to(device), .device_parents = parents_.to(device), .depth = depth_};
+  }
+
+  // TreeDraftSource::score_tree under `rule`: the children's acceptance, a residual token per
+  // position, the tree's tokens and layout and the finiteness of both models, for one copy.
+  template <LogitsProcessor P>
+  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen,
+                   ModelTreeRule rule) const {
+    const at::Device device = logits.device();
+    const int64_t n = n_;
+    const at::Tensor p = processor(logits.narrow(0, uncached - 1, n + 1));
+    const at::Tensor children = children_.to(device);
+    const at::Tensor ids = ids_.to(device);
+    const at::Tensor child_tokens =
+        n > 0 ? ids.index_select(0, children.clamp_min(0).flatten()).view(children.sizes()) : at::zeros_like(children);
+    const auto [accept, token] = verify_tree_children(p, child_tokens, children.ge(0), at::Tensor(), processor, gen, rule);
+    const at::Tensor drafter_finite = finite_.empty() ? at::ones({1}, at::TensorOptions().dtype(at::kBool).device(device))
+                                                      : at::stack(finite_).all().view({1}).to(device);
+    return at::cat({accept.to(at::kDouble).flatten(), token.to(at::kDouble), ids.to(at::kDouble),
+                    children.to(at::kDouble).flatten(), at::isfinite(p).all().to(at::kDouble).view({1}),
+                    drafter_finite.to(at::kDouble)});
+  }
+
+  // TreeDraftSource::walk_tree of score()'s host copy.
+  TreeVerdict walk(const double* values) {
+    const int64_t n = n_;
+    const int64_t k = k_;
+    const double* tokens = values + (n + 1) * k;
+    const double* ids = tokens + (n + 1);
+    const double* children = ids + n;
+    const double* finite = children + (n + 1) * k;
+    if (finite[0] == 0.0) throw_non_finite("generate_with", "target");
+    if (finite[1] == 0.0) throw_invalid_message("generate_with: the drafter's logits are not finite");
+    const auto [position, rejected] = walk_accepted(
+        values, k, [&](int64_t pos, int64_t j) { return static_cast<int64_t>(children[pos * k + j]); }, path_);
+    drafts_.clear();
+    for (const int64_t node : path_) drafts_.push_back(static_cast<int64_t>(ids[node]));
+    if (rejected >= 0) drafts_.push_back(static_cast<int64_t>(ids[rejected]));
+    return TreeVerdict{.path = path_, .drafts = drafts_, .token = static_cast<int64_t>(tokens[position])};
+  }
+
+  [[nodiscard]] std::span<const int64_t> path() const noexcept { return path_; }
+
+ private:
+  // Each level's score falls by this much more than its log-probability, so that a child never
+  // ties with its parent (a drafter certain of a token) and the selection stays connected.
+  static constexpr double kStep = 1e-9;
+
+  // Log-probabilities of logits rows [r, V] in float64; remembers whether they are finite (NaN or
+  // +inf anywhere, or a row of only -inf, leaves a row maximum non-finite).
+  at::Tensor log_probs(const at::Tensor& rows) {
+    finite_.push_back(at::isfinite(rows.amax(-1)).all());
+    return at::log_softmax(rows.to(at::kDouble), -1);
+  }
+
+  int64_t n_ = 0, depth_ = 0, k_ = 1;
+  at::Tensor ids_, parents_, children_;
+  std::vector<at::Tensor> finite_;
+  std::vector<int64_t> path_, drafts_;
+};
+
+}  // namespace detail
+
 // Draws a dynamic tree per step from a drafter model, for generate_with and sessions (a
 // TreeDraftSource). Round r feeds the drafter the paths of the top_k frontier nodes, as top_k
 // chains of r - 1 tokens below the context (a TreeTarget attends to every cached position, so the
@@ -69,13 +219,7 @@ class DynamicTreeSource {
  public:
   DynamicTreeSource(D& drafter, const DynamicTreeOptions& options = {}, bool use_cache = true)
       : runner_(drafter, "drafter", use_cache), options_(options) {
-    if (options.depth < 1) detail::throw_invalid("depth", "be >= 1", options.depth);
-    if (options.top_k < 1) detail::throw_invalid("top_k", "be >= 1", options.top_k);
-    if (options.total_tokens < 1) detail::throw_invalid("total_tokens", "be >= 1", options.total_tokens);
-    if (options.top_k > vocab_size()) {
-      detail::throw_invalid_message("top_k must be at most the drafter's vocab_size ", vocab_size(), ", got ",
-                                    options.top_k);
-    }
+    detail::check_dynamic_tree_options(options, vocab_size());
   }
 
   [[nodiscard]] int64_t vocab_size() const { return static_cast<int64_t>(runner_.model().vocab_size()); }
@@ -88,138 +232,62 @@ class DynamicTreeSource {
   void finish(std::span<const int64_t> sequence) { runner_.record(sequence); }
 
   TreeDrafts draft_tree(const DraftRequest& request) {
-    length_ = static_cast<int64_t>(request.sequence.size());
+    const auto length = static_cast<int64_t>(request.sequence.size());
     const int64_t k = options_.top_k;
     // Round r feeds k (r - 1) positions after the context.
-    const int64_t drafter_room = detail::sequence_limit(runner_.model(), runner_.cache()) - length_;
+    const int64_t drafter_room = detail::sequence_limit(runner_.model(), runner_.cache()) - length;
     int64_t depth = std::min(options_.depth, request.room);
     while (depth > 1 && k * (depth - 1) > drafter_room) --depth;
-    const int64_t candidates = depth < 1 ? 0 : k + (depth - 1) * k * k;
-    n_ = std::max<int64_t>(0, std::min({options_.total_tokens, candidates, request.capacity}));
-    const at::Device device = runner_.device();
-    const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+    const int64_t n = std::min({options_.total_tokens, detail::DynamicTreeBuilder::candidates(depth, k), request.capacity});
     calls_ = 0;
-    finite_.clear();
-    if (n_ == 0 || drafter_room < 0) {
-      n_ = 0;
-      ids_ = at::empty({0}, longs);
-      children_ = at::full({1, k}, -1, longs);
-      return TreeDrafts{.ids = ids_.to(request.device), .device_parents = ids_.to(request.device), .depth = 0};
+    if (n <= 0 || drafter_room < 0) {
+      tree_.clear(k, runner_.device());
+      return tree_.drafts(request.device, 0);
     }
-    // Round 1: the root's children, from the context's last row.
     int64_t uncached = 0;
-    at::Tensor rows = forward(request.sequence, at::Tensor(), {}, &uncached);
-    rows = rows.narrow(0, rows.size(0) - 1, 1);
-    auto [root_scores, root_tokens] = log_probs(rows).topk(k, -1);  // [1, k]
-    std::vector<at::Tensor> tokens{root_tokens.view({k})}, scores{root_scores.view({k}) - kStep},
-        parents{at::full({k}, -1, longs)}, slots{at::arange(k, longs)};
-    at::Tensor frontier = at::arange(k, longs);  // candidate indices
-    at::Tensor frontier_scores = scores.back();
-    at::Tensor paths = root_tokens.view({k, 1});  // the frontier's tokens, root to node
-    int64_t total = k;
-    for (int64_t round = 2; round <= depth; ++round) {
-      const int64_t length = round - 1;
-      chains_.resize(static_cast<size_t>(k * length));
-      for (int64_t c = 0; c < k; ++c) {
-        for (int64_t i = 0; i < length; ++i) chains_[static_cast<size_t>(c * length + i)] = i == 0 ? -1 : c * length + i - 1;
-      }
-      runner_.truncate(length_);
-      const at::Tensor logits = forward(request.sequence, paths.flatten(), chains_, &uncached);
-      const at::Tensor last = at::arange(k, longs) * length + (uncached + length - 1);
-      const auto [child_scores, child_tokens] = log_probs(logits.index_select(0, last)).topk(k, -1);  // [k, k]
-      const at::Tensor path_scores = (frontier_scores.view({k, 1}) + child_scores - kStep).flatten();
-      tokens.push_back(child_tokens.flatten());
-      scores.push_back(path_scores);
-      parents.push_back(frontier.repeat_interleave(k));
-      slots.push_back(at::arange(k, longs).repeat({k}));
-      const auto [best, index] = path_scores.topk(k);
-      frontier = index + total;
-      frontier_scores = best;
-      paths = at::cat({paths.index_select(0, at::floor_divide(index, k)), child_tokens.flatten().index_select(0, index).view({k, 1})}, 1);
-      total += k * k;
-    }
-    // The n best candidates, in candidate order (parents before children), renumbered.
-    const at::Tensor all_scores = at::cat(scores);
-    const at::Tensor chosen = std::get<0>(std::get<1>(all_scores.topk(n_)).sort());
-    const at::Tensor number = at::full({total}, -1, longs).scatter(0, chosen, at::arange(n_, longs));
-    const at::Tensor parent_candidate = at::cat(parents).index_select(0, chosen);
-    const at::Tensor parent = at::where(parent_candidate.ge(0), number.index_select(0, parent_candidate.clamp_min(0)),
-                                        parent_candidate);
-    ids_ = at::cat(tokens).index_select(0, chosen);
-    const at::Tensor place = (parent + 1) * k + at::cat(slots).index_select(0, chosen);
-    children_ = at::full({(n_ + 1) * k}, -1, longs).scatter(0, place, at::arange(n_, longs)).view({n_ + 1, k});
-    return TreeDrafts{.calls = calls_, .ids = ids_.to(request.device), .device_parents = parent.to(request.device),
-                      .depth = depth};
+    const at::Tensor context = forward(request.sequence, at::Tensor(), {}, &uncached);
+    tree_.build(context.narrow(0, context.size(0) - 1, 1), depth, k, n,
+                [&](int64_t round, const at::Tensor& paths, const at::Tensor& /*parent_rows*/) {
+                  const int64_t chain = round - 1;
+                  chains_.resize(static_cast<size_t>(k * chain));
+                  for (int64_t c = 0; c < k; ++c) {
+                    for (int64_t i = 0; i < chain; ++i) {
+                      chains_[static_cast<size_t>(c * chain + i)] = i == 0 ? -1 : c * chain + i - 1;
+                    }
+                  }
+                  runner_.truncate(length);
+                  const at::Tensor logits = forward(request.sequence, paths.flatten(), chains_, &uncached);
+                  const at::Tensor last = at::arange(k, paths.options()) * chain + (uncached + chain - 1);
+                  return logits.index_select(0, last);
+                });
+    return tree_.drafts(request.device, calls_);
   }
 
   template <LogitsProcessor P>
   at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
-    return score(logits, uncached, processor, gen, detail::ModelTreeRule::exact);
+    return tree_.score(logits, uncached, processor, gen, detail::ModelTreeRule::exact);
   }
-
   // score_tree() under a chosen rule (tests).
   template <LogitsProcessor P>
   at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen,
                    detail::ModelTreeRule rule) {
-    const at::Device device = logits.device();
-    const int64_t n = n_;
-    const at::Tensor p = processor(logits.narrow(0, uncached - 1, n + 1));
-    const at::Tensor children = children_.to(device);
-    const at::Tensor ids = ids_.to(device);
-    const at::Tensor valid = children.ge(0);
-    const at::Tensor child_tokens =
-        n > 0 ? ids.index_select(0, children.clamp_min(0).flatten()).view(children.sizes()) : at::zeros_like(children);
-    const auto [accept, token] = detail::verify_tree_children(p, child_tokens, valid, at::Tensor(), processor, gen, rule);
-    const at::Tensor drafter_finite = finite_.empty() ? at::ones({1}, at::TensorOptions().dtype(at::kBool).device(device))
-                                                      : at::stack(finite_).all().view({1}).to(device);
-    return at::cat({accept.to(at::kDouble).flatten(), token.to(at::kDouble), ids.to(at::kDouble),
-                    children.to(at::kDouble).flatten(), at::isfinite(p).all().to(at::kDouble).view({1}),
-                    drafter_finite.to(at::kDouble)});
+    return tree_.score(logits, uncached, processor, gen, rule);
   }
-
-  TreeVerdict walk_tree(const double* values) {
-    const int64_t n = n_;
-    const int64_t k = options_.top_k;
-    const double* tokens = values + (n + 1) * k;
-    const double* ids = tokens + (n + 1);
-    const double* children = ids + n;
-    const double* finite = children + (n + 1) * k;
-    if (finite[0] == 0.0) detail::throw_non_finite("generate_with", "target");
-    if (finite[1] == 0.0) detail::throw_invalid_message("generate_with: the drafter's logits are not finite");
-    const auto [position, rejected] = detail::walk_accepted(
-        values, k, [&](int64_t pos, int64_t j) { return static_cast<int64_t>(children[pos * k + j]); }, path_);
-    drafts_.clear();
-    for (const int64_t node : path_) drafts_.push_back(static_cast<int64_t>(ids[node]));
-    if (rejected >= 0) drafts_.push_back(static_cast<int64_t>(ids[rejected]));
-    return TreeVerdict{.path = path_, .drafts = drafts_, .token = static_cast<int64_t>(tokens[position])};
-  }
-
+  TreeVerdict walk_tree(const double* values) { return tree_.walk(values); }
   void verified_tree(std::span<const int64_t> /*sequence*/, int64_t position) { runner_.truncate(position); }
 
  private:
-  // Each level's score falls by this much more than its log-probability, so that a child never
-  // ties with its parent (a drafter certain of a token) and the selection stays connected.
-  static constexpr double kStep = 1e-9;
-
   at::Tensor forward(std::span<const int64_t> context, const at::Tensor& ids, std::span<const int64_t> parents,
                      int64_t* uncached) {
     ++calls_;
     return runner_.forward_tree(context, ids, parents, uncached);
   }
 
-  // The drafter's log-probabilities of rows [r, V], in float64; remembers whether they are finite
-  // (NaN or +inf anywhere, or a row of only -inf, leaves a row maximum non-finite).
-  at::Tensor log_probs(const at::Tensor& rows) {
-    finite_.push_back(at::isfinite(rows.amax(-1)).all());
-    return at::log_softmax(rows.to(at::kDouble), -1);
-  }
-
   detail::ModelRunner<D> runner_;
   DynamicTreeOptions options_;
-  std::vector<int64_t> chains_, path_, drafts_;
-  std::vector<at::Tensor> finite_;
-  at::Tensor ids_, children_;
-  int64_t length_ = 0, n_ = 0, calls_ = 0;
+  detail::DynamicTreeBuilder tree_;
+  std::vector<int64_t> chains_;
+  int64_t calls_ = 0;
 };
 
 }  // namespace specdec
