@@ -73,7 +73,7 @@ namespace detail {
 // the logits [top_k, V] after each frontier node; paths [top_k, round - 1] holds the frontier's
 // tokens root to node and parent_rows [top_k] which row of the round before each node's parent
 // was (its row there). Everything stays on the device.
-class DynamicTreeBuilder {
+class DeviceDraftTree {
  public:
   [[nodiscard]] int64_t size() const noexcept { return n_; }
   [[nodiscard]] const at::Tensor& ids() const noexcept { return ids_; }
@@ -135,6 +135,23 @@ class DynamicTreeBuilder {
     const at::Tensor place = (parents_ + 1) * k + at::cat(slots).index_select(0, chosen);
     children_ = at::full({(n + 1) * k}, -1, longs).scatter(0, place, at::arange(n, longs)).view({n + 1, k});
   }
+
+  // A tree of a static shape whose tokens are on the device: ids int64 [n], node i of rank
+  // ranks[i] below parents[i] (parents[i] < i, -1: the root), no node deeper than depth.
+  void assign(const at::Tensor& ids, std::span<const int64_t> parents, std::span<const int64_t> ranks, int64_t depth) {
+    TreeLayout layout;
+    layout.build(parents, ranks);
+    const int64_t width = std::max<int64_t>(1, layout.width);
+    clear(width, ids.device());
+    n_ = ids.numel();
+    depth_ = depth;
+    ids_ = ids;
+    children_ = to_device<int64_t>(layout.children, {n_ + 1, width}, ids.device());
+    parents_ = to_device<int64_t>(parents, {n_}, ids.device());
+  }
+
+  // After assign(): the drafter logits [r, V] that chose the tokens must be finite.
+  void check_finite(const at::Tensor& logits) { finite_.push_back(at::isfinite(logits.amax(-1)).all()); }
 
   // The step's drafts for the target on `device`.
   [[nodiscard]] TreeDrafts drafts(const at::Device& device, int64_t calls) const {
@@ -238,7 +255,7 @@ class DynamicTreeSource {
     const int64_t drafter_room = detail::sequence_limit(runner_.model(), runner_.cache()) - length;
     int64_t depth = std::min(options_.depth, request.room);
     while (depth > 1 && k * (depth - 1) > drafter_room) --depth;
-    const int64_t n = std::min({options_.total_tokens, detail::DynamicTreeBuilder::candidates(depth, k), request.capacity});
+    const int64_t n = std::min({options_.total_tokens, detail::DeviceDraftTree::candidates(depth, k), request.capacity});
     calls_ = 0;
     if (n <= 0 || drafter_room < 0) {
       tree_.clear(k, runner_.device());
@@ -285,7 +302,7 @@ class DynamicTreeSource {
 
   detail::ModelRunner<D> runner_;
   DynamicTreeOptions options_;
-  detail::DynamicTreeBuilder tree_;
+  detail::DeviceDraftTree tree_;
   std::vector<int64_t> chains_;
   int64_t calls_ = 0;
 };

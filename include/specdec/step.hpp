@@ -72,7 +72,9 @@ struct TreeVerdict {
 //      (u rows for the uncached context, then one per node) and returns a 1-D float64 tensor on
 //      the target's device: everything the host walk needs, fetched in the step's one copy.
 //   3. `s.walk_tree(values)` reads that tensor's host copy and returns the TreeVerdict.
-//   4. `s.verified_tree(sequence, position)` runs after the verdict is emitted (learning).
+//   4. `s.verified_tree(sequence, position)`, or `s.verified_tree(verified)` with VerifiedDrafts
+//      (a source with feature_taps(): the target's hidden states at the context it fed and the
+//      accepted path, in order), runs after the verdict is emitted (learning, pruning).
 template <class S, class P>
 concept TreeDraftSource =
     LogitsProcessor<P> &&
@@ -82,7 +84,8 @@ concept TreeDraftSource =
                    requires { { s.draft_tree(request, processor, gen) } -> std::same_as<TreeDrafts>; };
       { s.score_tree(logits, uncached, processor, gen) } -> std::convertible_to<at::Tensor>;
       { s.walk_tree(values) } -> std::same_as<TreeVerdict>;
-      s.verified_tree(sequence, position);
+      requires requires { s.verified_tree(sequence, position); } ||
+                   requires(const VerifiedDrafts& verified) { s.verified_tree(verified); };
     };
 
 namespace detail {
@@ -256,6 +259,13 @@ void tree_step(ModelRunner<T>& target, GenerationState& state, S& source, const 
   }
   stats.drafter_calls += tree.calls;
   const int64_t n = tree.size();
+  if constexpr (HasFeatureTaps<S>) {
+    static_assert(FeatureTarget<T>, "a draft source with feature_taps() needs a target that models FeatureTarget");
+    if (!tree.device_parents.defined()) {
+      throw std::logic_error("a tree source with feature_taps() must give its tree as device_parents");
+    }
+    target.set_taps(source.feature_taps());
+  }
   int64_t uncached = 0;
   at::Tensor logits;
   if (tree.device_parents.defined()) {
@@ -276,7 +286,22 @@ void tree_step(ModelRunner<T>& target, GenerationState& state, S& source, const 
   target.keep_tree(position, verdict.path);
   state.emit({.drafts = verdict.drafts, .accepted = accepted, .token = verdict.token, .gamma = n, .verified = n}, [&] {
     ScopedTimer timer(stats.drafter_seconds);
-    source.verified_tree(state.sequence(), position);
+    if constexpr (requires { source.verified_tree(state.sequence(), position); }) {
+      source.verified_tree(state.sequence(), position);
+    } else {
+      VerifiedDrafts verified{.sequence = state.sequence(), .position = position, .drafted = n, .accepted = accepted};
+      if constexpr (HasFeatureTaps<S>) {
+        // Rows of the forward: the uncached context, then the accepted path's nodes.
+        std::vector<int64_t> rows(static_cast<size_t>(uncached + accepted));
+        for (int64_t j = 0; j < uncached; ++j) rows[static_cast<size_t>(j)] = j;
+        for (int64_t d = 0; d < accepted; ++d) {
+          rows[static_cast<size_t>(uncached + d)] = uncached + verdict.path[static_cast<size_t>(d)];
+        }
+        verified.features = target.features().index_select(0, to_device<int64_t>(rows, {uncached + accepted}, target.device()));
+        verified.features_from = position - uncached;
+      }
+      source.verified_tree(verified);
+    }
   });
 }
 

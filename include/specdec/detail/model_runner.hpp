@@ -206,6 +206,16 @@ class ModelRunner {
     const at::Tensor depth = at::cat({at::arange(u, longs), node_depth + (u - 1)});
     const at::Tensor all = at::cat({to_device_ids(context.subspan(static_cast<size_t>(known)), device_), ids.view({1, n})}, 1);
     *uncached = u;
+    if constexpr (requires { model_.forward_with_mask_features(all, cache, depth, visible, taps_); }) {
+      if (!taps_.empty()) {
+        return timed(u + n, ".forward_tree", [&] {
+          TargetOutput out = model_.forward_with_mask_features(all, cache, depth, visible, taps_);
+          features_ = out.features[0];
+          return std::move(out.logits);
+        })[0];
+      }
+    }
+    if (!taps_.empty()) throw std::invalid_argument("a feature drafter's tree needs forward_with_mask_features");
     return timed(u + n, ".forward_tree", [&] { return model_.forward_with_mask(all, cache, depth, visible); })[0];
   }
 

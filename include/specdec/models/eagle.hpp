@@ -269,6 +269,22 @@ class EagleHead {
   // which logits() reads and later draft positions take as their hidden state.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& hidden, EagleCache& cache) const {
     if (kernels_apply(hidden) && cache.end() + ids.size(0) <= cpu_->positions) return forward_cpu(ids, hidden, cache);
+    const int64_t count = ids.size(0);
+    const auto longs = at::TensorOptions(at::kLong).device(device());
+    // Query t (position first + t) sees keys at positions <= first + t.
+    const at::Tensor key_positions = at::arange(cache.start(), cache.end() + count, longs);
+    const at::Tensor query_positions = at::arange(cache.end(), cache.end() + count, longs);
+    return forward_masked(ids, hidden, cache, query_positions,
+                          key_positions.unsqueeze(0) <= query_positions.unsqueeze(1));
+  }
+
+  // forward() for draft trees: token t sits at position positions_of[t] (int64 [T] on the head's
+  // device) and attends to the cache's entries and the new tokens where visible[t] (bool
+  // [T, cache.length() + T]) is true; appends the T keys and values to the cache in order. The
+  // cache's later entries may be other branches' draft positions, which the mask hides; a
+  // verified step truncates them away. Always the ATen forward.
+  at::Tensor forward_masked(const at::Tensor& ids, const at::Tensor& hidden, EagleCache& cache,
+                            const at::Tensor& positions_of, const at::Tensor& visible) const {
     const LlamaConfig& c = config_.layer;
     const int64_t count = ids.size(0);
     const int64_t heads = c.n_heads, kv_heads = c.n_kv_heads, head_dim = c.head_dim();
@@ -283,8 +299,7 @@ class EagleHead {
       residual = at::linear(at::cat({embedded, h}, -1), w_.fc, w_.fc_bias);
       attention_input = residual;
     }
-    const at::Tensor positions = at::arange(cache.end(), cache.end() + count,
-                                            at::TensorOptions(at::kDouble).device(device()));
+    const at::Tensor positions = positions_of.to(at::kDouble);
     const at::Tensor angles = positions.unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, hd/2]
     const at::Tensor cos = angles.cos().to(dtype()).unsqueeze(1),
                      sin = angles.sin().to(dtype()).unsqueeze(1);
@@ -297,7 +312,6 @@ class EagleHead {
     const at::Tensor k =
         rotate(at::linear(attention_input, w_.wk).view({count, kv_heads, head_dim}));
     const at::Tensor v = at::linear(attention_input, w_.wv).view({count, kv_heads, head_dim});
-    const int64_t first = cache.end();
     cache.append(k.transpose(0, 1), v.transpose(0, 1));
     const int64_t length = cache.length();
     const int64_t group = heads / kv_heads;
@@ -305,13 +319,10 @@ class EagleHead {
     const at::Tensor grouped = q.transpose(0, 1).reshape({kv_heads, group * count, head_dim});
     at::Tensor scores = at::matmul(grouped, cache.keys().transpose(1, 2))
                             .mul_(1.0 / std::sqrt(static_cast<double>(head_dim)));
-    // Query t (position first + t) sees keys at positions <= first + t.
-    const at::Tensor key_positions = at::arange(cache.start(), cache.start() + length,
-                                                at::TensorOptions(at::kLong).device(device()));
-    const at::Tensor query_positions =
-        at::arange(first, first + count, at::TensorOptions(at::kLong).device(device()));
-    const at::Tensor hidden_keys =
-        key_positions.unsqueeze(0) > query_positions.unsqueeze(1);  // [T, length]
+    const at::Tensor hidden_keys = visible.to(device()).logical_not();  // [T, length]
+    if (hidden_keys.size(0) != count || hidden_keys.size(1) != length) {
+      detail::throw_invalid_message("visible must be bool [", count, ", ", length, "], got ", visible.sizes());
+    }
     scores.masked_fill_(hidden_keys.repeat({group, 1}).unsqueeze(0),
                         -std::numeric_limits<double>::infinity());
     const at::Tensor probabilities =
@@ -605,7 +616,7 @@ class EagleHead {
 // verification stays exact. The cache lives across generations: a generation that continues the
 // sequence the cache was made from (a Session's next turn) keeps it up to where the two agree.
 // A step that follows no verified step at the sequence's end (a generation's first, after a gap)
-// drafts nothing. Tree steps hand no features: the source drafts nothing there. In batches
+// drafts nothing. EagleTreeSource (head_trees.hpp) drafts dynamic trees from the same head. In batches
 // (generate_with_batch) each row has its own source, fed its row of the target's hidden states.
 class EagleDraftSource {
  public:
@@ -744,6 +755,8 @@ class EagleDraftSource {
     if (!finite) drafts.finite = at::zeros({}, at::kBool);
     return drafts;
   }
+
+  friend class EagleTreeSource;  // drafts trees from the same state (head_trees.hpp)
 
   const EagleHead& head_;
   EagleCache cache_;

@@ -312,6 +312,15 @@ class LlamaModel {
     return {std::move(logits), tapping.features()};
   }
 
+  // forward_with_mask() with the features of forward_features() (a feature drafter's dynamic
+  // tree: the target's forward over a tree shaped on the device).
+  TargetOutput forward_with_mask_features(const at::Tensor& ids, Cache& cache, const at::Tensor& depth,
+                                          const at::Tensor& visible, std::span<const int64_t> taps) {
+    Tapping tapping(*this, taps);
+    at::Tensor logits = forward_with_mask(ids, cache, depth, visible);
+    return {std::move(logits), tapping.features()};
+  }
+
   // Tree attention: like forward(), but new token i sits at position cache.length() + depth[i]
   // and sees every cached position and the new tokens j with visible[i][j] (its ancestors and
   // itself). Requires: depth int64 [T] on device(), visible bool [T, T] on device().

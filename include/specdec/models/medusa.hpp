@@ -193,6 +193,8 @@ class MedusaDraftSource {
     hidden_position_ = -1;
   }
 
+  friend class MedusaTreeSource;  // drafts trees from the same state (head_trees.hpp)
+
   const MedusaHeads& heads_;
   std::vector<int64_t> taps_;
   at::Tensor hidden_{};  // the final hidden state at hidden_position_
