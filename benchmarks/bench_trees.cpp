@@ -2,9 +2,12 @@
 // gamma drafts and a tree of gamma nodes both make the target score gamma + 1 positions per step.
 //   bundled: the bundled target and drafter on held-out Python;
 //   stories: stories260K (from SPECDEC_MODELS_DIR) with the llama2xs drafter, four openings.
+// Each with its EAGLE-3 head (and the bundled target with its Medusa heads).
 // Methods: chain (ModelDraftSource), static (ModelTreeSource on TreeTemplate::default_tree of
 // gamma nodes; sampled children at temperature 1) and dynamic (DynamicTreeSource with depth 5,
-// top_k 4, total_tokens gamma). Greedy (temperature 0) and temperature 1; 128 new tokens per
+// top_k 4, total_tokens gamma); eagle3 chain (EagleDraftSource) and dynamic tree
+// (EagleTreeSource, same options); medusa chain (gamma at most the heads) and static tree
+// (MedusaTreeSource on TreeTemplate::default_tree(gamma) cut to the heads' depth). Greedy (temperature 0) and temperature 1; 128 new tokens per
 // prompt. Each iteration runs every prompt with the method and then autoregressively, so the
 // speedup compares runs made moments apart.
 // Counters: accepted drafts per step, tokens per target call, tokens/s of both, measured speedup,
@@ -14,9 +17,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "bench_support.hpp"
 #include "specdec/io/checkpoint.hpp"
+#include "specdec/io/eagle.hpp"
+#include "specdec/io/medusa.hpp"
+#include "specdec/models/head_trees.hpp"
 #include "specdec/io/tokenizer.hpp"
 #include "specdec/text/prompts.hpp"
 #include "text/python_corpus.hpp"
@@ -29,6 +37,8 @@ constexpr int64_t kNewTokens = 128;
 
 struct Setup {
   std::optional<Model> target, drafter;
+  std::optional<models::EagleHead> eagle;
+  std::optional<models::MedusaHeads> medusa;
   std::vector<std::vector<int64_t>> prompts;
   std::string missing;
 };
@@ -36,6 +46,15 @@ struct Setup {
 Model load(const std::filesystem::path& path) {
   const auto checkpoint = io::load_llama(path, bench::on_device());
   return Model(checkpoint.config, checkpoint.weights);
+}
+
+void load_heads(Setup& s, const std::filesystem::path& folder) {
+  if (std::filesystem::exists(folder / "eagle3")) {
+    s.eagle.emplace(io::load_eagle(folder / "eagle3", io::EagleTarget::of(*s.target), bench::on_device()));
+  }
+  if (std::filesystem::exists(folder / "medusa")) {
+    s.medusa.emplace(io::load_medusa(folder / "medusa", s.target->hidden_size(), s.target->vocab_size(), bench::on_device()));
+  }
 }
 
 Setup& bundled() {
@@ -48,6 +67,7 @@ Setup& bundled() {
     const std::filesystem::path models = SPECDEC_BUNDLED_MODELS_DIR;
     s.target.emplace(load(models / "target"));
     s.drafter.emplace(load(models / "drafter"));
+    load_heads(s, models);
     const auto corpus = text::load_python_corpus("/usr/lib/python3.11");
     const io::ByteTokenizer bytes;
     for (const auto& prompt : text::line_prompts(corpus.held_out, 8, 200)) s.prompts.push_back(bytes.encode(prompt));
@@ -67,6 +87,7 @@ Setup& stories() {
     }
     s.target.emplace(load(models / "stories260K/stories260K.bin"));
     s.drafter.emplace(load(models / "llama2xs/model.bin"));
+    load_heads(s, std::filesystem::path(SPECDEC_BUNDLED_MODELS_DIR).parent_path() / "stories260K");
     const auto tokenizer = io::Llama2cTokenizer::load(models / "stories260K/tok512.bin", 512);
     for (const char* text : {"Once upon a time", "The little dog", "Tom and Sue went to the park", "One day, a girl named Mia"}) {
       s.prompts.push_back(tokenizer.encode(text));
@@ -76,7 +97,7 @@ Setup& stories() {
   return setup;
 }
 
-enum class Method { chain, fixed, dynamic };
+enum class Method { chain, fixed, dynamic, eagle_chain, eagle_dynamic, medusa_chain, medusa_static };
 
 template <LogitsProcessor P>
 GenerationResult run(Setup& s, Method method, int64_t gamma, const std::vector<int64_t>& prompt, const P& processor,
@@ -93,6 +114,24 @@ GenerationResult run(Setup& s, Method method, int64_t gamma, const std::vector<i
     }
     case Method::dynamic: {
       DynamicTreeSource source(*s.drafter, {.depth = 5, .top_k = 4, .total_tokens = gamma});
+      return generate_with(source, *s.target, prompt, options, processor);
+    }
+    case Method::eagle_chain: {
+      models::EagleDraftSource source(*s.eagle, *s.target);
+      return generate_with(source, *s.target, prompt, options, processor);
+    }
+    case Method::eagle_dynamic: {
+      models::EagleTreeSource source(*s.eagle, *s.target, {.depth = 5, .top_k = 4, .total_tokens = gamma});
+      return generate_with(source, *s.target, prompt, options, processor);
+    }
+    case Method::medusa_chain: {
+      models::MedusaDraftSource source(*s.medusa, *s.target);
+      return generate_with(source, *s.target, prompt, options, processor);
+    }
+    case Method::medusa_static: {
+      static const std::vector<double> kRanks{0.55, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01};
+      models::MedusaTreeSource source(*s.medusa, *s.target,
+                                      TreeTemplate::best_first(gamma, kRanks, s.medusa->config().num_heads));
       return generate_with(source, *s.target, prompt, options, processor);
     }
   }
@@ -126,9 +165,49 @@ void measure(benchmark::State& state, Setup& s, Method method, const P& processo
   state.counters["library_ms_per_step"] = 1e3 * with.library_seconds() / steps;
 }
 
+// Shapes of dynamic trees of 16 nodes, greedy: depth and top_k (range 0 and 1), for the choice of
+// DynamicTreeOptions' defaults.
+void BM_DynamicShapes(benchmark::State& state, Setup& (*setup)(), bool head) {
+  Setup& s = setup();
+  if (!s.target || (head && !s.eagle)) return state.SkipWithError(s.missing.empty() ? "no EAGLE-3 head" : s.missing.c_str());
+  const DynamicTreeOptions options{.depth = state.range(0), .top_k = state.range(1), .total_tokens = 16};
+  const auto once = [&](const std::vector<int64_t>& prompt) {
+    const SpeculativeOptions step{.max_new_tokens = kNewTokens};
+    if (head) {
+      models::EagleTreeSource source(*s.eagle, *s.target, options);
+      return generate_with(source, *s.target, prompt, step);
+    }
+    DynamicTreeSource source(*s.drafter, options);
+    return generate_with(source, *s.target, prompt, step);
+  };
+  (void)once(s.prompts.front());
+  GenerationStats with;
+  for (auto _ : state) {
+    for (const auto& prompt : s.prompts) with += once(prompt).stats;
+  }
+  const double steps = static_cast<double>(with.steps);
+  state.counters["accepted_per_step"] = static_cast<double>(with.accepted) / steps;
+  state.counters["tokens_per_second"] = static_cast<double>(with.generated) / with.total_seconds;
+  state.counters["drafter_ms_per_step"] = 1e3 * with.drafter_seconds / steps;
+}
+
+void shapes(benchmark::internal::Benchmark* b) {
+  for (const auto& [depth, top_k] : std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {5, 4}, {6, 3}, {8, 2}, {8, 4}, {10, 2}}) {
+    b->Args({depth, top_k});
+  }
+  b->Unit(benchmark::kMillisecond)->Iterations(1);
+}
+
+BENCHMARK_CAPTURE(BM_DynamicShapes, stories_llama2xs, &stories, false)->Apply(shapes);
+BENCHMARK_CAPTURE(BM_DynamicShapes, stories_eagle3, &stories, true)->Apply(shapes);
+
 void BM_Trees(benchmark::State& state, Setup& (*setup)(), Method method, double temperature) {
   Setup& s = setup();
   if (!s.target) return state.SkipWithError(s.missing.c_str());
+  if (((method == Method::eagle_chain || method == Method::eagle_dynamic) && !s.eagle) ||
+      ((method == Method::medusa_chain || method == Method::medusa_static) && !s.medusa)) {
+    return state.SkipWithError("no head of this kind for this target");
+  }
   if (temperature == 0.0) return measure(state, s, method, GreedyProcessor{});
   measure(state, s, method, MultinomialProcessor(temperature));
 }
@@ -144,12 +223,27 @@ BENCHMARK_CAPTURE(BM_Trees, stories_dynamic_greedy, &stories, Method::dynamic, 0
 BENCHMARK_CAPTURE(BM_Trees, stories_chain_t1, &stories, Method::chain, 1.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, stories_static_t1, &stories, Method::fixed, 1.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, stories_dynamic_t1, &stories, Method::dynamic, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_chain_greedy, &stories, Method::eagle_chain, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_dynamic_greedy, &stories, Method::eagle_dynamic, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_chain_t1, &stories, Method::eagle_chain, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_dynamic_t1, &stories, Method::eagle_dynamic, 1.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, bundled_chain_greedy, &bundled, Method::chain, 0.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, bundled_static_greedy, &bundled, Method::fixed, 0.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, bundled_dynamic_greedy, &bundled, Method::dynamic, 0.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, bundled_chain_t1, &bundled, Method::chain, 1.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, bundled_static_t1, &bundled, Method::fixed, 1.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, bundled_dynamic_t1, &bundled, Method::dynamic, 1.0)->Apply(sizes);
+
+BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_chain_greedy, &bundled, Method::eagle_chain, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_dynamic_greedy, &bundled, Method::eagle_dynamic, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_chain_t1, &bundled, Method::eagle_chain, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_dynamic_t1, &bundled, Method::eagle_dynamic, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_chain_greedy, &bundled, Method::medusa_chain, 0.0)->Arg(1)->Arg(2)->Arg(3)
+    ->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_static_greedy, &bundled, Method::medusa_static, 0.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_chain_t1, &bundled, Method::medusa_chain, 1.0)->Arg(1)->Arg(2)->Arg(3)
+    ->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_static_t1, &bundled, Method::medusa_static, 1.0)->Apply(sizes);
 
 }  // namespace
 
