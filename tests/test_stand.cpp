@@ -677,6 +677,31 @@ TEST(DynamicTreeGenerate, GreedyEqualsAutoregressiveWithBothCachesWithAndWithout
   expect_dynamic_tree_greedy<StaticKVCache>(false);
 }
 
+// A dynamic tree of one child per node is the drafter's chain: the same drafts, step for step
+// (a tree step reports its accepted path and first rejected child: a chain's drafts up to its
+// first rejected one).
+TEST(DynamicTreeGenerate, OneChildPerNodeDraftsTheChain) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  models::LlamaModel<StaticKVCache> drafter(config, test::perturbed(weights, 0.14, 4));
+  std::vector<std::vector<int64_t>> chain_drafts, tree_drafts;
+  const auto record = [](std::vector<std::vector<int64_t>>& into) {
+    return [&into](const StepInfo& step) {
+      const auto shown = std::min<size_t>(step.drafts.size(), static_cast<size_t>(step.accepted + 1));
+      into.emplace_back(step.drafts.begin(), step.drafts.begin() + static_cast<std::ptrdiff_t>(shown));
+    };
+  };
+  ModelDraftSource chain(drafter);
+  // Trees draft from the first step; so does the chain without first_target.
+  (void)generate_with(chain, target, kPrompt,
+                      {.max_new_tokens = 40, .on_step = record(chain_drafts), .gamma = 4, .first_target = false});
+  DynamicTreeSource tree(drafter, {.depth = 4, .top_k = 1, .total_tokens = 4});
+  (void)generate_with(tree, target, kPrompt, {.max_new_tokens = 40, .on_step = record(tree_drafts)});
+  EXPECT_EQ(tree_drafts, chain_drafts);
+  EXPECT_GT(chain_drafts.size(), 5u);
+}
+
 TEST(DynamicTreeGenerate, SessionsTakeTreesAndTheTreeIsCutNearTheLimit) {
   const models::LlamaConfig config = test::small_llama_config();
   const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);

@@ -1162,6 +1162,26 @@ TEST(HeadTrees, EagleTreesGreedyEqualAutoregressiveAndTheCacheRecomputes) {
     }
     expect_cache_recomputes(head, reference, session.tokens(), turns.cache());
   }
+  // A tree of one child per node is the chain: the same drafts, step for step, which checks the
+  // positions, hidden states and masks of deep nodes.
+  for (const auto kind : {models::EagleKind::eagle3, models::EagleKind::eagle1}) {
+    models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 6 : 8, 4);
+    head.use_cpu_kernels(false);
+    std::vector<std::vector<int64_t>> chain_drafts, tree_drafts;
+    // A tree step reports its accepted path and the first rejected child: a chain's drafts up to
+    // its first rejected one.
+    const auto record = [](std::vector<std::vector<int64_t>>& into) {
+      return [&into](const StepInfo& step) {
+        const auto shown = std::min<size_t>(step.drafts.size(), static_cast<size_t>(step.accepted + 1));
+        into.emplace_back(step.drafts.begin(), step.drafts.begin() + static_cast<std::ptrdiff_t>(shown));
+      };
+    };
+    models::EagleDraftSource chain(head, target);
+    (void)generate_with(chain, target, prompt, {.max_new_tokens = 40, .on_step = record(chain_drafts), .gamma = 5});
+    models::EagleTreeSource tree(head, target, {.depth = 5, .top_k = 1, .total_tokens = 5});
+    (void)generate_with(tree, target, prompt, {.max_new_tokens = 40, .on_step = record(tree_drafts)});
+    EXPECT_EQ(tree_drafts, chain_drafts) << models::to_string(kind);
+  }
   const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 6, 4);
   test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.top_k = 7}); }, {"top_k", "6", "7"});
   test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.depth = 0}); }, {"depth", "0"});
