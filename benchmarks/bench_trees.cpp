@@ -7,9 +7,9 @@
 // gamma nodes; sampled children at temperature 1) and dynamic (DynamicTreeSource with depth 5,
 // top_k 4, total_tokens gamma); eagle3 chain (EagleDraftSource) and dynamic tree
 // (EagleTreeSource, same options); medusa chain (gamma at most the heads) and static tree
-// (MedusaTreeSource on TreeTemplate::default_tree(gamma) cut to the heads' depth). Greedy (temperature 0) and temperature 1; 128 new tokens per
-// prompt. Each iteration runs every prompt with the method and then autoregressively, so the
-// speedup compares runs made moments apart.
+// (MedusaTreeSource on TreeTemplate::default_tree(gamma) cut to the heads' depth). Greedy
+// (temperature 0) and temperature 1; 128 new tokens per prompt. Each iteration runs every prompt
+// with the method and then autoregressively, so the speedup compares runs made moments apart.
 // Counters: accepted drafts per step, tokens per target call, tokens/s of both, measured speedup,
 // the drafter's and the target's milliseconds per step, and the library's own.
 #include <benchmark/benchmark.h>
@@ -24,8 +24,8 @@
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
 #include "specdec/io/medusa.hpp"
-#include "specdec/models/head_trees.hpp"
 #include "specdec/io/tokenizer.hpp"
+#include "specdec/models/head_trees.hpp"
 #include "specdec/text/prompts.hpp"
 #include "text/python_corpus.hpp"
 
@@ -50,10 +50,12 @@ Model load(const std::filesystem::path& path) {
 
 void load_heads(Setup& s, const std::filesystem::path& folder) {
   if (std::filesystem::exists(folder / "eagle3")) {
-    s.eagle.emplace(io::load_eagle(folder / "eagle3", io::EagleTarget::of(*s.target), bench::on_device()));
+    s.eagle.emplace(
+        io::load_eagle(folder / "eagle3", io::EagleTarget::of(*s.target), bench::on_device()));
   }
   if (std::filesystem::exists(folder / "medusa")) {
-    s.medusa.emplace(io::load_medusa(folder / "medusa", s.target->hidden_size(), s.target->vocab_size(), bench::on_device()));
+    s.medusa.emplace(io::load_medusa(folder / "medusa", s.target->hidden_size(),
+                                     s.target->vocab_size(), bench::on_device()));
   }
 }
 
@@ -70,7 +72,8 @@ Setup& bundled() {
     load_heads(s, models);
     const auto corpus = text::load_python_corpus("/usr/lib/python3.11");
     const io::ByteTokenizer bytes;
-    for (const auto& prompt : text::line_prompts(corpus.held_out, 8, 200)) s.prompts.push_back(bytes.encode(prompt));
+    for (const auto& prompt : text::line_prompts(corpus.held_out, 8, 200))
+      s.prompts.push_back(bytes.encode(prompt));
     return s;
   }();
   return setup;
@@ -89,7 +92,8 @@ Setup& stories() {
     s.drafter.emplace(load(models / "llama2xs/model.bin"));
     load_heads(s, std::filesystem::path(SPECDEC_BUNDLED_MODELS_DIR).parent_path() / "stories260K");
     const auto tokenizer = io::Llama2cTokenizer::load(models / "stories260K/tok512.bin", 512);
-    for (const char* text : {"Once upon a time", "The little dog", "Tom and Sue went to the park", "One day, a girl named Mia"}) {
+    for (const char* text : {"Once upon a time", "The little dog", "Tom and Sue went to the park",
+                             "One day, a girl named Mia"}) {
       s.prompts.push_back(tokenizer.encode(text));
     }
     return s;
@@ -97,11 +101,19 @@ Setup& stories() {
   return setup;
 }
 
-enum class Method { chain, fixed, dynamic, eagle_chain, eagle_dynamic, medusa_chain, medusa_static };
+enum class Method {
+  chain,
+  fixed,
+  dynamic,
+  eagle_chain,
+  eagle_dynamic,
+  medusa_chain,
+  medusa_static
+};
 
 template <LogitsProcessor P>
-GenerationResult run(Setup& s, Method method, int64_t gamma, const std::vector<int64_t>& prompt, const P& processor,
-                     uint64_t seed) {
+GenerationResult run(Setup& s, Method method, int64_t gamma, const std::vector<int64_t>& prompt,
+                     const P& processor, uint64_t seed) {
   const SpeculativeOptions options{.max_new_tokens = kNewTokens, .seed = seed, .gamma = gamma};
   switch (method) {
     case Method::chain: {
@@ -121,7 +133,8 @@ GenerationResult run(Setup& s, Method method, int64_t gamma, const std::vector<i
       return generate_with(source, *s.target, prompt, options, processor);
     }
     case Method::eagle_dynamic: {
-      models::EagleTreeSource source(*s.eagle, *s.target, {.depth = 5, .top_k = 4, .total_tokens = gamma});
+      models::EagleTreeSource source(*s.eagle, *s.target,
+                                     {.depth = 5, .top_k = 4, .total_tokens = gamma});
       return generate_with(source, *s.target, prompt, options, processor);
     }
     case Method::medusa_chain: {
@@ -129,9 +142,11 @@ GenerationResult run(Setup& s, Method method, int64_t gamma, const std::vector<i
       return generate_with(source, *s.target, prompt, options, processor);
     }
     case Method::medusa_static: {
-      static const std::vector<double> kRanks{0.55, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01};
-      models::MedusaTreeSource source(*s.medusa, *s.target,
-                                      TreeTemplate::best_first(gamma, kRanks, s.medusa->config().num_heads));
+      static const std::vector<double> kRanks{0.55, 0.2,  0.1,   0.06, 0.04,
+                                              0.03, 0.02, 0.015, 0.01, 0.01};
+      models::MedusaTreeSource source(
+          *s.medusa, *s.target,
+          TreeTemplate::best_first(gamma, kRanks, s.medusa->config().num_heads));
       return generate_with(source, *s.target, prompt, options, processor);
     }
   }
@@ -149,7 +164,9 @@ void measure(benchmark::State& state, Setup& s, Method method, const P& processo
     for (const auto& prompt : s.prompts) {
       ++seed;
       with += run(s, method, gamma, prompt, processor, seed).stats;
-      alone += autoregressive_generate(*s.target, prompt, {.max_new_tokens = kNewTokens, .seed = seed}, processor).stats;
+      alone += autoregressive_generate(*s.target, prompt,
+                                       {.max_new_tokens = kNewTokens, .seed = seed}, processor)
+                   .stats;
     }
   }
   const double steps = static_cast<double>(with.steps);
@@ -169,8 +186,10 @@ void measure(benchmark::State& state, Setup& s, Method method, const P& processo
 // DynamicTreeOptions' defaults.
 void BM_DynamicShapes(benchmark::State& state, Setup& (*setup)(), bool head) {
   Setup& s = setup();
-  if (!s.target || (head && !s.eagle)) return state.SkipWithError(s.missing.empty() ? "no EAGLE-3 head" : s.missing.c_str());
-  const DynamicTreeOptions options{.depth = state.range(0), .top_k = state.range(1), .total_tokens = 16};
+  if (!s.target || (head && !s.eagle))
+    return state.SkipWithError(s.missing.empty() ? "no EAGLE-3 head" : s.missing.c_str());
+  const DynamicTreeOptions options{
+      .depth = state.range(0), .top_k = state.range(1), .total_tokens = 16};
   const auto once = [&](const std::vector<int64_t>& prompt) {
     const SpeculativeOptions step{.max_new_tokens = kNewTokens};
     if (head) {
@@ -192,7 +211,8 @@ void BM_DynamicShapes(benchmark::State& state, Setup& (*setup)(), bool head) {
 }
 
 void shapes(benchmark::internal::Benchmark* b) {
-  for (const auto& [depth, top_k] : std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {5, 4}, {6, 3}, {8, 2}, {8, 4}, {10, 2}}) {
+  for (const auto& [depth, top_k] :
+       std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {5, 4}, {6, 3}, {8, 2}, {8, 4}, {10, 2}}) {
     b->Args({depth, top_k});
   }
   b->Unit(benchmark::kMillisecond)->Iterations(1);
@@ -223,10 +243,14 @@ BENCHMARK_CAPTURE(BM_Trees, stories_dynamic_greedy, &stories, Method::dynamic, 0
 BENCHMARK_CAPTURE(BM_Trees, stories_chain_t1, &stories, Method::chain, 1.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, stories_static_t1, &stories, Method::fixed, 1.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, stories_dynamic_t1, &stories, Method::dynamic, 1.0)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_chain_greedy, &stories, Method::eagle_chain, 0.0)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_dynamic_greedy, &stories, Method::eagle_dynamic, 0.0)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_chain_t1, &stories, Method::eagle_chain, 1.0)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_dynamic_t1, &stories, Method::eagle_dynamic, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_chain_greedy, &stories, Method::eagle_chain, 0.0)
+    ->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_dynamic_greedy, &stories, Method::eagle_dynamic, 0.0)
+    ->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_chain_t1, &stories, Method::eagle_chain, 1.0)
+    ->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, stories_eagle3_dynamic_t1, &stories, Method::eagle_dynamic, 1.0)
+    ->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, bundled_chain_greedy, &bundled, Method::chain, 0.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, bundled_static_greedy, &bundled, Method::fixed, 0.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, bundled_dynamic_greedy, &bundled, Method::dynamic, 0.0)->Apply(sizes);
@@ -234,16 +258,30 @@ BENCHMARK_CAPTURE(BM_Trees, bundled_chain_t1, &bundled, Method::chain, 1.0)->App
 BENCHMARK_CAPTURE(BM_Trees, bundled_static_t1, &bundled, Method::fixed, 1.0)->Apply(sizes);
 BENCHMARK_CAPTURE(BM_Trees, bundled_dynamic_t1, &bundled, Method::dynamic, 1.0)->Apply(sizes);
 
-BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_chain_greedy, &bundled, Method::eagle_chain, 0.0)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_dynamic_greedy, &bundled, Method::eagle_dynamic, 0.0)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_chain_t1, &bundled, Method::eagle_chain, 1.0)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_dynamic_t1, &bundled, Method::eagle_dynamic, 1.0)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_chain_greedy, &bundled, Method::medusa_chain, 0.0)->Arg(1)->Arg(2)->Arg(3)
-    ->Unit(benchmark::kMillisecond)->Iterations(1);
-BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_static_greedy, &bundled, Method::medusa_static, 0.0)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_chain_t1, &bundled, Method::medusa_chain, 1.0)->Arg(1)->Arg(2)->Arg(3)
-    ->Unit(benchmark::kMillisecond)->Iterations(1);
-BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_static_t1, &bundled, Method::medusa_static, 1.0)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_chain_greedy, &bundled, Method::eagle_chain, 0.0)
+    ->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_dynamic_greedy, &bundled, Method::eagle_dynamic, 0.0)
+    ->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_chain_t1, &bundled, Method::eagle_chain, 1.0)
+    ->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_eagle3_dynamic_t1, &bundled, Method::eagle_dynamic, 1.0)
+    ->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_chain_greedy, &bundled, Method::medusa_chain, 0.0)
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(3)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1);
+BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_static_greedy, &bundled, Method::medusa_static, 0.0)
+    ->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_chain_t1, &bundled, Method::medusa_chain, 1.0)
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(3)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1);
+BENCHMARK_CAPTURE(BM_Trees, bundled_medusa_static_t1, &bundled, Method::medusa_static, 1.0)
+    ->Apply(sizes);
 
 }  // namespace
 

@@ -59,7 +59,8 @@ inline void check_dynamic_tree_options(const DynamicTreeOptions& options, int64_
   if (options.top_k < 1) throw_invalid("top_k", "be >= 1", options.top_k);
   if (options.total_tokens < 1) throw_invalid("total_tokens", "be >= 1", options.total_tokens);
   if (options.top_k > vocab) {
-    throw_invalid_message("top_k must be at most the drafter's vocab_size ", vocab, ", got ", options.top_k);
+    throw_invalid_message("top_k must be at most the drafter's vocab_size ", vocab, ", got ",
+                          options.top_k);
   }
 }
 
@@ -81,7 +82,9 @@ class DeviceDraftTree {
   [[nodiscard]] int64_t depth() const noexcept { return depth_; }
 
   // The most candidates a tree of `depth` rounds of `top_k` has.
-  static int64_t candidates(int64_t depth, int64_t top_k) { return depth < 1 ? 0 : top_k + (depth - 1) * top_k * top_k; }
+  static int64_t candidates(int64_t depth, int64_t top_k) {
+    return depth < 1 ? 0 : top_k + (depth - 1) * top_k * top_k;
+  }
 
   // An empty tree (nothing to draft this step).
   void clear(int64_t top_k, const at::Device& device) {
@@ -114,7 +117,8 @@ class DeviceDraftTree {
     for (int64_t round = 2; round <= depth; ++round) {
       const at::Tensor logits = expand(round, paths, parent_rows);
       const auto [child_scores, child_tokens] = log_probs(logits).topk(k, -1);  // [k, k]
-      const at::Tensor path_scores = (frontier_scores.view({k, 1}) + child_scores - kStep).flatten();
+      const at::Tensor path_scores =
+          (frontier_scores.view({k, 1}) + child_scores - kStep).flatten();
       tokens.push_back(child_tokens.flatten());
       scores.push_back(path_scores);
       parents.push_back(frontier.repeat_interleave(k));
@@ -123,22 +127,27 @@ class DeviceDraftTree {
       frontier = index + total;
       frontier_scores = best;
       parent_rows = at::floor_divide(index, k);
-      paths = at::cat({paths.index_select(0, parent_rows), child_tokens.flatten().index_select(0, index).view({k, 1})}, 1);
+      paths = at::cat({paths.index_select(0, parent_rows),
+                       child_tokens.flatten().index_select(0, index).view({k, 1})},
+                      1);
       total += k * k;
     }
     // The n best candidates, in candidate order (parents before children), renumbered.
     const at::Tensor chosen = std::get<0>(std::get<1>(at::cat(scores).topk(n)).sort());
     const at::Tensor number = at::full({total}, -1, longs).scatter(0, chosen, at::arange(n, longs));
     const at::Tensor parent_candidate = at::cat(parents).index_select(0, chosen);
-    parents_ = at::where(parent_candidate.ge(0), number.index_select(0, parent_candidate.clamp_min(0)), parent_candidate);
+    parents_ = at::where(parent_candidate.ge(0),
+                         number.index_select(0, parent_candidate.clamp_min(0)), parent_candidate);
     ids_ = at::cat(tokens).index_select(0, chosen);
     const at::Tensor place = (parents_ + 1) * k + at::cat(slots).index_select(0, chosen);
-    children_ = at::full({(n + 1) * k}, -1, longs).scatter(0, place, at::arange(n, longs)).view({n + 1, k});
+    children_ =
+        at::full({(n + 1) * k}, -1, longs).scatter(0, place, at::arange(n, longs)).view({n + 1, k});
   }
 
   // A tree of a static shape whose tokens are on the device: ids int64 [n], node i of rank
   // ranks[i] below parents[i] (parents[i] < i, -1: the root), no node deeper than depth.
-  void assign(const at::Tensor& ids, std::span<const int64_t> parents, std::span<const int64_t> ranks, int64_t depth) {
+  void assign(const at::Tensor& ids, std::span<const int64_t> parents,
+              std::span<const int64_t> ranks, int64_t depth) {
     TreeLayout layout;
     layout.build(parents, ranks);
     const int64_t width = std::max<int64_t>(1, layout.width);
@@ -151,30 +160,39 @@ class DeviceDraftTree {
   }
 
   // After assign(): the drafter logits [r, V] that chose the tokens must be finite.
-  void check_finite(const at::Tensor& logits) { finite_.push_back(at::isfinite(logits.amax(-1)).all()); }
+  void check_finite(const at::Tensor& logits) {
+    finite_.push_back(at::isfinite(logits.amax(-1)).all());
+  }
 
   // The step's drafts for the target on `device`.
   [[nodiscard]] TreeDrafts drafts(const at::Device& device, int64_t calls) const {
-    return TreeDrafts{.calls = calls, .ids = ids_.to(device), .device_parents = parents_.to(device), .depth = depth_};
+    return TreeDrafts{.calls = calls,
+                      .ids = ids_.to(device),
+                      .device_parents = parents_.to(device),
+                      .depth = depth_};
   }
 
   // TreeDraftSource::score_tree under `rule`: the children's acceptance, a residual token per
   // position, the tree's tokens and layout and the finiteness of both models, for one copy.
   template <LogitsProcessor P>
-  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen,
-                   ModelTreeRule rule) const {
+  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
+                   at::Generator& gen, ModelTreeRule rule) const {
     const at::Device device = logits.device();
     const int64_t n = n_;
     const at::Tensor p = processor(logits.narrow(0, uncached - 1, n + 1));
     const at::Tensor children = children_.to(device);
     const at::Tensor ids = ids_.to(device);
     const at::Tensor child_tokens =
-        n > 0 ? ids.index_select(0, children.clamp_min(0).flatten()).view(children.sizes()) : at::zeros_like(children);
-    const auto [accept, token] = verify_tree_children(p, child_tokens, children.ge(0), at::Tensor(), processor, gen, rule);
-    const at::Tensor drafter_finite = finite_.empty() ? at::ones({1}, at::TensorOptions().dtype(at::kBool).device(device))
-                                                      : at::stack(finite_).all().view({1}).to(device);
+        n > 0 ? ids.index_select(0, children.clamp_min(0).flatten()).view(children.sizes())
+              : at::zeros_like(children);
+    const auto [accept, token] =
+        verify_tree_children(p, child_tokens, children.ge(0), at::Tensor(), processor, gen, rule);
+    const at::Tensor drafter_finite =
+        finite_.empty() ? at::ones({1}, at::TensorOptions().dtype(at::kBool).device(device))
+                        : at::stack(finite_).all().view({1}).to(device);
     return at::cat({accept.to(at::kDouble).flatten(), token.to(at::kDouble), ids.to(at::kDouble),
-                    children.to(at::kDouble).flatten(), at::isfinite(p).all().to(at::kDouble).view({1}),
+                    children.to(at::kDouble).flatten(),
+                    at::isfinite(p).all().to(at::kDouble).view({1}),
                     drafter_finite.to(at::kDouble)});
   }
 
@@ -187,13 +205,16 @@ class DeviceDraftTree {
     const double* children = ids + n;
     const double* finite = children + (n + 1) * k;
     if (finite[0] == 0.0) throw_non_finite("generate_with", "target");
-    if (finite[1] == 0.0) throw_invalid_message("generate_with: the drafter's logits are not finite");
+    if (finite[1] == 0.0)
+      throw_invalid_message("generate_with: the drafter's logits are not finite");
     const auto [position, rejected] = walk_accepted(
-        values, k, [&](int64_t pos, int64_t j) { return static_cast<int64_t>(children[pos * k + j]); }, path_);
+        values, k,
+        [&](int64_t pos, int64_t j) { return static_cast<int64_t>(children[pos * k + j]); }, path_);
     drafts_.clear();
     for (const int64_t node : path_) drafts_.push_back(static_cast<int64_t>(ids[node]));
     if (rejected >= 0) drafts_.push_back(static_cast<int64_t>(ids[rejected]));
-    return TreeVerdict{.path = path_, .drafts = drafts_, .token = static_cast<int64_t>(tokens[position])};
+    return TreeVerdict{
+        .path = path_, .drafts = drafts_, .token = static_cast<int64_t>(tokens[position])};
   }
 
   [[nodiscard]] std::span<const int64_t> path() const noexcept { return path_; }
@@ -239,7 +260,9 @@ class DynamicTreeSource {
     detail::check_dynamic_tree_options(options, vocab_size());
   }
 
-  [[nodiscard]] int64_t vocab_size() const { return static_cast<int64_t>(runner_.model().vocab_size()); }
+  [[nodiscard]] int64_t vocab_size() const {
+    return static_cast<int64_t>(runner_.model().vocab_size());
+  }
   [[nodiscard]] const DynamicTreeOptions& options() const noexcept { return options_; }
 
   void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) {
@@ -255,7 +278,8 @@ class DynamicTreeSource {
     const int64_t drafter_room = detail::sequence_limit(runner_.model(), runner_.cache()) - length;
     int64_t depth = std::min(options_.depth, request.room);
     while (depth > 1 && k * (depth - 1) > drafter_room) --depth;
-    const int64_t n = std::min({options_.total_tokens, detail::DeviceDraftTree::candidates(depth, k), request.capacity});
+    const int64_t n = std::min(
+        {options_.total_tokens, detail::DeviceDraftTree::candidates(depth, k), request.capacity});
     calls_ = 0;
     if (n <= 0 || drafter_room < 0) {
       tree_.clear(k, runner_.device());
@@ -263,39 +287,43 @@ class DynamicTreeSource {
     }
     int64_t uncached = 0;
     const at::Tensor context = forward(request.sequence, at::Tensor(), {}, &uncached);
-    tree_.build(context.narrow(0, context.size(0) - 1, 1), depth, k, n,
-                [&](int64_t round, const at::Tensor& paths, const at::Tensor& /*parent_rows*/) {
-                  const int64_t chain = round - 1;
-                  chains_.resize(static_cast<size_t>(k * chain));
-                  for (int64_t c = 0; c < k; ++c) {
-                    for (int64_t i = 0; i < chain; ++i) {
-                      chains_[static_cast<size_t>(c * chain + i)] = i == 0 ? -1 : c * chain + i - 1;
-                    }
-                  }
-                  runner_.truncate(length);
-                  const at::Tensor logits = forward(request.sequence, paths.flatten(), chains_, &uncached);
-                  const at::Tensor last = at::arange(k, paths.options()) * chain + (uncached + chain - 1);
-                  return logits.index_select(0, last);
-                });
+    tree_.build(
+        context.narrow(0, context.size(0) - 1, 1), depth, k, n,
+        [&](int64_t round, const at::Tensor& paths, const at::Tensor& /*parent_rows*/) {
+          const int64_t chain = round - 1;
+          chains_.resize(static_cast<size_t>(k * chain));
+          for (int64_t c = 0; c < k; ++c) {
+            for (int64_t i = 0; i < chain; ++i) {
+              chains_[static_cast<size_t>(c * chain + i)] = i == 0 ? -1 : c * chain + i - 1;
+            }
+          }
+          runner_.truncate(length);
+          const at::Tensor logits = forward(request.sequence, paths.flatten(), chains_, &uncached);
+          const at::Tensor last = at::arange(k, paths.options()) * chain + (uncached + chain - 1);
+          return logits.index_select(0, last);
+        });
     return tree_.drafts(request.device, calls_);
   }
 
   template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
+  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor,
+                        at::Generator& gen) {
     return tree_.score(logits, uncached, processor, gen, detail::ModelTreeRule::exact);
   }
   // score_tree() under a chosen rule (tests).
   template <LogitsProcessor P>
-  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen,
-                   detail::ModelTreeRule rule) {
+  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
+                   at::Generator& gen, detail::ModelTreeRule rule) {
     return tree_.score(logits, uncached, processor, gen, rule);
   }
   TreeVerdict walk_tree(const double* values) { return tree_.walk(values); }
-  void verified_tree(std::span<const int64_t> /*sequence*/, int64_t position) { runner_.truncate(position); }
+  void verified_tree(std::span<const int64_t> /*sequence*/, int64_t position) {
+    runner_.truncate(position);
+  }
 
  private:
-  at::Tensor forward(std::span<const int64_t> context, const at::Tensor& ids, std::span<const int64_t> parents,
-                     int64_t* uncached) {
+  at::Tensor forward(std::span<const int64_t> context, const at::Tensor& ids,
+                     std::span<const int64_t> parents, int64_t* uncached) {
     ++calls_;
     return runner_.forward_tree(context, ids, parents, uncached);
   }

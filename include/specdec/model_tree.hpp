@@ -181,7 +181,8 @@ std::pair<at::Tensor, at::Tensor> verify_tree_children(const at::Tensor& p,
 // node of rank j below position pos, or -1. Fills `path` (nodes, root to leaf); returns the last
 // position and the first rejected child there (-1: none).
 template <class Child>
-std::pair<int64_t, int64_t> walk_accepted(const double* accept, int64_t width, Child child, std::vector<int64_t>& path) {
+std::pair<int64_t, int64_t> walk_accepted(const double* accept, int64_t width, Child child,
+                                          std::vector<int64_t>& path) {
   path.clear();
   int64_t position = 0;
   while (true) {
@@ -355,14 +356,19 @@ class ModelTreeSource {
     const double* tokens = values + (n + 1) * width;
     const double* ids = tokens + (n + 1);
     if (ids[n] == 0.0) detail::throw_non_finite("generate_with", "target");
-    if (ids[n + 1] == 0.0) detail::throw_invalid_message("generate_with: the drafter's logits are not finite");
+    if (ids[n + 1] == 0.0)
+      detail::throw_invalid_message("generate_with: the drafter's logits are not finite");
     const auto [position, rejected] = detail::walk_accepted(
-        values, width, [&](int64_t pos, int64_t j) { return layout_.children[static_cast<size_t>(pos * width + j)]; },
+        values, width,
+        [&](int64_t pos, int64_t j) {
+          return layout_.children[static_cast<size_t>(pos * width + j)];
+        },
         path_);
     drafts_.clear();
     for (const int64_t node : path_) drafts_.push_back(static_cast<int64_t>(ids[node]));
     if (rejected >= 0) drafts_.push_back(static_cast<int64_t>(ids[rejected]));
-    return TreeVerdict{.path = path_, .drafts = drafts_, .token = static_cast<int64_t>(tokens[position])};
+    return TreeVerdict{
+        .path = path_, .drafts = drafts_, .token = static_cast<int64_t>(tokens[position])};
   }
 
   // Keeps in the drafter's cache the context and the accepted nodes it scored.

@@ -49,21 +49,27 @@ class EagleTreeSource {
                                                     : head.config().vocab_size());
   }
 
-  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept { return chain_.feature_taps(); }
+  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept {
+    return chain_.feature_taps();
+  }
   [[nodiscard]] int64_t vocab_size() const noexcept { return chain_.vocab_size(); }
   [[nodiscard]] const DynamicTreeOptions& options() const noexcept { return options_; }
   [[nodiscard]] const EagleCache& cache() const noexcept { return chain_.cache(); }
 
-  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) { chain_.start(sequence, options); }
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) {
+    chain_.start(sequence, options);
+  }
 
   TreeDrafts draft_tree(const DraftRequest& request) {
     const EagleHead& head = chain_.head_;
     EagleCache& cache = chain_.cache_;
     const int64_t k = options_.top_k;
     const int64_t depth = std::min(options_.depth, request.room);
-    const int64_t n = std::min({options_.total_tokens, detail::DeviceDraftTree::candidates(depth, k), request.capacity});
+    const int64_t n = std::min(
+        {options_.total_tokens, detail::DeviceDraftTree::candidates(depth, k), request.capacity});
     // The head's last output must be the one at the position before the sequence's last token.
-    if (n <= 0 || !chain_.last_.defined() || cache.end() + 1 != static_cast<int64_t>(request.sequence.size())) {
+    if (n <= 0 || !chain_.last_.defined() ||
+        cache.end() + 1 != static_cast<int64_t>(request.sequence.size())) {
       tree_.clear(k, request.device);
       return tree_.drafts(request.device, 0);
     }
@@ -71,30 +77,32 @@ class EagleTreeSource {
     const int64_t base = cache.end();        // the head position of a depth-1 node
     const auto longs = at::TensorOptions().dtype(at::kLong).device(head.device());
     at::Tensor outputs = chain_.last_;  // the outputs of the frontier's parents, by row
-    at::Tensor lineage;                 // [k, draft entries]: each frontier node's ancestors and itself
+    at::Tensor lineage;  // [k, draft entries]: each frontier node's ancestors and itself
     int64_t calls = 1;
-    tree_.build(head.target_logits(head.logits(chain_.last_)), depth, k, n,
-                [&](int64_t round, const at::Tensor& paths, const at::Tensor& parent_rows) {
-                  const at::Tensor own = at::eye(k, longs.dtype(at::kBool));
-                  lineage = round == 2 ? own : at::cat({lineage.index_select(0, parent_rows), own}, 1);
-                  const at::Tensor visible = at::cat({at::ones({k, context}, own.options()), lineage}, 1);
-                  const at::Tensor tokens = paths.select(1, paths.size(1) - 1).contiguous();
-                  outputs = head.forward_masked(tokens, outputs.index_select(0, parent_rows), cache,
-                                                at::full({k}, base + round - 2, longs), visible);
-                  ++calls;
-                  return head.target_logits(head.logits(outputs));
-                });
+    tree_.build(
+        head.target_logits(head.logits(chain_.last_)), depth, k, n,
+        [&](int64_t round, const at::Tensor& paths, const at::Tensor& parent_rows) {
+          const at::Tensor own = at::eye(k, longs.dtype(at::kBool));
+          lineage = round == 2 ? own : at::cat({lineage.index_select(0, parent_rows), own}, 1);
+          const at::Tensor visible = at::cat({at::ones({k, context}, own.options()), lineage}, 1);
+          const at::Tensor tokens = paths.select(1, paths.size(1) - 1).contiguous();
+          outputs = head.forward_masked(tokens, outputs.index_select(0, parent_rows), cache,
+                                        at::full({k}, base + round - 2, longs), visible);
+          ++calls;
+          return head.target_logits(head.logits(outputs));
+        });
     return tree_.drafts(request.device, calls);
   }
 
   template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
+  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor,
+                        at::Generator& gen) {
     return tree_.score(logits, uncached, processor, gen, specdec::detail::ModelTreeRule::exact);
   }
   // score_tree() under a chosen rule (tests).
   template <LogitsProcessor P>
-  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen,
-                   specdec::detail::ModelTreeRule rule) {
+  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
+                   at::Generator& gen, specdec::detail::ModelTreeRule rule) {
     return tree_.score(logits, uncached, processor, gen, rule);
   }
   TreeVerdict walk_tree(const double* values) { return tree_.walk(values); }
@@ -125,15 +133,20 @@ class MedusaTreeSource {
     }
     for (int64_t i = 0; i < shape_.size(); ++i) width_ = std::max(width_, shape_.rank(i) + 1);
     if (width_ > heads.config().vocab_size) {
-      detail::throw_invalid_message("shape has a node with ", width_, " children, more than the vocab_size ",
+      detail::throw_invalid_message("shape has a node with ", width_,
+                                    " children, more than the vocab_size ",
                                     heads.config().vocab_size);
     }
   }
 
-  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept { return chain_.feature_taps(); }
+  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept {
+    return chain_.feature_taps();
+  }
   [[nodiscard]] int64_t vocab_size() const noexcept { return chain_.vocab_size(); }
 
-  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) { chain_.start(sequence, options); }
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) {
+    chain_.start(sequence, options);
+  }
 
   TreeDrafts draft_tree(const DraftRequest& request) {
     const MedusaHeads& heads = chain_.heads_;
@@ -145,27 +158,29 @@ class MedusaTreeSource {
     }
     const int64_t depth = shape_.depth(n - 1);
     const at::Tensor logits = heads.logits(chain_.hidden_.to(heads.device()), depth);  // [depth, V]
-    const at::Tensor top = std::get<1>(logits.topk(width_, -1)).flatten();              // [depth * width]
+    const at::Tensor top = std::get<1>(logits.topk(width_, -1)).flatten();  // [depth * width]
     pick_.resize(static_cast<size_t>(n));
     ranks_.resize(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
       ranks_[static_cast<size_t>(i)] = shape_.rank(i);
       pick_[static_cast<size_t>(i)] = (shape_.depth(i) - 1) * width_ + shape_.rank(i);
     }
-    const at::Tensor ids = top.index_select(0, detail::to_device<int64_t>(pick_, {n}, top.device()));
+    const at::Tensor ids =
+        top.index_select(0, detail::to_device<int64_t>(pick_, {n}, top.device()));
     tree_.assign(ids.to(request.device), shape_.parents(n), ranks_, depth);
     tree_.check_finite(logits);
     return tree_.drafts(request.device, 1);
   }
 
   template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
+  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor,
+                        at::Generator& gen) {
     return tree_.score(logits, uncached, processor, gen, specdec::detail::ModelTreeRule::exact);
   }
   // score_tree() under a chosen rule (tests).
   template <LogitsProcessor P>
-  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen,
-                   specdec::detail::ModelTreeRule rule) {
+  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
+                   at::Generator& gen, specdec::detail::ModelTreeRule rule) {
     return tree_.score(logits, uncached, processor, gen, rule);
   }
   TreeVerdict walk_tree(const double* values) { return tree_.walk(values); }
@@ -179,6 +194,7 @@ class MedusaTreeSource {
   std::vector<int64_t> pick_, ranks_;
   detail::DeviceDraftTree tree_;
 };
-static_assert(TreeDraftSource<MedusaTreeSource, GreedyProcessor> && HasFeatureTaps<MedusaTreeSource>);
+static_assert(TreeDraftSource<MedusaTreeSource, GreedyProcessor> &&
+              HasFeatureTaps<MedusaTreeSource>);
 
 }  // namespace specdec::models
