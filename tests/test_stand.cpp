@@ -271,21 +271,18 @@ ProbabilisticNGramStorage markov_memory() {
 // Three children at the root, two below each, one below those.
 TreeTemplate small_tree() { return TreeTemplate({-1, -1, -1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7, 8}); }
 
-template <class P>
-test::ChiSquare stand_fit(const P& processor, bool stochastic, specdec::detail::TreeVerification variant, int64_t samples,
-                          int64_t* accepted = nullptr) {
-  test::MarkovModel target(target_rows());
-  ProbabilisticNGramStorage memory = markov_memory();
-  const std::vector<int64_t> prompt{0};
+// The fit of three tokens generated after prompt {0} to the Markov target's distribution under
+// `processor`: `generate(seed)` runs one generation. Adds the accepted drafts to *accepted.
+template <class P, class Generate>
+test::ChiSquare markov_fit(const P& processor, int64_t samples, uint64_t first_seed, Generate generate,
+                           int64_t* accepted = nullptr) {
   std::map<std::vector<int64_t>, int64_t> observed;
-  StandOptions options{.max_new_tokens = 3, .tree = small_tree(), .stochastic = stochastic, .learn = false};
   for (int64_t i = 0; i < samples; ++i) {
-    options.seed = static_cast<uint64_t>(5000 + i);
-    const auto result = specdec::detail::stand_generate_impl(memory, target, prompt, options, processor, variant);
+    const GenerationResult result = generate(first_seed + static_cast<uint64_t>(i));
     ++observed[result.tokens];
     if (accepted != nullptr) *accepted += result.stats.accepted;
   }
-  const at::Tensor step = processor(target.logits()).to(at::kDouble);
+  const at::Tensor step = processor(test::MarkovModel(target_rows()).logits()).to(at::kDouble);
   std::map<std::vector<int64_t>, double> expected;
   for (int64_t a = 0; a < 4; ++a) {
     for (int64_t b = 0; b < 4; ++b) {
@@ -295,6 +292,18 @@ test::ChiSquare stand_fit(const P& processor, bool stochastic, specdec::detail::
     }
   }
   return test::chi_square(observed, expected, samples);
+}
+
+template <class P>
+test::ChiSquare stand_fit(const P& processor, bool stochastic, specdec::detail::TreeVerification variant, int64_t samples,
+                          int64_t* accepted = nullptr) {
+  test::MarkovModel target(target_rows());
+  ProbabilisticNGramStorage memory = markov_memory();
+  StandOptions options{.max_new_tokens = 3, .tree = small_tree(), .stochastic = stochastic, .learn = false};
+  return markov_fit(processor, samples, 5000, [&](uint64_t seed) {
+    options.seed = seed;
+    return specdec::detail::stand_generate_impl(memory, target, std::vector<int64_t>{0}, options, processor, variant);
+  }, accepted);
 }
 
 template <class P>
@@ -472,25 +481,9 @@ test::ChiSquare model_tree_fit(const P& processor, TreeChildren children, specde
   test::MarkovModel target(target_rows());
   test::MarkovModel drafter(memory_rows());
   RuledTree source(drafter, children, rule);
-  const std::vector<int64_t> prompt{0};
-  std::map<std::vector<int64_t>, int64_t> observed;
-  SpeculativeOptions options{.max_new_tokens = 3};
-  for (int64_t i = 0; i < samples; ++i) {
-    options.seed = static_cast<uint64_t>(9000 + i);
-    const auto result = generate_with(source, target, prompt, options, processor);
-    ++observed[result.tokens];
-    if (accepted != nullptr) *accepted += result.stats.accepted;
-  }
-  const at::Tensor step = processor(target.logits()).to(at::kDouble);
-  std::map<std::vector<int64_t>, double> expected;
-  for (int64_t a = 0; a < 4; ++a) {
-    for (int64_t b = 0; b < 4; ++b) {
-      for (int64_t c = 0; c < 4; ++c) {
-        expected[{a, b, c}] = (step[0][a] * step[a][b] * step[b][c]).template item<double>();
-      }
-    }
-  }
-  return test::chi_square(observed, expected, samples);
+  return markov_fit(processor, samples, 9000, [&](uint64_t seed) {
+    return generate_with(source, target, std::vector<int64_t>{0}, {.max_new_tokens = 3, .seed = seed}, processor);
+  }, accepted);
 }
 
 template <class P>
@@ -611,24 +604,9 @@ test::ChiSquare dynamic_tree_fit(const P& processor, specdec::detail::ModelTreeR
   test::MarkovModel target(target_rows());
   test::MarkovModel drafter(memory_rows());
   RuledDynamicTree source(drafter, rule);
-  std::map<std::vector<int64_t>, int64_t> observed;
-  SpeculativeOptions options{.max_new_tokens = 3};
-  for (int64_t i = 0; i < samples; ++i) {
-    options.seed = static_cast<uint64_t>(7000 + i);
-    const auto result = generate_with(source, target, std::vector<int64_t>{0}, options, processor);
-    ++observed[result.tokens];
-    if (accepted != nullptr) *accepted += result.stats.accepted;
-  }
-  const at::Tensor step = processor(target.logits()).to(at::kDouble);
-  std::map<std::vector<int64_t>, double> expected;
-  for (int64_t a = 0; a < 4; ++a) {
-    for (int64_t b = 0; b < 4; ++b) {
-      for (int64_t c = 0; c < 4; ++c) {
-        expected[{a, b, c}] = (step[0][a] * step[a][b] * step[b][c]).template item<double>();
-      }
-    }
-  }
-  return test::chi_square(observed, expected, samples);
+  return markov_fit(processor, samples, 7000, [&](uint64_t seed) {
+    return generate_with(source, target, std::vector<int64_t>{0}, {.max_new_tokens = 3, .seed = seed}, processor);
+  }, accepted);
 }
 
 TEST(DynamicTreeDistribution, EqualsTheTargetUnderMultinomialAndTopKAndTheHarnessDetectsNoResidual) {
