@@ -18,6 +18,7 @@
 #include <functional>
 #include <optional>
 
+#include "bench_pairs.hpp"
 #include "bench_support.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
@@ -29,70 +30,12 @@
 namespace {
 
 using namespace specdec;
-using Model = models::LlamaModel<StaticKVCache>;
+using Model = bench::PairModel;
 constexpr int64_t kNewTokens = 128;
 
-struct Setup {
-  std::optional<Model> target, drafter;
-  std::optional<models::EagleHead> eagle;
-  std::optional<models::MedusaHeads> medusa;
-  std::vector<std::vector<int64_t>> prompts;
-  std::string missing;
-};
-
-Model load(const std::filesystem::path& path) {
-  const auto checkpoint = io::load_llama(path, bench::on_device());
-  return Model(checkpoint.config, checkpoint.weights);
-}
-
-void load_heads(Setup& s, const std::filesystem::path& folder) {
-  if (std::filesystem::exists(folder / "eagle3")) {
-    s.eagle.emplace(io::load_eagle(folder / "eagle3", io::EagleTarget::of(*s.target), bench::on_device()));
-  }
-  if (std::filesystem::exists(folder / "medusa")) {
-    s.medusa.emplace(io::load_medusa(folder / "medusa", s.target->hidden_size(), s.target->vocab_size(), bench::on_device()));
-  }
-}
-
-Setup& bundled() {
-  static Setup setup = [] {
-    Setup s;
-    if (!std::filesystem::exists("/usr/lib/python3.11")) {
-      s.missing = "the held-out text needs /usr/lib/python3.11 (Debian's libpython3.11-stdlib)";
-      return s;
-    }
-    const std::filesystem::path models = SPECDEC_BUNDLED_MODELS_DIR;
-    s.target.emplace(load(models / "target"));
-    s.drafter.emplace(load(models / "drafter"));
-    load_heads(s, models);
-    const auto corpus = text::load_python_corpus("/usr/lib/python3.11");
-    const io::ByteTokenizer bytes;
-    for (const auto& prompt : text::line_prompts(corpus.held_out, 8, 200)) s.prompts.push_back(bytes.encode(prompt));
-    return s;
-  }();
-  return setup;
-}
-
-Setup& stories() {
-  static Setup setup = [] {
-    Setup s;
-    const char* folder = std::getenv("SPECDEC_MODELS_DIR");
-    const std::filesystem::path models = folder ? folder : "";
-    if (!folder || !std::filesystem::exists(models / "stories260K/stories260K.bin")) {
-      s.missing = "set SPECDEC_MODELS_DIR to ../shared/models";
-      return s;
-    }
-    s.target.emplace(load(models / "stories260K/stories260K.bin"));
-    s.drafter.emplace(load(models / "llama2xs/model.bin"));
-    load_heads(s, std::filesystem::path(SPECDEC_BUNDLED_MODELS_DIR).parent_path() / "stories260K");
-    const auto tokenizer = io::Llama2cTokenizer::load(models / "stories260K/tok512.bin", 512);
-    for (const char* text : {"Once upon a time", "The little dog", "Tom and Sue went to the park", "One day, a girl named Mia"}) {
-      s.prompts.push_back(tokenizer.encode(text));
-    }
-    return s;
-  }();
-  return setup;
-}
+using bench::Setup;
+using bench::bundled;
+using bench::stories;
 
 enum class Method { eagle, medusa, drafter, ngram, stand };
 

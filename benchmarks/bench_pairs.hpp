@@ -1,0 +1,92 @@
+// The target/drafter pairs that bench_heads and bench_trees run, each with its heads and prompts:
+//   bundled: the bundled pair on held-out Python (needs /usr/lib/python3.11), its EAGLE-3 and
+//            Medusa heads (models/bundled);
+//   stories: stories260K and llama2xs from SPECDEC_MODELS_DIR, four story openings, the heads in
+//            models/stories260K.
+// Loaded once per process; `missing` says why a pair is absent.
+#pragma once
+
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench_support.hpp"
+#include "specdec/io/checkpoint.hpp"
+#include "specdec/io/eagle.hpp"
+#include "specdec/io/medusa.hpp"
+#include "specdec/io/tokenizer.hpp"
+#include "specdec/text/prompts.hpp"
+#include "text/python_corpus.hpp"
+
+namespace specdec::bench {
+
+using PairModel = models::LlamaModel<StaticKVCache>;
+
+struct Setup {
+  std::optional<PairModel> target, drafter;
+  std::optional<models::EagleHead> eagle;
+  std::optional<models::MedusaHeads> medusa;
+  std::vector<std::vector<int64_t>> prompts;
+  std::string missing;
+};
+
+inline PairModel load_pair_model(const std::filesystem::path& path) {
+  const auto checkpoint = io::load_llama(path, on_device());
+  return PairModel(checkpoint.config, checkpoint.weights);
+}
+
+inline void load_heads(Setup& s, const std::filesystem::path& folder) {
+  if (std::filesystem::exists(folder / "eagle3")) {
+    s.eagle.emplace(io::load_eagle(folder / "eagle3", io::EagleTarget::of(*s.target), on_device()));
+  }
+  if (std::filesystem::exists(folder / "medusa")) {
+    s.medusa.emplace(io::load_medusa(folder / "medusa", s.target->hidden_size(),
+                                     s.target->vocab_size(), on_device()));
+  }
+}
+
+inline Setup& bundled() {
+  static Setup setup = [] {
+    Setup s;
+    if (!std::filesystem::exists("/usr/lib/python3.11")) {
+      s.missing = "the held-out text needs /usr/lib/python3.11 (Debian's libpython3.11-stdlib)";
+      return s;
+    }
+    const std::filesystem::path models = SPECDEC_BUNDLED_MODELS_DIR;
+    s.target.emplace(load_pair_model(models / "target"));
+    s.drafter.emplace(load_pair_model(models / "drafter"));
+    load_heads(s, models);
+    const auto corpus = text::load_python_corpus("/usr/lib/python3.11");
+    const io::ByteTokenizer bytes;
+    for (const auto& prompt : text::line_prompts(corpus.held_out, 8, 200))
+      s.prompts.push_back(bytes.encode(prompt));
+    return s;
+  }();
+  return setup;
+}
+
+inline Setup& stories() {
+  static Setup setup = [] {
+    Setup s;
+    const char* folder = std::getenv("SPECDEC_MODELS_DIR");
+    const std::filesystem::path models = folder ? folder : "";
+    if (!folder || !std::filesystem::exists(models / "stories260K/stories260K.bin")) {
+      s.missing = "set SPECDEC_MODELS_DIR to ../shared/models";
+      return s;
+    }
+    s.target.emplace(load_pair_model(models / "stories260K/stories260K.bin"));
+    s.drafter.emplace(load_pair_model(models / "llama2xs/model.bin"));
+    load_heads(s, std::filesystem::path(SPECDEC_BUNDLED_MODELS_DIR).parent_path() / "stories260K");
+    const auto tokenizer = io::Llama2cTokenizer::load(models / "stories260K/tok512.bin", 512);
+    for (const char* text : {"Once upon a time", "The little dog", "Tom and Sue went to the park",
+                             "One day, a girl named Mia"}) {
+      s.prompts.push_back(tokenizer.encode(text));
+    }
+    return s;
+  }();
+  return setup;
+}
+
+}  // namespace specdec::bench
