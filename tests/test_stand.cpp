@@ -3,7 +3,9 @@
 // distribution (chi-square), with biased tree verifications detected by the same harness.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <filesystem>
 #include <iostream>
 #include <fstream>
@@ -587,8 +589,9 @@ TEST(ModelTreeGenerate, RejectsBadInputNamingIt) {
 
 class RuledDynamicTree : public DynamicTreeSource<test::MarkovModel> {
  public:
-  RuledDynamicTree(test::MarkovModel& drafter, specdec::detail::ModelTreeRule rule)
-      : DynamicTreeSource(drafter, {.depth = 3, .top_k = 2, .total_tokens = 6}), rule_(rule) {}
+  RuledDynamicTree(test::MarkovModel& drafter, specdec::detail::ModelTreeRule rule, double temperature = 1.0)
+      : DynamicTreeSource(drafter, {.depth = 3, .top_k = 2, .total_tokens = 6, .score_temperature = temperature}),
+        rule_(rule) {}
   template <LogitsProcessor P>
   at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
     return score(logits, uncached, processor, gen, rule_);
@@ -600,10 +603,10 @@ class RuledDynamicTree : public DynamicTreeSource<test::MarkovModel> {
 
 template <class P>
 test::ChiSquare dynamic_tree_fit(const P& processor, specdec::detail::ModelTreeRule rule, int64_t samples,
-                                 int64_t* accepted = nullptr) {
+                                 int64_t* accepted = nullptr, double temperature = 1.0) {
   test::MarkovModel target(target_rows());
   test::MarkovModel drafter(memory_rows());
-  RuledDynamicTree source(drafter, rule);
+  RuledDynamicTree source(drafter, rule, temperature);
   return markov_fit(processor, samples, 7000, [&](uint64_t seed) {
     return generate_with(source, target, std::vector<int64_t>{0}, {.max_new_tokens = 3, .seed = seed}, processor);
   }, accepted);
@@ -621,6 +624,11 @@ TEST(DynamicTreeDistribution, EqualsTheTargetUnderMultinomialAndTopKAndTheHarnes
     EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, kZ)) << top_k;
     EXPECT_GT(accepted, kSamples / 2);
   }
+  // Scores at another temperature shape other trees (ScoreTemperatureShapesTheTree) from the
+  // same top-k children: still the target's distribution.
+  const auto deeper = dynamic_tree_fit(MultinomialProcessor{}, specdec::detail::ModelTreeRule::exact, kSamples, nullptr,
+                                       /*temperature=*/0.25);
+  EXPECT_LT(deeper.statistic, test::chi_square_quantile(deeper.dof, kZ));
   const auto biased = dynamic_tree_fit(MultinomialProcessor{}, specdec::detail::ModelTreeRule::no_residual, kSamples);
   EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, kZ));
 }
@@ -653,6 +661,37 @@ TEST(DynamicTreeGenerate, GreedyEqualsAutoregressiveWithBothCachesWithAndWithout
   expect_dynamic_tree_greedy<DynamicKVCache>(true);
   expect_dynamic_tree_greedy<StaticKVCache>(true);
   expect_dynamic_tree_greedy<StaticKVCache>(false);
+}
+
+// score_temperature moves the tree's nodes between depth and breadth, and greedy output stays
+// autoregressive decoding's at every value.
+TEST(DynamicTreeGenerate, ScoreTemperatureShapesTheTree) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  models::LlamaModel<StaticKVCache> drafter(config, test::perturbed(weights, 0.14, 4));
+  const auto depth_at = [&](double temperature) {
+    DynamicTreeSource source(drafter, {.depth = 6, .top_k = 3, .total_tokens = 6, .score_temperature = temperature});
+    source.start(kPrompt, {});
+    const TreeDrafts drafts = source.draft_tree(DraftRequest{.sequence = kPrompt, .gamma = 1, .room = 30});
+    const at::Tensor parents = drafts.device_parents.cpu();
+    std::vector<int64_t> depth;  // parents precede their children
+    for (int64_t i = 0; i < parents.numel(); ++i) {
+      const int64_t parent = parents[i].item<int64_t>();
+      depth.push_back(parent < 0 ? 1 : depth.at(static_cast<size_t>(parent)) + 1);
+    }
+    EXPECT_EQ(depth.size(), 6u);
+    return std::ranges::max(depth);
+  };
+  // Near 0 the drafter is certain: the six nodes are its greedy chain. Far above 1 every path of a
+  // depth scores alike: three children of the root, three below them.
+  EXPECT_EQ(depth_at(1e-3), 6);
+  EXPECT_EQ(depth_at(1e3), 2);
+  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = 40});
+  for (const double temperature : {0.3, 3.0}) {
+    DynamicTreeSource source(drafter, {.score_temperature = temperature});
+    EXPECT_EQ(generate_with(source, target, kPrompt, {.max_new_tokens = 40}).tokens, reference.tokens) << temperature;
+  }
 }
 
 // A dynamic tree of one child per node is the drafter's chain: the same drafts, step for step
@@ -704,6 +743,9 @@ TEST(DynamicTreeGenerate, RejectsBadOptionsNamingThem) {
   expect_invalid([&] { DynamicTreeSource source(drafter, {.top_k = 0}); }, {"top_k", "0"});
   expect_invalid([&] { DynamicTreeSource source(drafter, {.total_tokens = 0}); }, {"total_tokens", "0"});
   expect_invalid([&] { DynamicTreeSource source(drafter, {.top_k = 5}); }, {"top_k", "4", "5"});
+  for (const double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    expect_invalid([&] { DynamicTreeSource source(drafter, {.score_temperature = bad}); }, {"score_temperature"});
+  }
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <ostream>
 #include <span>
@@ -44,10 +45,17 @@ struct DynamicTreeOptions {
   int64_t depth = 5;          // rounds of expansion: the deepest draft (>= 1)
   int64_t top_k = 4;          // children per expanded node, and the frontier's width (>= 1)
   int64_t total_tokens = 16;  // draft nodes the target verifies (>= 1)
+  // Divides the drafter's logits before paths are scored (finite, > 0). It changes only the
+  // tree's shape: below 1 trusts a drafter whose probabilities understate how often the target
+  // agrees (the tree grows deeper), above 1 spreads the nodes over more siblings. The children
+  // stay each node's top_k tokens and verification does not read their probabilities, so the
+  // output distribution is the same at every value.
+  double score_temperature = 1.0;
 
   friend std::ostream& operator<<(std::ostream& out, const DynamicTreeOptions& o) {
     return out << "DynamicTreeOptions{depth=" << o.depth << ", top_k=" << o.top_k
-               << ", total_tokens=" << o.total_tokens << "}";
+               << ", total_tokens=" << o.total_tokens
+               << ", score_temperature=" << o.score_temperature << "}";
   }
 };
 
@@ -58,6 +66,9 @@ inline void check_dynamic_tree_options(const DynamicTreeOptions& options, int64_
   if (options.depth < 1) throw_invalid("depth", "be >= 1", options.depth);
   if (options.top_k < 1) throw_invalid("top_k", "be >= 1", options.top_k);
   if (options.total_tokens < 1) throw_invalid("total_tokens", "be >= 1", options.total_tokens);
+  if (!(std::isfinite(options.score_temperature) && options.score_temperature > 0.0)) {
+    throw_invalid("score_temperature", "be finite and > 0", options.score_temperature);
+  }
   if (options.top_k > vocab) {
     throw_invalid_message("top_k must be at most the drafter's vocab_size ", vocab, ", got ",
                           options.top_k);
@@ -70,10 +81,10 @@ namespace detail {
 
 // The drafter-independent part of a dynamic tree: the candidates, the frontier, the final
 // selection and its verification. A source supplies the drafter's logits: build() takes the
-// root's row and calls expand(round, paths, parent_rows) for rounds 2 .. depth, which returns
-// the logits [top_k, V] after each frontier node; paths [top_k, round - 1] holds the frontier's
-// tokens root to node and parent_rows [top_k] which row of the round before each node's parent
-// was (its row there). Everything stays on the device.
+// root's row (scored at options.score_temperature) and calls expand(round, paths, parent_rows) for
+// rounds 2 .. depth, which returns the logits [top_k, V] after each frontier node; paths [top_k,
+// round - 1] holds the frontier's tokens root to node and parent_rows [top_k] which row of the
+// round before each node's parent was (its row there). Everything stays on the device.
 class DeviceDraftTree {
  public:
   [[nodiscard]] int64_t size() const noexcept { return n_; }
@@ -100,11 +111,13 @@ class DeviceDraftTree {
 
   // A tree of n nodes (n <= candidates(depth, top_k)) from the root's logits [1, V].
   template <class Expand>
-  void build(const at::Tensor& root, int64_t depth, int64_t top_k, int64_t n, Expand expand) {
-    const int64_t k = top_k;
+  void build(const at::Tensor& root, int64_t depth, const DynamicTreeOptions& options, int64_t n,
+             Expand expand) {
+    const int64_t k = options.top_k;
     clear(k, root.device());
     n_ = n;
     depth_ = depth;
+    temperature_ = options.score_temperature;
     const auto longs = at::TensorOptions().dtype(at::kLong).device(root.device());
     auto [root_scores, root_tokens] = log_probs(root).topk(k, -1);  // [1, k]
     std::vector<at::Tensor> tokens{root_tokens.view({k})}, scores{root_scores.view({k}) - kStep},
@@ -224,17 +237,40 @@ class DeviceDraftTree {
   // ties with its parent (a drafter certain of a token) and the selection stays connected.
   static constexpr double kStep = 1e-9;
 
-  // Log-probabilities of logits rows [r, V] in float64; remembers whether they are finite (NaN or
-  // +inf anywhere, or a row of only -inf, leaves a row maximum non-finite).
+  // Log-probabilities of logits rows [r, V] / temperature_ in float64; remembers whether they are
+  // finite (NaN or +inf anywhere, or a row of only -inf, leaves a row maximum non-finite).
   at::Tensor log_probs(const at::Tensor& rows) {
     finite_.push_back(at::isfinite(rows.amax(-1)).all());
-    return at::log_softmax(rows.to(at::kDouble), -1);
+    const at::Tensor wide = rows.to(at::kDouble);
+    return at::log_softmax(temperature_ == 1.0 ? wide : wide / temperature_, -1);
   }
 
   int64_t n_ = 0, depth_ = 0, k_ = 1;
+  double temperature_ = 1.0;
   at::Tensor ids_, parents_, children_;
   std::vector<at::Tensor> finite_;
   std::vector<int64_t> path_, drafts_;
+};
+
+// The verification half of a TreeDraftSource whose step tree is a DeviceDraftTree (the dynamic
+// trees and the heads' trees): score_tree under the exact rule, walk_tree of its copy.
+class DeviceTreeVerifier {
+ public:
+  template <LogitsProcessor P>
+  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor,
+                        at::Generator& gen) {
+    return tree_.score(logits, uncached, processor, gen, ModelTreeRule::exact);
+  }
+  // score_tree() under a chosen rule (tests).
+  template <LogitsProcessor P>
+  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
+                   at::Generator& gen, ModelTreeRule rule) {
+    return tree_.score(logits, uncached, processor, gen, rule);
+  }
+  TreeVerdict walk_tree(const double* values) { return tree_.walk(values); }
+
+ protected:
+  DeviceDraftTree tree_;
 };
 
 }  // namespace detail
@@ -253,7 +289,7 @@ class DeviceDraftTree {
 // Throws: std::invalid_argument naming the option and value (depth, top_k or total_tokens < 1,
 // top_k above the vocabulary), or when the drafter's logits are not finite.
 template <TreeTarget D>
-class DynamicTreeSource {
+class DynamicTreeSource : public detail::DeviceTreeVerifier {
  public:
   DynamicTreeSource(D& drafter, const DynamicTreeOptions& options = {}, bool use_cache = true)
       : runner_(drafter, "drafter", use_cache), options_(options) {
@@ -288,7 +324,7 @@ class DynamicTreeSource {
     int64_t uncached = 0;
     const at::Tensor context = forward(request.sequence, at::Tensor(), {}, &uncached);
     tree_.build(
-        context.narrow(0, context.size(0) - 1, 1), depth, k, n,
+        context.narrow(0, context.size(0) - 1, 1), depth, options_, n,
         [&](int64_t round, const at::Tensor& paths, const at::Tensor& /*parent_rows*/) {
           const int64_t chain = round - 1;
           chains_.resize(static_cast<size_t>(k * chain));
@@ -305,18 +341,6 @@ class DynamicTreeSource {
     return tree_.drafts(request.device, calls_);
   }
 
-  template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor,
-                        at::Generator& gen) {
-    return tree_.score(logits, uncached, processor, gen, detail::ModelTreeRule::exact);
-  }
-  // score_tree() under a chosen rule (tests).
-  template <LogitsProcessor P>
-  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
-                   at::Generator& gen, detail::ModelTreeRule rule) {
-    return tree_.score(logits, uncached, processor, gen, rule);
-  }
-  TreeVerdict walk_tree(const double* values) { return tree_.walk(values); }
   void verified_tree(std::span<const int64_t> /*sequence*/, int64_t position) {
     runner_.truncate(position);
   }
@@ -330,7 +354,6 @@ class DynamicTreeSource {
 
   detail::ModelRunner<D> runner_;
   DynamicTreeOptions options_;
-  detail::DeviceDraftTree tree_;
   std::vector<int64_t> chains_;
   int64_t calls_ = 0;
 };

@@ -37,7 +37,7 @@ namespace specdec::models {
 // head's cache for the step, hidden from other branches by the mask). A tree of depth D costs
 // D - 1 head forwards of top_k tokens after the first row. The verified step then feeds the head
 // the target's hidden states at the accepted path, as EagleDraftSource does.
-class EagleTreeSource {
+class EagleTreeSource : public specdec::detail::DeviceTreeVerifier {
  public:
   // Throws std::invalid_argument when the head does not fit the target, or an option is out of
   // range (top_k above the head's draft vocabulary).
@@ -80,7 +80,7 @@ class EagleTreeSource {
     at::Tensor lineage;  // [k, draft entries]: each frontier node's ancestors and itself
     int64_t calls = 1;
     tree_.build(
-        head.target_logits(head.logits(chain_.last_)), depth, k, n,
+        head.target_logits(head.logits(chain_.last_)), depth, options_, n,
         [&](int64_t round, const at::Tensor& paths, const at::Tensor& parent_rows) {
           const at::Tensor own = at::eye(k, longs.dtype(at::kBool));
           lineage = round == 2 ? own : at::cat({lineage.index_select(0, parent_rows), own}, 1);
@@ -94,25 +94,12 @@ class EagleTreeSource {
     return tree_.drafts(request.device, calls);
   }
 
-  template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor,
-                        at::Generator& gen) {
-    return tree_.score(logits, uncached, processor, gen, specdec::detail::ModelTreeRule::exact);
-  }
-  // score_tree() under a chosen rule (tests).
-  template <LogitsProcessor P>
-  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
-                   at::Generator& gen, specdec::detail::ModelTreeRule rule) {
-    return tree_.score(logits, uncached, processor, gen, rule);
-  }
-  TreeVerdict walk_tree(const double* values) { return tree_.walk(values); }
   // Drops the step's draft entries and feeds the head the target's states at the accepted path.
   void verified_tree(const VerifiedDrafts& verified) { chain_.verified(verified); }
 
  private:
   EagleDraftSource chain_;  // the head's cache across steps, as chain drafting keeps it
   DynamicTreeOptions options_;
-  detail::DeviceDraftTree tree_;
 };
 static_assert(TreeDraftSource<EagleTreeSource, GreedyProcessor> && HasFeatureTaps<EagleTreeSource>);
 
@@ -120,7 +107,7 @@ static_assert(TreeDraftSource<EagleTreeSource, GreedyProcessor> && HasFeatureTap
 // TreeTemplate::from_paths of Medusa's choices) is the rank-r_d token of head d, all heads read
 // at the target's last verified hidden state: one heads' forward per step. The tree must be at
 // most as deep as there are heads.
-class MedusaTreeSource {
+class MedusaTreeSource : public specdec::detail::DeviceTreeVerifier {
  public:
   // Throws std::invalid_argument when the heads do not fit the target, the tree is deeper than
   // the heads, or a node's rank is not below the vocabulary.
@@ -172,18 +159,6 @@ class MedusaTreeSource {
     return tree_.drafts(request.device, 1);
   }
 
-  template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor,
-                        at::Generator& gen) {
-    return tree_.score(logits, uncached, processor, gen, specdec::detail::ModelTreeRule::exact);
-  }
-  // score_tree() under a chosen rule (tests).
-  template <LogitsProcessor P>
-  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
-                   at::Generator& gen, specdec::detail::ModelTreeRule rule) {
-    return tree_.score(logits, uncached, processor, gen, rule);
-  }
-  TreeVerdict walk_tree(const double* values) { return tree_.walk(values); }
   // Keeps the target's hidden state at the last accepted position for the next tree.
   void verified_tree(const VerifiedDrafts& verified) { chain_.verified(verified); }
 
@@ -192,7 +167,6 @@ class MedusaTreeSource {
   detail::BreadthFirstTree shape_;
   int64_t width_ = 1;
   std::vector<int64_t> pick_, ranks_;
-  detail::DeviceDraftTree tree_;
 };
 static_assert(TreeDraftSource<MedusaTreeSource, GreedyProcessor> &&
               HasFeatureTaps<MedusaTreeSource>);
