@@ -3,6 +3,10 @@
 //            Medusa heads (models/bundled);
 //   stories: stories260K and llama2xs from SPECDEC_MODELS_DIR, four story openings, the heads in
 //            models/stories260K.
+// stories also has eight more openings for benchmarks whose figures need more steps than four
+// prompts give (bench_trees measures on all twelve). Each pair has calibration prompts, disjoint
+// from the measured ones, for benchmarks that choose options before they measure (eight other
+// openings; the held-out lines halfway between the measured ones).
 // Loaded once per process; `missing` says why a pair is absent.
 #pragma once
 
@@ -29,6 +33,8 @@ struct Setup {
   std::optional<models::EagleHead> eagle;
   std::optional<models::MedusaHeads> medusa;
   std::vector<std::vector<int64_t>> prompts;
+  std::vector<std::vector<int64_t>> more_prompts;  // further measured prompts (bench_trees)
+  std::vector<std::vector<int64_t>> calibration;   // other prompts, for choosing options
   std::string missing;
 };
 
@@ -62,6 +68,10 @@ inline Setup& bundled() {
     const io::ByteTokenizer bytes;
     for (const auto& prompt : text::line_prompts(corpus.held_out, 8, 200))
       s.prompts.push_back(bytes.encode(prompt));
+    // Halfway between the measured prompts.
+    const auto between = text::line_prompts(corpus.held_out, 16, 200);
+    for (size_t i = 1; i < between.size(); i += 2)
+      s.calibration.push_back(bytes.encode(between[i]));
     return s;
   }();
   return setup;
@@ -83,6 +93,18 @@ inline Setup& stories() {
     for (const char* text : {"Once upon a time", "The little dog", "Tom and Sue went to the park",
                              "One day, a girl named Mia"}) {
       s.prompts.push_back(tokenizer.encode(text));
+    }
+    for (const char* text :
+         {"The cat sat on the mat", "Jack found a big box", "It was a rainy day",
+          "Mia and her dad baked a cake", "A small bunny lived in the woods",
+          "The boy wanted a new toy", "Sara had a pretty doll", "One morning, the bird sang"}) {
+      s.more_prompts.push_back(tokenizer.encode(text));
+    }
+    for (const char* text :
+         {"Lily wanted to play outside", "There was a big red ball", "Ben saw a little bird",
+          "Once there was a happy cat", "Sam and his mom went to the store", "The sun was shining",
+          "A boy named Tim had a toy car", "Anna liked to draw"}) {
+      s.calibration.push_back(tokenizer.encode(text));
     }
     return s;
   }();
