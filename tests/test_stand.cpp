@@ -746,6 +746,12 @@ TEST(DynamicTreeGenerate, RejectsBadOptionsNamingThem) {
   for (const double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
     expect_invalid([&] { DynamicTreeSource source(drafter, {.score_temperature = bad}); }, {"score_temperature"});
   }
+  // Rounds that cannot fit the drafter's context beside one token: top_k (depth - 1) >= 128.
+  const models::LlamaConfig config = test::small_llama_config();
+  models::LlamaModel<StaticKVCache> small(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  expect_invalid([&] { DynamicTreeSource source(small, {.depth = 65, .top_k = 2}); },
+                 {"depth 65", "top_k 2", "max_sequence_length 128"});
+  EXPECT_NO_THROW(DynamicTreeSource(small, {.depth = 64, .top_k = 2}));
 }
 
 }  // namespace

@@ -1185,6 +1185,11 @@ TEST(HeadTrees, EagleTreesGreedyEqualAutoregressiveAndTheCacheRecomputes) {
   const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 6, 4);
   test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.top_k = 7}); }, {"top_k", "6", "7"});
   test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.depth = 0}); }, {"depth", "0"});
+  // A tree that cannot follow one token in the target's context is refused; one that can is cut
+  // near the end instead.
+  test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.total_tokens = config.max_seq_len}); },
+                       {"total_tokens", "128", "max_sequence_length"});
+  EXPECT_NO_THROW(models::EagleTreeSource(head, target, {.total_tokens = config.max_seq_len - 1}));
 }
 
 // Whether sampled output of a head's tree fits the target's exact distribution (three tokens
@@ -1276,6 +1281,8 @@ TEST(HeadTrees, MedusaTreesGreedyEqualAutoregressive) {
             << result.stats.steps << " steps; chain of 3: " << chained.stats.accepted << " in " << chained.stats.steps << "\n";
   test::expect_invalid([&] { models::MedusaTreeSource deep(heads, target, TreeTemplate::chain(4)); },
                        {"4 deep", "3 Medusa heads"});
+  test::expect_invalid([&] { models::MedusaTreeSource wide(heads, target, TreeTemplate::full(12, 2)); },
+                       {"node count", "156", "max_sequence_length 128"});
 }
 
 }  // namespace

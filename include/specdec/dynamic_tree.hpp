@@ -287,13 +287,23 @@ class DeviceTreeVerifier {
 // Requires: D models TreeTarget; the target models MaskedTreeTarget (the tree's mask is built on
 // the device); the vocabularies are equal.
 // Throws: std::invalid_argument naming the option and value (depth, top_k or total_tokens < 1,
-// top_k above the vocabulary), or when the drafter's logits are not finite.
+// top_k above the vocabulary, a score_temperature not finite and positive, a depth and top_k
+// whose rounds cannot fit the drafter's context beside one token), or when the drafter's logits
+// are not finite.
 template <TreeTarget D>
 class DynamicTreeSource : public detail::DeviceTreeVerifier {
  public:
   DynamicTreeSource(D& drafter, const DynamicTreeOptions& options = {}, bool use_cache = true)
       : runner_(drafter, "drafter", use_cache), options_(options) {
     detail::check_dynamic_tree_options(options, vocab_size());
+    // The last round feeds top_k (depth - 1) positions after the context.
+    const int64_t limit = detail::sequence_limit(drafter, runner_.cache());
+    if (options.depth - 1 > (limit - 1) / options.top_k) {
+      detail::throw_invalid_message(
+          "depth ", options.depth, " with top_k ", options.top_k, " feeds top_k * (depth - 1) ",
+          "positions after the context; the drafter's max_sequence_length ", limit,
+          " leaves no room for a context");
+    }
   }
 
   [[nodiscard]] int64_t vocab_size() const {

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "specdec/concepts.hpp"
@@ -29,6 +30,20 @@
 #include "specdec/step.hpp"
 #include "specdec/tree.hpp"
 
+namespace specdec::detail {
+
+// Throws std::invalid_argument when a tree of `nodes` draft nodes cannot follow even one token in
+// the target's context of `limit` positions (a tree that merely outgrows the room left near the
+// end is cut instead: an ordinary end).
+inline void check_tree_fits_target(int64_t nodes, std::string_view name, int64_t limit) {
+  if (nodes >= limit) {
+    throw_invalid_message(name, " is ", nodes, "; the target's max_sequence_length ", limit,
+                          " leaves no room for a context");
+  }
+}
+
+}  // namespace specdec::detail
+
 namespace specdec::models {
 
 // Dynamic draft trees from an EAGLE head (EAGLE-1 or EAGLE-3). Round r runs the head once over
@@ -40,13 +55,16 @@ namespace specdec::models {
 class EagleTreeSource : public specdec::detail::DeviceTreeVerifier {
  public:
   // Throws std::invalid_argument when the head does not fit the target, or an option is out of
-  // range (top_k above the head's draft vocabulary).
+  // range (top_k above the head's draft vocabulary, total_tokens leaving no room for a context
+  // in the target's max_sequence_length).
   template <FeatureTarget T>
   EagleTreeSource(const EagleHead& head, const T& target, const DynamicTreeOptions& options = {})
       : chain_(head, target), options_(options) {
     detail::check_dynamic_tree_options(options, head.config().kind == EagleKind::eagle3
                                                     ? head.config().draft_vocab_size
                                                     : head.config().vocab_size());
+    detail::check_tree_fits_target(options.total_tokens, "total_tokens",
+                                   detail::sequence_limit(target));
   }
 
   [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept {
@@ -110,7 +128,8 @@ static_assert(TreeDraftSource<EagleTreeSource, GreedyProcessor> && HasFeatureTap
 class MedusaTreeSource : public specdec::detail::DeviceTreeVerifier {
  public:
   // Throws std::invalid_argument when the heads do not fit the target, the tree is deeper than
-  // the heads, or a node's rank is not below the vocabulary.
+  // the heads or leaves no room for a context in the target's max_sequence_length, or a node's
+  // rank is not below the vocabulary.
   template <FeatureTarget T>
   MedusaTreeSource(const MedusaHeads& heads, const T& target, const TreeTemplate& shape)
       : chain_(heads, target), shape_(shape) {
@@ -118,6 +137,8 @@ class MedusaTreeSource : public specdec::detail::DeviceTreeVerifier {
       detail::throw_invalid_message("shape is ", shape_.max_depth(), " deep but there are only ",
                                     heads.config().num_heads, " Medusa heads");
     }
+    detail::check_tree_fits_target(shape_.size(), "shape's node count",
+                                   detail::sequence_limit(target));
     for (int64_t i = 0; i < shape_.size(); ++i) width_ = std::max(width_, shape_.rank(i) + 1);
     if (width_ > heads.config().vocab_size) {
       detail::throw_invalid_message("shape has a node with ", width_,
