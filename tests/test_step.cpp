@@ -1185,6 +1185,14 @@ TEST(HeadTrees, EagleTreesGreedyEqualAutoregressiveAndTheCacheRecomputes) {
   const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 6, 4);
   test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.top_k = 7}); }, {"top_k", "6", "7"});
   test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.depth = 0}); }, {"depth", "0"});
+  // Near the end of the context the tree is cut to what fits: an ordinary end, still exact.
+  {
+    const auto all = autoregressive_generate(reference, prompt, {.max_new_tokens = config.max_seq_len});
+    models::EagleTreeSource source(head, target, {.depth = 6, .top_k = 3, .total_tokens = 20});
+    const GenerationResult result = generate_with(source, target, prompt, {.max_new_tokens = config.max_seq_len});
+    EXPECT_EQ(result.tokens, all.tokens);
+    EXPECT_EQ(result.stop_reason, StopReason::sequence_limit);
+  }
   // A tree that cannot follow one token in the target's context is refused; one that can is cut
   // near the end instead.
   test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.total_tokens = config.max_seq_len}); },
@@ -1281,6 +1289,11 @@ TEST(HeadTrees, MedusaTreesGreedyEqualAutoregressive) {
             << result.stats.steps << " steps; chain of 3: " << chained.stats.accepted << " in " << chained.stats.steps << "\n";
   test::expect_invalid([&] { models::MedusaTreeSource deep(heads, target, TreeTemplate::chain(4)); },
                        {"4 deep", "3 Medusa heads"});
+  // Near the end of the context the tree is cut to what fits: an ordinary end, still exact.
+  models::MedusaTreeSource full(heads, target, TreeTemplate::full(4, 3));
+  const GenerationResult all = generate_with(full, target, prompt, {.max_new_tokens = config.max_seq_len});
+  EXPECT_EQ(all.tokens, autoregressive_generate(reference, prompt, {.max_new_tokens = config.max_seq_len}).tokens);
+  EXPECT_EQ(all.stop_reason, StopReason::sequence_limit);
   test::expect_invalid([&] { models::MedusaTreeSource wide(heads, target, TreeTemplate::full(12, 2)); },
                        {"node count", "156", "max_sequence_length 128"});
 }
