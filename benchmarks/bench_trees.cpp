@@ -87,8 +87,11 @@ const GenerationStats& calibration_point(Setup& s, bool head, const DynamicTreeO
   return found->second;
 }
 
-// The grid point that accepts the most drafts per step on the calibration prompts.
+// The grid point that accepts the most drafts per step on the calibration prompts (chosen once
+// per pair and drafter).
 DynamicTreeOptions calibrated(Setup& s, bool head) {
+  static std::map<std::pair<const Setup*, bool>, DynamicTreeOptions> chosen;
+  if (const auto found = chosen.find({&s, head}); found != chosen.end()) return found->second;
   DynamicTreeOptions best;
   double most = -1.0;
   for (const auto& [depth, top_k] : kCalibrationShapes) {
@@ -104,6 +107,7 @@ DynamicTreeOptions calibrated(Setup& s, bool head) {
       }
     }
   }
+  chosen.emplace(std::pair(&s, head), best);
   return best;
 }
 
@@ -173,10 +177,11 @@ void measure(benchmark::State& state, Setup& s, Method method, const P& processo
   const int64_t gamma = state.range(0);
   (void)run(s, method, gamma, s.prompts.front(), processor, 1);  // warm-up
   (void)autoregressive_generate(*s.target, s.prompts.front(), {.max_new_tokens = kNewTokens});
+  const std::vector<std::vector<int64_t>> prompts = measured(s);
   GenerationStats with, alone;
   uint64_t seed = 0;
   for (auto _ : state) {
-    for (const auto& prompt : measured(s)) {
+    for (const auto& prompt : prompts) {
       ++seed;
       with += run(s, method, gamma, prompt, processor, seed).stats;
       alone += autoregressive_generate(*s.target, prompt,
@@ -230,10 +235,10 @@ BENCHMARK_CAPTURE(BM_Calibration, bundled_eagle3, &bundled, true)->Apply(grid);
 void BM_Trees(benchmark::State& state, Setup& (*setup)(), Method method, double temperature) {
   Setup& s = setup();
   if (!s.target) return state.SkipWithError(s.missing.c_str());
-  if (((method == Method::eagle_chain || method == Method::eagle_dynamic ||
-        method == Method::eagle_calibrated) &&
-       !s.eagle) ||
-      ((method == Method::medusa_chain || method == Method::medusa_static) && !s.medusa)) {
+  const bool eagle = method == Method::eagle_chain || method == Method::eagle_dynamic ||
+                     method == Method::eagle_calibrated;
+  const bool medusa = method == Method::medusa_chain || method == Method::medusa_static;
+  if ((eagle && !s.eagle) || (medusa && !s.medusa)) {
     return state.SkipWithError("no head of this kind for this target");
   }
   if (temperature == 0.0) {
@@ -242,7 +247,7 @@ void BM_Trees(benchmark::State& state, Setup& (*setup)(), Method method, double 
     measure(state, s, method, MultinomialProcessor(temperature));
   }
   if (method == Method::dynamic_calibrated || method == Method::eagle_calibrated) {
-    const DynamicTreeOptions chosen = calibrated(s, method == Method::eagle_calibrated);
+    const DynamicTreeOptions chosen = calibrated(s, eagle);
     state.counters["depth"] = static_cast<double>(chosen.depth);
     state.counters["top_k"] = static_cast<double>(chosen.top_k);
     state.counters["score_temperature"] = chosen.score_temperature;
