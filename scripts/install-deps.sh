@@ -14,7 +14,7 @@
 set -euo pipefail
 
 packages=(g++ cmake ninja-build libtorch-dev libopenblas0-pthread libgtest-dev libbenchmark-dev
-  nlohmann-json3-dev libpcre2-dev libutf8proc-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libtsl-hopscotch-map-dev libcli11-dev libxxhash-dev libdnnl-dev ocl-icd-opencl-dev clang libclang-rt-14-dev libpython3.11-stdlib python3 ccache)
+  nlohmann-json3-dev libpcre2-dev libutf8proc-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libtsl-hopscotch-map-dev libcli11-dev libxxhash-dev libgloo-dev libdnnl-dev ocl-icd-opencl-dev clang libclang-rt-14-dev libpython3.11-stdlib python3 ccache)
 
 missing=()
 for package in "${packages[@]}"; do

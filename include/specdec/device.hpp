@@ -17,6 +17,7 @@
 #include <span>
 
 #include "specdec/detail/torch_compat.hpp"
+#include "specdec/parallel.hpp"
 
 namespace specdec {
 namespace detail {
@@ -38,9 +39,15 @@ inline std::atomic<int64_t>& host_copy_counter() noexcept {
 namespace detail {
 
 // A contiguous host copy of `tensor`, counted by device_to_host_copies(). On CPU it is a plain
-// copy; on an accelerator it waits for the work that produces `tensor`.
+// copy; on an accelerator it waits for the work that produces `tensor`. While a SharedDecisions
+// is alive (parallel.hpp) it is rank 0's tensor, broadcast to every rank first.
 inline at::Tensor to_host(const at::Tensor& tensor) {
   host_copy_counter().fetch_add(1, std::memory_order_relaxed);
+  if (Collectives* group = decision_group().load(std::memory_order_relaxed); group != nullptr && group->world_size() > 1) {
+    at::Tensor shared = tensor.contiguous().clone();  // the broadcast writes in place: not into the caller's
+    group->broadcast(shared, 0);
+    return shared.is_cpu() ? shared : shared.to(at::kCPU).contiguous();
+  }
   return tensor.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous();
 }
 
@@ -61,8 +68,18 @@ inline at::Tensor to_device_ids(std::span<const int64_t> tokens, const at::Devic
   return to_device(tokens, {1, static_cast<int64_t>(tokens.size())}, device);
 }
 
-// A 64-bit seed from the system's entropy source, for runs without options.seed.
-inline uint64_t random_seed() { return (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}(); }
+// A 64-bit seed from the system's entropy source, for runs without options.seed. While a
+// SharedDecisions is alive it is rank 0's, broadcast: ranks that draft by sampling (a replicated
+// drafter, a STAND tree) then draft alike, so their target forwards see the same tokens.
+inline uint64_t random_seed() {
+  uint64_t seed = (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  if (Collectives* group = decision_group().load(std::memory_order_relaxed); group != nullptr && group->world_size() > 1) {
+    at::Tensor shared = at::full({1}, static_cast<int64_t>(seed), at::TensorOptions().dtype(at::kLong));
+    group->broadcast(shared, 0);
+    seed = static_cast<uint64_t>(shared.item<int64_t>());
+  }
+  return seed;
+}
 
 // A generator of its own on `device`, seeded with `seed` (random when unset). On CPU it is the
 // same Mersenne Twister stream for the same seed as at::make_generator<at::CPUGeneratorImpl>.

@@ -14,6 +14,12 @@
 // scratch buffer per thread: at decoding sizes a forward of ATen operations spends most of its
 // time dispatching them and allocating. Every other device and dtype, rows of
 // different lengths and sliding windows take the ATen forward; use_cpu_kernels(false) forces it.
+//
+// Tensor parallelism (parallel.hpp): a model constructed with a Collectives holds one rank's shard
+// (llama_shard()), split as Megatron-LM splits it: q, k, v, gate and up by output rows (whole
+// heads, a slice of the feed-forward width), o and down by input columns, each followed by one
+// all-reduce of its partial sum; the embedding, the norms and the classifier are replicated, so
+// every rank computes the whole logits. Its caches hold its own key/value heads only.
 #pragma once
 
 #include <algorithm>
@@ -38,6 +44,7 @@
 #include "specdec/models/detail/cpu_linear.hpp"
 #include "specdec/models/detail/llama_cpu.hpp"
 #include "specdec/models/llama_config.hpp"
+#include "specdec/parallel.hpp"
 #include "specdec/tree.hpp"
 
 namespace specdec::models {
@@ -120,10 +127,32 @@ class LlamaModel {
   explicit LlamaModel(std::pair<LlamaConfig, LlamaWeights> config_and_weights)
       : LlamaModel(config_and_weights.first, std::move(config_and_weights.second)) {}
 
-  LlamaModel(const LlamaConfig& config, LlamaWeights weights)
-      : config_(config), weights_(std::move(weights)) {
+  LlamaModel(const LlamaConfig& config, LlamaWeights weights) : LlamaModel(config, std::move(weights), nullptr) {}
+
+  // One rank's shard of a tensor-parallel model over `group` (see the header comment): `shard`
+  // is what llama_shard(config, weights, group->rank(), group->world_size()) makes, `config` the
+  // whole model's. Every rank of the group must construct its shard at the same time: the
+  // construction checks, with two collectives, that every rank holds the same model (the config
+  // and a checksum of the replicated weights) and throws std::invalid_argument on every rank
+  // where one does not. Throws std::invalid_argument where the config does not divide by the
+  // world size (check_tensor_parallel) or a tensor is not the shard's shape. A null group is
+  // the whole model in one process.
+  LlamaModel(const LlamaConfig& config, LlamaWeights shard, std::shared_ptr<Collectives> group)
+      : config_(config), weights_(std::move(shard)), group_(std::move(group)) {
     config_.validate();
+    const int64_t ranks = group_ ? group_->world_size() : 1;
+    check_tensor_parallel(config_, ranks);
+    heads_ = config_.n_heads / ranks;
+    kv_heads_ = config_.n_kv_heads / ranks;
+    hidden_ = config_.hidden_dim / ranks;
     check_weights();
+    if (group_ && ranks > 1) {
+      check_same_model();
+      // o's bias is added once, to the sum: rank 0 holds it.
+      if (group_->rank() != 0) {
+        for (LlamaLayerWeights& w : weights_.layers) w.bo = at::Tensor();
+      }
+    }
     const auto options = weights_.token_embedding.options();
     const at::Tensor inv_freq = rope_inverse_frequencies(config_);
     const at::Tensor angles =
@@ -145,7 +174,7 @@ class LlamaModel {
     // ones, so the weights are held once. On the CPU every matrix is also laid out once as
     // [in, out] in memory (still [out, in] as a tensor, a transposed view): BLAS then multiplies
     // x by it without repacking the weight in every call, 2-4x faster for a few rows here.
-    const int64_t dim = config_.dim, kv_dim = config_.kv_dim(), hidden = config_.hidden_dim;
+    const int64_t dim = heads_ * config_.head_dim(), kv_dim = kv_heads_ * config_.head_dim(), hidden = hidden_;
     const auto laid_out = [this](const at::Tensor& weight) {
       return device().is_cpu() ? weight.t().contiguous().t() : weight.contiguous();
     };
@@ -230,6 +259,12 @@ class LlamaModel {
   [[nodiscard]] int64_t max_sequence_length() const noexcept { return config_.max_seq_len; }
   [[nodiscard]] at::Device device() const { return weights_.token_embedding.device(); }
   [[nodiscard]] at::ScalarType dtype() const { return weights_.token_embedding.scalar_type(); }
+  // The tensor-parallel group (null for a model in one process), and this shard's query heads,
+  // key/value heads and feed-forward width (the whole model's without a group).
+  [[nodiscard]] const std::shared_ptr<Collectives>& group() const noexcept { return group_; }
+  [[nodiscard]] int64_t local_heads() const noexcept { return heads_; }
+  [[nodiscard]] int64_t local_kv_heads() const noexcept { return kv_heads_; }
+  [[nodiscard]] int64_t local_hidden_dim() const noexcept { return hidden_; }
 
   // Whether forwards on the CPU in fp32 run the fused loops (true by default; false runs the ATen
   // forward, e.g. to compare the two). Has no effect on other devices and dtypes, nor while
@@ -257,7 +292,7 @@ class LlamaModel {
     if constexpr (std::is_same_v<Cache, StaticKVCache>) {
       return StaticKVCache(StaticKVCacheShape{.num_layers = config_.n_layers,
                                               .batch = batch,
-                                              .kv_heads = config_.n_kv_heads,
+                                              .kv_heads = kv_heads_,
                                               .capacity = capacity,
                                               .head_dim = config_.head_dim()},
                            weights_.token_embedding.options());
@@ -539,8 +574,8 @@ class LlamaModel {
     const detail::FlushSubnormals flush;
     const bool use_onednn = onednn();
     const int64_t batch = ids.size(0), count = ids.size(1), rows = batch * count;
-    const int64_t heads = config_.n_heads, kv_heads = config_.n_kv_heads, head_dim = config_.head_dim();
-    const int64_t dim = config_.dim, hidden = config_.hidden_dim;
+    const int64_t heads = heads_, kv_heads = kv_heads_, head_dim = config_.head_dim();
+    const int64_t dim = config_.dim, hidden = hidden_;
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     const detail::AttentionShape shape{.batch = batch, .count = count, .past = cache.length(), .heads = heads,
                                        .kv_heads = kv_heads, .head_dim = head_dim};
@@ -584,14 +619,16 @@ class LlamaModel {
                        attended);
       } else {
         detail::attend_batched(shape, at::from_blob(qkv, {rows, q_width}, {qkv_width, 1}, fp32), keys, values,
-                               grouped_bias, at::from_blob(attended, {rows, dim}, fp32));
+                               grouped_bias, at::from_blob(attended, {rows, q_width}, fp32));
       }
       fused.o.into(attended, rows, product, use_onednn);
+      reduce(at::from_blob(product, {rows * dim}, fp32));
       detail::add_into(x, product, rows * dim);
       detail::rms_norm_rows(x, w.ffn_norm.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
       fused.gate_up.into(normed, rows, gate_up, use_onednn);
       detail::swiglu_rows(gate_up, rows, hidden, gated);
       fused.down.into(gated, rows, product, use_onednn);
+      reduce(at::from_blob(product, {rows * dim}, fp32));
       detail::add_into(x, product, rows * dim);
     }
     cache.commit(count);
@@ -672,8 +709,8 @@ class LlamaModel {
                  const at::Tensor& bias, const at::Tensor& written_at = at::Tensor()) {
     const int64_t batch = ids.size(0);
     const int64_t count = ids.size(1);
-    const int64_t heads = config_.n_heads;
-    const int64_t kv_heads = config_.n_kv_heads;
+    const int64_t heads = heads_;
+    const int64_t kv_heads = kv_heads_;
     const int64_t group = heads / kv_heads;
     const int64_t head_dim = config_.head_dim();
     const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
@@ -722,12 +759,12 @@ class LlamaModel {
       const at::Tensor attended = at::matmul(weights.to(values.scalar_type()), values)
                                       .view({batch, heads, count, head_dim})
                                       .transpose(1, 2)
-                                      .reshape({batch, count, config_.dim});
-      x = x + at::linear(attended, w.wo, w.bo);
+                                      .reshape({batch, count, q_width});
+      x = x + reduce(at::linear(attended, w.wo, w.bo));
       const at::Tensor f = rms_norm(x, w.ffn_norm, config_.norm_eps);
       const at::Tensor gate_up = at::linear(f, fused.w13);
-      const int64_t hidden = config_.hidden_dim;
-      x = x + at::linear(at::silu(gate_up.narrow(-1, 0, hidden)) * gate_up.narrow(-1, hidden, hidden), w.w2);
+      const int64_t hidden = hidden_;
+      x = x + reduce(at::linear(at::silu(gate_up.narrow(-1, 0, hidden)) * gate_up.narrow(-1, hidden, hidden), w.w2));
     }
     if (!written_at.defined()) cache.commit(count);
     const at::Tensor normed = rms_norm(x, weights_.norm, config_.norm_eps);
@@ -743,6 +780,44 @@ class LlamaModel {
       if (written_at.defined()) return cache.update_at(layer, at::stack({keys, values}), written_at);
     }
     return cache.update(layer, keys, values);
+  }
+
+  // A row-parallel product's partial sum made whole: summed over the ranks, in place.
+  at::Tensor reduce(at::Tensor partial) const {
+    if (group_) group_->all_reduce(partial);
+    return partial;
+  }
+
+  // Every rank holds the same model: rank 0's config and checksums of the replicated weights are
+  // broadcast, each rank compares them with its own, and the count of ranks that differ is summed,
+  // so that every rank throws, rather than one throwing and the others waiting for it.
+  void check_same_model() const {
+    const auto sum = [](const at::Tensor& t) { return t.defined() ? t.to(at::kDouble).sum().item<double>() : 0.0; };
+    const LlamaConfig& c = config_;
+    std::vector<double> print{static_cast<double>(c.dim), static_cast<double>(c.hidden_dim), static_cast<double>(c.n_layers),
+                              static_cast<double>(c.n_heads), static_cast<double>(c.n_kv_heads),
+                              static_cast<double>(c.vocab_size), static_cast<double>(c.max_seq_len), c.rope_theta,
+                              c.norm_eps, static_cast<double>(c.sliding_window), static_cast<double>(c.qkv_bias),
+                              static_cast<double>(c.o_bias), sum(weights_.token_embedding), sum(weights_.norm),
+                              sum(weights_.output)};
+    for (const LlamaLayerWeights& w : weights_.layers) {
+      print.push_back(sum(w.attention_norm));
+      print.push_back(sum(w.ffn_norm));
+      print.push_back(sum(w.bo));
+    }
+    const at::Tensor mine = at::tensor(print, at::TensorOptions().dtype(at::kDouble)).to(device());
+    at::Tensor first = mine.clone();
+    group_->broadcast(first, 0);
+    const bool differs = !at::equal(first, mine);
+    at::Tensor differing = at::full({1}, differs ? 1.0 : 0.0, mine.options());
+    group_->all_reduce(differing);
+    const auto count = static_cast<int64_t>(differing.item<double>());
+    if (count > 0) {
+      detail::throw_invalid_message("tensor parallelism: ", count, " of ", group_->world_size(),
+                                    " ranks hold a model other than rank 0's (its config or its replicated weights: "
+                                    "token_embedding, norms, output, o's bias differ)",
+                                    differs ? "; this rank, " + std::to_string(group_->rank()) + ", is one of them" : "");
+    }
   }
 
   void check_weights() const {
@@ -769,18 +844,19 @@ class LlamaModel {
       detail::throw_invalid_message("LlamaWeights::layers must hold n_layers = ", c.n_layers,
                                     " layers, got ", weights_.layers.size());
     }
+    const int64_t q_dim = heads_ * c.head_dim(), kv_dim = kv_heads_ * c.head_dim(), hidden = hidden_;
     for (size_t i = 0; i < weights_.layers.size(); ++i) {
       const auto& l = weights_.layers[i];
       const std::string prefix = "layers[" + std::to_string(i) + "].";
       expect(l.attention_norm, prefix + "attention_norm", {c.dim});
-      expect(l.wq, prefix + "wq", {c.dim, c.dim});
-      expect(l.wk, prefix + "wk", {c.kv_dim(), c.dim});
-      expect(l.wv, prefix + "wv", {c.kv_dim(), c.dim});
-      expect(l.wo, prefix + "wo", {c.dim, c.dim});
+      expect(l.wq, prefix + "wq", {q_dim, c.dim});
+      expect(l.wk, prefix + "wk", {kv_dim, c.dim});
+      expect(l.wv, prefix + "wv", {kv_dim, c.dim});
+      expect(l.wo, prefix + "wo", {c.dim, q_dim});
       expect(l.ffn_norm, prefix + "ffn_norm", {c.dim});
-      expect(l.w1, prefix + "w1", {c.hidden_dim, c.dim});
-      expect(l.w2, prefix + "w2", {c.dim, c.hidden_dim});
-      expect(l.w3, prefix + "w3", {c.hidden_dim, c.dim});
+      expect(l.w1, prefix + "w1", {hidden, c.dim});
+      expect(l.w2, prefix + "w2", {c.dim, hidden});
+      expect(l.w3, prefix + "w3", {hidden, c.dim});
       const auto expect_bias = [&](const at::Tensor& t, const std::string& name, bool present, int64_t size) {
         if (present) {
           expect(t, prefix + name, {size});
@@ -788,9 +864,9 @@ class LlamaModel {
           detail::throw_invalid_message("LlamaWeights::", prefix, name, " is given but the config has no such bias");
         }
       };
-      expect_bias(l.bq, "bq", c.qkv_bias, c.dim);
-      expect_bias(l.bk, "bk", c.qkv_bias, c.kv_dim());
-      expect_bias(l.bv, "bv", c.qkv_bias, c.kv_dim());
+      expect_bias(l.bq, "bq", c.qkv_bias, q_dim);
+      expect_bias(l.bk, "bk", c.qkv_bias, kv_dim);
+      expect_bias(l.bv, "bv", c.qkv_bias, kv_dim);
       expect_bias(l.bo, "bo", c.o_bias, c.dim);
     }
     expect(weights_.norm, "norm", {c.dim});
@@ -814,6 +890,8 @@ class LlamaModel {
 
   LlamaConfig config_;
   LlamaWeights weights_;
+  std::shared_ptr<Collectives> group_;  // the tensor-parallel group, if any
+  int64_t heads_ = 0, kv_heads_ = 0, hidden_ = 0;  // this shard's (the whole model's without a group)
   std::vector<FusedLayer> fused_;
   std::vector<at::Tensor> causal_bias_;  // [count]: grouped_causal_bias(count), count in [2, kCachedMaskTokens]
   bool cpu_kernels_ = true;
@@ -841,6 +919,45 @@ inline std::pair<LlamaConfig, LlamaWeights> truncated(const LlamaConfig& config,
   LlamaWeights kept = weights;
   kept.layers.resize(static_cast<size_t>(n_layers));
   return {shallow, std::move(kept)};
+}
+
+// Rank `rank`'s shard of `weights` for a model split over `world_size` ranks (see the header
+// comment): heads [rank * n_heads / N, (rank + 1) * n_heads / N) of q and of o's columns, the
+// same slice of the key/value heads and of the feed-forward width, copied out (contiguous) so the
+// whole weights can be released; the replicated tensors are shared with `weights`. Throws
+// std::invalid_argument where the config does not divide (check_tensor_parallel) or the rank is
+// out of range.
+inline LlamaWeights llama_shard(const LlamaConfig& config, const LlamaWeights& weights, int64_t rank, int64_t world_size) {
+  config.validate();
+  check_tensor_parallel(config, world_size);
+  if (rank < 0 || rank >= world_size) {
+    detail::throw_invalid_message("rank must be in [0, world_size = ", world_size, "), got ", rank);
+  }
+  if (static_cast<int64_t>(weights.layers.size()) != config.n_layers) {
+    detail::throw_invalid_message("LlamaWeights::layers must hold n_layers = ", config.n_layers, " layers, got ",
+                                  weights.layers.size());
+  }
+  const int64_t head_dim = config.head_dim();
+  const int64_t q = config.n_heads / world_size * head_dim, kv = config.n_kv_heads / world_size * head_dim;
+  const int64_t hidden = config.hidden_dim / world_size;
+  // Rows [rank * n, (rank + 1) * n) of dimension `dim`, where the tensor is given (biases may not be).
+  const auto slice = [&](const at::Tensor& t, int64_t dim, int64_t n) {
+    return t.defined() ? t.narrow(dim, rank * n, n).contiguous() : at::Tensor();
+  };
+  LlamaWeights shard = weights;
+  for (LlamaLayerWeights& w : shard.layers) {
+    w.wq = slice(w.wq, 0, q);
+    w.wk = slice(w.wk, 0, kv);
+    w.wv = slice(w.wv, 0, kv);
+    w.bq = slice(w.bq, 0, q);
+    w.bk = slice(w.bk, 0, kv);
+    w.bv = slice(w.bv, 0, kv);
+    w.wo = slice(w.wo, 1, q);
+    w.w1 = slice(w.w1, 0, hidden);
+    w.w3 = slice(w.w3, 0, hidden);
+    w.w2 = slice(w.w2, 1, hidden);
+  }
+  return shard;
 }
 
 static_assert(FeatureTreeTarget<LlamaModel<DynamicKVCache>>);
