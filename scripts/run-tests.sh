@@ -68,7 +68,7 @@ examples=(quickstart specdec-demo specdec-generate custom_model custom_drafter)
 cmake -S "$root" -B "$root/build-sanitize" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DSPECDEC_SANITIZE=ON -DSPECDEC_REQUIRE_ONEDNN=ON -DSPECDEC_BUILD_TESTS=ON \
   -DSPECDEC_BUILD_EXAMPLES=ON -DSPECDEC_BUILD_BENCHMARKS=OFF -DSPECDEC_BUILD_TOOLS=OFF
-sanitized=(specdec_tests "${examples[@]}")
+sanitized=(specdec_tests specdec_parallel_tests specdec_parallel_worker "${examples[@]}")
 if grep -q "specdec-verifier" "$root/build-sanitize/build.ninja"; then
   sanitized+=(specdec-verifier)
 fi
@@ -76,7 +76,7 @@ cmake --build "$root/build-sanitize" -j "$jobs" --target "${sanitized[@]}"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 run_shards "$root/build-sanitize/tests/specdec_tests"
 # Undefined behaviour or a memory error in any case changes its exit status and fails it.
-ctest --test-dir "$root/build-sanitize" -L "cli|example|package" --output-on-failure -j "$jobs"
+ctest --test-dir "$root/build-sanitize" -L "cli|example|package|parallel" --output-on-failure -j "$jobs"
 unset ASAN_OPTIONS UBSAN_OPTIONS
 
 # ---- 2. the parsers under libFuzzer -----------------------------------------------------------
