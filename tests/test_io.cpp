@@ -22,6 +22,7 @@
 #include "specdec/io/eagle.hpp"
 #include "specdec/io/medusa.hpp"
 #include "specdec/io/tokenizer.hpp"
+#include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/shared_files.hpp"
 #include "support/naive_llama.hpp"
@@ -1056,6 +1057,45 @@ at::Tensor hf_reference_forward(const nlohmann::json& config, std::map<std::stri
   }
   const at::Tensor output = t.count("lm_head.weight") ? t.at("lm_head.weight") : t.at("model.embed_tokens.weight");
   return at::matmul(rms(x, t.at("model.norm.weight")), output.t());
+}
+
+// A rank's shard read from the file (only its slices) equals llama_shard of the whole model, for
+// every family (biases, tied classifiers); a split the model does not divide into is refused.
+TEST(HfFamilies, ShardsReadFromTheFileEqualTheWholeModelsCut) {
+  for (const Family& family : hf_families()) {
+    SCOPED_TRACE(family.name);
+    TempDir dir;
+    write_file(dir.path() / "config.json", family.config.dump(2));
+    io::save_safetensors(dir.path() / "model.safetensors", hf_family_tensors(family.config, 5), {{"format", "pt"}});
+    const io::HfLlamaCheckpoint whole = io::load_hf_llama(dir.path(), at::kDouble);
+    for (int64_t rank = 0; rank < 2; ++rank) {
+      const io::HfLlamaCheckpoint part = io::load_hf_llama(dir.path(), at::kDouble, {}, {.rank = rank, .world_size = 2});
+      const models::LlamaWeights cut = models::llama_shard(whole.config, whole.weights, rank, 2);
+      const auto same = [&](const at::Tensor& a, const at::Tensor& b, const std::string& name) {
+        ASSERT_EQ(a.defined(), b.defined()) << name;
+        if (a.defined()) EXPECT_TRUE(at::equal(a, b)) << name << " of rank " << rank;
+      };
+      same(part.weights.token_embedding, cut.token_embedding, "token_embedding");
+      same(part.weights.norm, cut.norm, "norm");
+      if (!whole.tied_classifier) same(part.weights.output, cut.output, "output");
+      ASSERT_EQ(part.weights.layers.size(), cut.layers.size());
+      for (size_t i = 0; i < cut.layers.size(); ++i) {
+        const auto& p = part.weights.layers[i];
+        const auto& q = cut.layers[i];
+        EXPECT_EQ(p.wq.size(0), whole.config.dim / 2);
+        using L = models::LlamaLayerWeights;
+        const std::pair<const char*, at::Tensor L::*> members[] = {
+            {"wq", &L::wq}, {"wk", &L::wk}, {"wv", &L::wv}, {"wo", &L::wo}, {"w1", &L::w1}, {"w2", &L::w2},
+            {"w3", &L::w3}, {"bq", &L::bq}, {"bk", &L::bk}, {"bv", &L::bv}, {"bo", &L::bo},
+            {"attention_norm", &L::attention_norm}, {"ffn_norm", &L::ffn_norm}};
+        for (const auto& [name, member] : members) same(p.*member, q.*member, name);
+      }
+    }
+    test::expect_invalid([&] { (void)io::load_hf_llama(dir.path(), at::kDouble, {}, {.rank = 0, .world_size = 4}); },
+                   {"n_kv_heads (2) does not divide by the world size (4)"});
+    test::expect_invalid([&] { (void)io::load_hf_llama(dir.path(), at::kDouble, {}, {.rank = 2, .world_size = 2}); },
+                   {"Shard::rank must be in [0, world_size = 2), got 2"});
+  }
 }
 
 TEST(HfFamilies, LoadAndMatchAPlainForwardOfTheRawTensors) {

@@ -23,13 +23,17 @@ struct LlamaCheckpoint {
 
 // Loads the checkpoint at `path` with weights of `options`, within `limits`. A folder is read as a
 // Hugging Face checkpoint, a file as llama2.c; a file of a Hugging Face folder (config.json, a
-// .safetensors or .json file) is refused with a message that asks for its folder.
-// Throws FormatError.
+// .safetensors or .json file) is refused with a message that asks for its folder. With
+// shard.world_size > 1 the weights are rank shard.rank's shard (models::llama_shard): a Hugging
+// Face checkpoint reads only the shard's bytes of the split tensors; a llama2.c file (small
+// models) is read whole and cut.
+// Throws FormatError; std::invalid_argument for a shard the model does not divide into.
 inline LlamaCheckpoint load_llama(const std::filesystem::path& path,
-                                  const at::TensorOptions& options = at::kFloat, const LoadLimits& limits = {}) {
+                                  const at::TensorOptions& options = at::kFloat, const LoadLimits& limits = {},
+                                  const Shard& shard = {}) {
   std::error_code error;
   if (std::filesystem::is_directory(path, error)) {
-    auto checkpoint = load_hf_llama(path, options, limits);
+    auto checkpoint = load_hf_llama(path, options, limits, shard);
     return {checkpoint.config, std::move(checkpoint.weights), "huggingface"};
   }
   if (!std::filesystem::exists(path, error)) detail::throw_format(path, "no such file or folder");
@@ -43,6 +47,9 @@ inline LlamaCheckpoint load_llama(const std::filesystem::path& path,
                          ")");
   }
   auto checkpoint = load_llama2c(path, options, limits);
+  if (shard.world_size > 1) {
+    checkpoint.weights = models::llama_shard(checkpoint.config, checkpoint.weights, shard.rank, shard.world_size);
+  }
   return {checkpoint.config, std::move(checkpoint.weights),
           "llama2.c v" + std::to_string(checkpoint.version)};
 }

@@ -76,15 +76,33 @@ struct HfLlamaCheckpoint {
   bool tied_classifier = false;
 };
 
+// Which part of a checkpoint a loader reads: all of it (world_size 1), or rank `rank`'s shard of
+// a model split over world_size ranks, as models::llama_shard cuts it.
+struct Shard {
+  int64_t rank = 0;
+  int64_t world_size = 1;
+};
+
 // Loads a Hugging Face Llama checkpoint folder into weights of `options` (dtype, device).
 // Every file must lie inside the folder (a shard that is a link to elsewhere is refused), and the
-// JSON and headers are bounded by `limits`.
-// Throws FormatError naming the file for anything missing, malformed or of the wrong shape.
+// JSON and headers are bounded by `limits`. With shard.world_size > 1 the weights are rank
+// shard.rank's shard (models::llama_shard's layout; the config stays the whole model's), and only
+// the shard's bytes of the split tensors are read: rows of q, k, v, gate and up, each row's slice
+// of o and down.
+// Throws FormatError naming the file for anything missing, malformed or of the wrong shape;
+// std::invalid_argument for a shard out of range or a model that does not divide over it.
 inline HfLlamaCheckpoint load_hf_llama(const std::filesystem::path& folder,
-                                       const at::TensorOptions& options = at::kFloat, const LoadLimits& limits = {}) {
+                                       const at::TensorOptions& options = at::kFloat, const LoadLimits& limits = {},
+                                       const Shard& shard = {}) {
   HfLlamaCheckpoint checkpoint;
   std::tie(checkpoint.config, checkpoint.tied_classifier) = load_hf_llama_config(folder / "config.json", limits);
   const models::LlamaConfig& c = checkpoint.config;
+  check_tensor_parallel(c, shard.world_size);
+  if (shard.rank < 0 || shard.rank >= shard.world_size) {
+    specdec::detail::throw_invalid_message("Shard::rank must be in [0, world_size = ", shard.world_size, "), got ",
+                                           shard.rank);
+  }
+  const bool sharded = shard.world_size > 1;
 
   // The shard files: one model.safetensors or those of the index.
   std::set<std::string> files;
@@ -108,50 +126,104 @@ inline HfLlamaCheckpoint load_hf_llama(const std::filesystem::path& folder,
   } else {
     detail::throw_format(folder, "has neither model.safetensors nor model.safetensors.index.json");
   }
+  // Whole: every tensor read now. Sharded: only the headers now, each tensor's part when taken.
   std::map<std::string, std::pair<at::Tensor, std::filesystem::path>> tensors;
+  struct Stored {
+    SafetensorsEntry entry;
+    std::filesystem::path file;
+    uint64_t data_start = 0;
+  };
+  std::map<std::string, Stored> stored;
   for (const auto& file : files) {
     detail::require_inside(folder, folder / file);
+    if (sharded) {
+      const SafetensorsHeader header = parse_safetensors(folder / file, limits);
+      for (const SafetensorsEntry& entry : header.entries) stored[entry.name] = {entry, folder / file, header.data_start};
+      continue;
+    }
     for (auto& [name, tensor] : load_safetensors(folder / file, limits).tensors) {
       tensors[name] = {std::move(tensor), folder / file};
     }
   }
-  const auto take = [&](const std::string& name, std::vector<int64_t> shape) {
-    const auto it = tensors.find(name);
-    if (it == tensors.end()) detail::throw_format(folder, "tensor '", name, "' is missing");
-    const auto& [tensor, file] = it->second;
-    if (!tensor.sizes().equals(shape)) {
-      detail::throw_format(file, "tensor '", name, "' has shape ", tensor.sizes(), ", expected ",
-                           at::IntArrayRef(shape));
+  // The shard's part of a stored tensor of the whole model's `shape`: equal parts along `split`
+  // (0: rows, 1: each row's columns; -1: all of it), part shard.rank, read from the file.
+  const auto read_part = [&](const Stored& s, const std::string& name, at::IntArrayRef shape, int split) {
+    const at::ScalarType type = detail::safetensors_type(s.entry.dtype);
+    const uint64_t element = c10::elementSize(type);
+    const std::string what = "tensor '" + detail::printable(name) + "'";
+    detail::BinaryReader reader(s.file);
+    const uint64_t start = s.data_start + s.entry.begin;
+    if (split < 0) {
+      reader.seek(start);
+      return detail::read_tensor(reader, shape, type, what);
     }
-    if (!at::isFloatingType(tensor.scalar_type())) {
-      detail::throw_format(file, "tensor '", name, "' is not floating point");
+    const int64_t rows = shape[0], columns = shape.size() > 1 ? shape[1] : 1;
+    if (split == 0) {
+      const int64_t part = rows / shard.world_size;
+      reader.seek(start + static_cast<uint64_t>(shard.rank * part * columns) * element);
+      std::vector<int64_t> sizes(shape.begin(), shape.end());
+      sizes[0] = part;
+      return detail::read_tensor(reader, sizes, type, what);
     }
-    return tensor.to(options);
+    const int64_t part = columns / shard.world_size;
+    at::Tensor out = at::empty({rows, part}, at::TensorOptions().dtype(type));
+    auto* bytes = static_cast<char*>(out.data_ptr());
+    for (int64_t row = 0; row < rows; ++row) {
+      reader.seek(start + static_cast<uint64_t>(row * columns + shard.rank * part) * element);
+      reader.read_bytes(bytes + static_cast<uint64_t>(row * part) * element, static_cast<uint64_t>(part) * element, what);
+    }
+    return out;
   };
+  const auto take = [&](const std::string& name, std::vector<int64_t> shape, int split = -1) {
+    at::IntArrayRef sizes;
+    at::ScalarType type = at::kFloat;
+    std::filesystem::path file;
+    if (sharded) {
+      const auto it = stored.find(name);
+      if (it == stored.end()) detail::throw_format(folder, "tensor '", name, "' is missing");
+      sizes = it->second.entry.shape;
+      type = detail::safetensors_type(it->second.entry.dtype);
+      file = it->second.file;
+    } else {
+      const auto it = tensors.find(name);
+      if (it == tensors.end()) detail::throw_format(folder, "tensor '", name, "' is missing");
+      sizes = it->second.first.sizes();
+      type = it->second.first.scalar_type();
+      file = it->second.second;
+    }
+    if (!sizes.equals(shape)) {
+      detail::throw_format(file, "tensor '", name, "' has shape ", sizes, ", expected ", at::IntArrayRef(shape));
+    }
+    if (!at::isFloatingType(type)) detail::throw_format(file, "tensor '", name, "' is not floating point");
+    if (!sharded) return tensors.find(name)->second.first.to(options);
+    return read_part(stored.find(name)->second, name, shape, split).to(options);
+  };
+  // Heads of q and k per rank, for the rotary permutation (within each head, so per slice alike).
+  const int64_t heads = c.n_heads / shard.world_size, kv_heads = c.n_kv_heads / shard.world_size;
   models::LlamaWeights& w = checkpoint.weights;
   w.token_embedding = take("model.embed_tokens.weight", {c.vocab_size, c.dim});
   for (int64_t i = 0; i < c.n_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     w.layers.push_back(models::LlamaLayerWeights{
         take(p + "input_layernorm.weight", {c.dim}),
-        detail::unpermute_rotary(take(p + "self_attn.q_proj.weight", {c.dim, c.dim}), c.n_heads),
-        detail::unpermute_rotary(take(p + "self_attn.k_proj.weight", {c.kv_dim(), c.dim}), c.n_kv_heads),
-        take(p + "self_attn.v_proj.weight", {c.kv_dim(), c.dim}),
-        take(p + "self_attn.o_proj.weight", {c.dim, c.dim}),
+        detail::unpermute_rotary(take(p + "self_attn.q_proj.weight", {c.dim, c.dim}, 0), heads),
+        detail::unpermute_rotary(take(p + "self_attn.k_proj.weight", {c.kv_dim(), c.dim}, 0), kv_heads),
+        take(p + "self_attn.v_proj.weight", {c.kv_dim(), c.dim}, 0),
+        take(p + "self_attn.o_proj.weight", {c.dim, c.dim}, 1),
         take(p + "post_attention_layernorm.weight", {c.dim}),
-        take(p + "mlp.gate_proj.weight", {c.hidden_dim, c.dim}),
-        take(p + "mlp.down_proj.weight", {c.dim, c.hidden_dim}),
-        take(p + "mlp.up_proj.weight", {c.hidden_dim, c.dim})});
+        take(p + "mlp.gate_proj.weight", {c.hidden_dim, c.dim}, 0),
+        take(p + "mlp.down_proj.weight", {c.dim, c.hidden_dim}, 1),
+        take(p + "mlp.up_proj.weight", {c.hidden_dim, c.dim}, 0)});
     models::LlamaLayerWeights& layer = w.layers.back();
     if (c.qkv_bias) {
-      layer.bq = detail::unpermute_rotary_bias(take(p + "self_attn.q_proj.bias", {c.dim}), c.n_heads);
-      layer.bk = detail::unpermute_rotary_bias(take(p + "self_attn.k_proj.bias", {c.kv_dim()}), c.n_kv_heads);
-      layer.bv = take(p + "self_attn.v_proj.bias", {c.kv_dim()});
+      layer.bq = detail::unpermute_rotary_bias(take(p + "self_attn.q_proj.bias", {c.dim}, 0), heads);
+      layer.bk = detail::unpermute_rotary_bias(take(p + "self_attn.k_proj.bias", {c.kv_dim()}, 0), kv_heads);
+      layer.bv = take(p + "self_attn.v_proj.bias", {c.kv_dim()}, 0);
     }
     if (c.o_bias) layer.bo = take(p + "self_attn.o_proj.bias", {c.dim});
   }
   w.norm = take("model.norm.weight", {c.dim});
-  w.output = checkpoint.tied_classifier && !tensors.count("lm_head.weight")
+  w.output = checkpoint.tied_classifier && !tensors.count("lm_head.weight") && !stored.count("lm_head.weight")
                  ? w.token_embedding
                  : take("lm_head.weight", {c.vocab_size, c.dim});
   return checkpoint;
