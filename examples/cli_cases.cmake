@@ -132,3 +132,21 @@ if(SPECDEC_HAVE_REMOTE)
   specdec_cli_case(verifier_tls_key_alone 2 "a client certificate needs both certificate_chain and private_key"
     ${G} --verifier 127.0.0.1:1 --verifier-tls-ca "${TLS}/ca.pem" --verifier-tls-key "${TLS}/client.key")
 endif()
+
+# Tensor parallelism: the group's shape, and a model that does not divide over it, named before
+# any rank starts (the bundled target's 3 key/value heads do not split over 2 ranks).
+specdec_cli_case(tp_world_size_zero 2 "--world-size: 0 is outside \\[1, 1024\\]" ${G} --rank 0 --world-size 0
+  --master 127.0.0.1:29511)
+specdec_cli_case(tp_rank_alone 2 "--rank applies to a group started by hand" ${G} --rank 1)
+specdec_cli_case(tp_and_master 2 "--tp starts its ranks on this machine" ${G} --tp 2 --master 127.0.0.1:29511)
+specdec_cli_case(tp_rank_too_large 2 "--rank 2 must be below --world-size 2" ${G} --rank 2 --world-size 2
+  --master 127.0.0.1:29511)
+specdec_cli_case(tp_bad_master 2 "Rendezvous::master must be host:port with a port in \\[1, 65535\\], got \"nowhere\"" ${G}
+  --rank 0 --world-size 2 --master nowhere)
+specdec_cli_case(tp_does_not_divide 2 "LlamaConfig::n_kv_heads \\(3\\) does not divide by the world size \\(2\\)" ${G}
+  --tp 2 --mode autoregressive)
+specdec_cli_case(tp_with_verifier 2 "do not apply to --verifier" ${G} --tp 2 --verifier 127.0.0.1:29511)
+if(DEFINED _stories)  # a target that divides over 2 ranks (see examples/CMakeLists.txt)
+  specdec_cli_case(tp_unreachable_master 2 "rank 1 of 2 could not meet the others at master 127.0.0.1:9 within 1500 ms"
+    ${G} ${_stories} --mode autoregressive --rank 1 --world-size 2 --master 127.0.0.1:9 --tp-timeout-ms 1500)
+endif()

@@ -10,6 +10,7 @@
 // and here run(), which loads the models and runs the chosen mode, and main().
 #include "arguments.hpp"
 #include "modes.hpp"
+#include "parallel.hpp"
 #include "remote.hpp"
 #include "text.hpp"
 
@@ -22,8 +23,18 @@ int run(const Arguments& a) {
   const ThreadSettings threads = set_threads(a.threads);
   const auto weights = at::TensorOptions().dtype(parse_dtype(a.dtype)).device(parse_device(a.device));
   const io::LoadLimits limits{.max_sequence_length = a.max_seq_len};
-  const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights, limits);
-  Model target(target_checkpoint.config, target_checkpoint.weights);
+  // Ranks other than 0 of a group started by hand print nothing (--tp discards theirs itself).
+  if (a.rank > 0 && a.tp_rendezvous_file.empty() && std::freopen("/dev/null", "w", stdout) == nullptr) {
+    throw std::runtime_error("cannot discard the standard output of rank " + std::to_string(a.rank));
+  }
+  // Split over ranks, each reads its own shard of the target (and refuses a model that does not
+  // divide before any rank starts).
+  const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights, limits, Parallel::shard(a));
+  Parallel parallel;
+  parallel.start(a, target_checkpoint.config);
+  const auto& group = parallel.group();
+  Model target = group ? Model(target_checkpoint.config, target_checkpoint.weights, group)
+                       : Model(target_checkpoint.config, target_checkpoint.weights);
   const Text text(a, target.vocab_size());
   std::optional<Model> drafter;
   // The length check before encoding: a text encodes to at least min_tokens of its bytes.
@@ -114,7 +125,8 @@ int run(const Arguments& a) {
   if (show_text) {
     std::cout << "target:  " << a.target << " (" << target_checkpoint.format << ", " << target.config() << ", "
               << a.dtype << " on " << a.device << "; threads: " << threads
-              << (target.onednn() ? "; products: " + specdec::detail::onednn_version() : std::string()) << ")\n";
+              << (target.onednn() ? "; products: " + specdec::detail::onednn_version() : std::string())
+              << (group ? "; split over " + std::to_string(group->world_size()) + " ranks" : std::string()) << ")\n";
     if (drafter) std::cout << "drafter: " << a.drafter << " (" << drafter->config() << ")\n";
     if (eagle) {
       const models::EagleConfig& c = eagle->config();
@@ -291,13 +303,14 @@ int run(const Arguments& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  Parallel::command_line().assign(argv, argv + argc);
   try {
     return run(parse(argc, argv));
   } catch (const CLI::ParseError& e) {
     std::cerr << "specdec-generate: " << e.what() << " (see --help)\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "specdec-generate: " << e.what() << "\n";
+    std::cerr << "specdec-generate" << Parallel::label() << ": " << e.what() << "\n";
     return 2;
   }
 }
