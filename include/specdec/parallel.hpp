@@ -53,9 +53,10 @@ inline std::atomic<Collectives*>& decision_group() noexcept {
 
 }  // namespace detail
 
-// While alive, every decision the library takes from device results in this process is rank 0's
-// (see above). One at a time per process; the group must outlive it. A group of one rank changes
-// nothing.
+// While alive, every decision the library takes from device results in this process, on any
+// thread, is rank 0's (see above): a process runs its tensor-parallel generations one at a time,
+// and no other generation beside them. One at a time per process; the group must outlive it. A
+// group of one rank changes nothing.
 class SharedDecisions {
  public:
   explicit SharedDecisions(Collectives& group) : previous_(detail::decision_group().exchange(&group)) {}

@@ -622,13 +622,13 @@ class LlamaModel {
                                grouped_bias, at::from_blob(attended, {rows, q_width}, fp32));
       }
       fused.o.into(attended, rows, product, use_onednn);
-      reduce(at::from_blob(product, {rows * dim}, fp32));
+      if (group_) reduce(at::from_blob(product, {rows * dim}, fp32));
       detail::add_into(x, product, rows * dim);
       detail::rms_norm_rows(x, w.ffn_norm.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
       fused.gate_up.into(normed, rows, gate_up, use_onednn);
       detail::swiglu_rows(gate_up, rows, hidden, gated);
       fused.down.into(gated, rows, product, use_onednn);
-      reduce(at::from_blob(product, {rows * dim}, fp32));
+      if (group_) reduce(at::from_blob(product, {rows * dim}, fp32));
       detail::add_into(x, product, rows * dim);
     }
     cache.commit(count);
