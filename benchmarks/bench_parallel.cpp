@@ -12,6 +12,7 @@
 // tokens: 110 M parameters, 440 MB in fp32, far beyond the caches, so one token's forward is
 // bound by reading the weights from memory, as a large target's is on a GPU. --size small: a
 // model of 0.2 M parameters, for CI's smoke run.
+#include <CLI/CLI.hpp>
 #include <benchmark/benchmark.h>
 
 #include <sys/wait.h>
@@ -134,23 +135,20 @@ void start_rank(const std::vector<std::string>& command, int64_t rank, const std
 int main(int argc, char** argv) {
   Setup& s = setup();
   const std::vector<std::string> command(argv, argv + argc);
-  // This program's own flags, taken out before Google Benchmark reads the rest.
+  // This program's own flags (CLI11); the rest go to Google Benchmark.
+  CLI::App app("TP 1 against TP 2; other flags are Google Benchmark's", "bench_parallel");
+  app.allow_extras();
+  app.add_option("--size", s.size, "large (default) or small (CI's smoke run)")->check(CLI::IsMember({"small", "large"}));
+  app.add_option("--rank", s.rank, "set for the rank this program starts")->check(CLI::Range(0, 1));
+  app.add_option("--file", s.file, "the rendezvous file, set for that rank");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  std::vector<std::string> extras = app.remaining();
   std::vector<char*> rest{argv[0]};
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if ((flag == "--rank" || flag == "--file" || flag == "--size") && i + 1 < argc) {
-      const std::string value = argv[++i];
-      if (flag == "--rank") s.rank = std::stoll(value);
-      if (flag == "--file") s.file = value;
-      if (flag == "--size") s.size = value;
-    } else {
-      rest.push_back(argv[i]);
-    }
-  }
-  if (s.size != "small" && s.size != "large") {
-    std::cerr << "bench_parallel: --size must be small or large, got " << s.size << "\n";
-    return 2;
-  }
+  for (std::string& extra : extras) rest.push_back(extra.data());
   int rest_count = static_cast<int>(rest.size());
   benchmark::Initialize(&rest_count, rest.data());
   try {

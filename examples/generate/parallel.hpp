@@ -43,11 +43,11 @@ class Parallel {
   // Meets the other ranks (starting them first for --tp on rank 0) once `config` is known to
   // divide over them; a run of one rank does nothing.
   void start(const Arguments& a, const models::LlamaConfig& config) {
-    const int64_t world = a.world_size > 0 ? a.world_size : a.tp;
-    if (world <= 1) return;
-    if (a.rank > 0) label() = " (rank " + std::to_string(a.rank) + ")";
-    check_tensor_parallel(config, world);  // before any rank is started: nobody waits in vain
-    Rendezvous where{.rank = a.rank < 0 ? 0 : a.rank, .world_size = world,
+    const io::Shard part = shard(a);
+    if (part.world_size <= 1) return;
+    if (part.rank > 0) label() = " (rank " + std::to_string(part.rank) + ")";
+    check_tensor_parallel(config, part.world_size);  // before any rank is started: nobody waits in vain
+    Rendezvous where{.rank = part.rank, .world_size = part.world_size,
                      .timeout = std::chrono::milliseconds(a.tp_timeout_ms)};
     if (!a.master.empty()) {
       where.master = a.master;
@@ -58,7 +58,7 @@ class Parallel {
       std::filesystem::remove_all(folder_);
       std::filesystem::create_directories(folder_);
       where.file = (folder_ / "rendezvous").string();
-      for (int64_t rank = 1; rank < world; ++rank) spawn(rank, where.file);
+      for (int64_t rank = 1; rank < part.world_size; ++rank) spawn(rank, where.file);
     }
     if (a.device.rfind("cuda", 0) == 0) where.backend = Rendezvous::Backend::nccl;
     group_ = connect(where);

@@ -188,8 +188,8 @@ inline std::shared_ptr<ProcessGroupCollectives> connect(const Rendezvous& where)
     const char* interface = std::getenv("GLOO_SOCKET_IFNAME");
     if (interface != nullptr && *interface != '\0') {
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(interface));
-    } else if (!where.file.empty() || where.host_and_port().first.starts_with("127.") ||
-               where.host_and_port().first == "localhost") {
+    } else if (const std::string host = where.file.empty() ? where.host_and_port().first : std::string();
+               host.empty() || host.starts_with("127.") || host == "localhost") {
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
     } else {
       options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
