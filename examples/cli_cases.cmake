@@ -150,3 +150,15 @@ if(DEFINED _stories)  # a target that divides over 2 ranks (see examples/CMakeLi
   specdec_cli_case(tp_unreachable_master 2 "rank 1 of 2 could not meet the others at master 127.0.0.1:9 within 1500 ms"
     ${G} ${_stories} --mode autoregressive --rank 1 --world-size 2 --master 127.0.0.1:9 --tp-timeout-ms 1500)
 endif()
+if(SPECDEC_HAVE_REMOTE)  # specdec-verifier takes the same flags
+  specdec_cli_case(verifier_tp_does_not_divide 2 "LlamaConfig::n_kv_heads \\(3\\) does not divide by the world size \\(2\\)"
+    ${V} --tp 2)
+  specdec_cli_case(verifier_tp_rank_alone 2 "--rank applies to a group started by hand" ${V} --rank 1)
+  specdec_cli_case(verifier_tp_and_master 2 "--tp starts its ranks on this machine" ${V} --tp 2 --master 127.0.0.1:29511)
+  if(DEFINED _stories)
+    specdec_cli_case(verifier_tp_unreachable_master 2
+      "specdec-verifier \\(rank 1\\): tensor parallelism: rank 1 of 2 could not meet the others at master 127.0.0.1:9"
+      ${V} --target "${_models}/stories260K/stories260K.bin" --rank 1 --world-size 2 --master 127.0.0.1:9
+      --tp-timeout-ms 1500)
+  endif()
+endif()

@@ -3,21 +3,30 @@
 //   specdec-verifier --target models/bundled/target                  # 127.0.0.1:50051
 //   SPECDEC_VERIFIER_TOKEN=... specdec-verifier --target DIR --address 0.0.0.0:50051
 //   specdec-verifier --address 0.0.0.0:50051 --tls-cert server.pem --tls-key server.key --tls-client-ca ca.pem
+//   specdec-verifier --target DIR --tp 2                              # the target split over 2 processes
 //
 // Clients: specdec-generate --verifier HOST:PORT, or remote_generate in your own program. It prints
 // "listening on HOST:PORT" once it serves and stops cleanly on SIGINT or SIGTERM.
+//
+// Tensor parallelism (--tp N, or --rank/--world-size/--master; support/parallel.hpp): rank 0 serves
+// gRPC and hands every round of its model's work to the other ranks, which run it with their
+// shards (remote::follow_verifier) and end when rank 0 stops. When the group fails (a rank gone,
+// a collective timed out), rank 0 answers the calls in flight with UNAVAILABLE naming it and exits
+// with status 2.
 #include <specdec/io/checkpoint.hpp>
 #include <specdec/models/llama.hpp>
 #include <specdec/remote/server.hpp>
 #include <specdec/threads.hpp>
 
 #include <csignal>
+#include <ctime>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <string>
 
 #include "support/cli.hpp"
+#include "support/parallel.hpp"
 
 #ifndef SPECDEC_BUNDLED_MODELS_DIR
 #define SPECDEC_BUNDLED_MODELS_DIR "models/bundled"
@@ -30,6 +39,7 @@ using Model = specdec::models::LlamaModel<specdec::StaticKVCache>;
 }  // namespace
 
 int main(int argc, char** argv) {
+  specdec::examples::Parallel::command_line().assign(argv, argv + argc);
   try {
     std::string target = SPECDEC_BUNDLED_MODELS_DIR "/target";
     std::string token_file;
@@ -87,7 +97,10 @@ int main(int argc, char** argv) {
                    "microseconds a forward waits for more verifications to batch (default 0: none)")
         ->check(cli::integer<int64_t>(0, 1000000));
     app.add_option("--threads", threads, "CPU threads of libtorch and BLAS (default 1)")->check(cli::integer<int>(1, 1024));
+    specdec::examples::TensorParallelFlags parallel_flags;
+    parallel_flags.add_to(app);
     cli::parse_or_help(app, argc, argv);
+    parallel_flags.check();
     options.limits.idle_timeout = std::chrono::seconds(idle_seconds);
     options.limits.max_memory_bytes = memory_mib << 20;
     options.limits.read_timeout = std::chrono::milliseconds(read_timeout_ms);
@@ -101,16 +114,33 @@ int main(int argc, char** argv) {
                    .private_key = pem(tls_key, "--tls-key"),
                    .trusted_ca = pem(tls_client_ca, "--tls-client-ca")};
 
-    // SIGINT and SIGTERM are taken by sigwait below, in this thread only.
+    // On rank 0, SIGINT and SIGTERM are taken by sigwait below, in this thread only (blocked
+    // before any thread starts). The other ranks end when rank 0 stops, or by SIGTERM; those that
+    // --tp started ignore SIGINT, which a terminal sends them beside rank 0, so that rank 0 can
+    // stop them in order.
     sigset_t signals;
     sigemptyset(&signals);
     sigaddset(&signals, SIGINT);
     sigaddset(&signals, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    if (!parallel_flags.follower()) {
+      pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+    } else if (!parallel_flags.rendezvous_file.empty()) {
+      std::signal(SIGINT, SIG_IGN);
+    }
 
     (void)specdec::set_threads(threads);
-    const specdec::io::LlamaCheckpoint checkpoint = specdec::io::load_llama(target);
-    Model model(checkpoint.config, checkpoint.weights);
+    const specdec::io::LlamaCheckpoint checkpoint =
+        specdec::io::load_llama(target, at::kFloat, {}, parallel_flags.shard());
+    specdec::examples::Parallel parallel("specdec-verifier");
+    parallel.start(parallel_flags, checkpoint.config, /*nccl=*/false);
+    const auto& group = parallel.group();
+    Model model = group ? Model(checkpoint.config, checkpoint.weights, group) : Model(checkpoint.config, checkpoint.weights);
+    if (parallel_flags.follower()) {
+      specdec::remote::follow_verifier(model, group);  // until rank 0 stops, or the group fails
+      return 0;
+    }
+    options.group = group;
+    options.heartbeat = std::chrono::milliseconds(std::max<int64_t>(1, parallel_flags.timeout_ms / 4));
     specdec::remote::VerifierServer<Model> server(model, options);
     const std::string host = options.address.substr(0, options.address.rfind(':'));
     std::cout << "listening on " << host << ":" << server.port() << " (target " << target << ", "
@@ -118,9 +148,16 @@ int main(int argc, char** argv) {
               << (!options.tls.enabled()           ? "plaintext"
                   : options.tls.trusted_ca.empty() ? "TLS"
                                                    : "TLS with client certificates")
-              << ")" << std::endl;
+              << (group ? ", split over " + std::to_string(group->world_size()) + " ranks" : std::string()) << ")"
+              << std::endl;
     int signal = 0;
-    sigwait(&signals, &signal);
+    const timespec tick{.tv_sec = 0, .tv_nsec = 100'000'000};  // how often a split server looks at its group
+    while ((signal = sigtimedwait(&signals, nullptr, &tick)) <= 0) {
+      if (const std::optional<std::string> failure = server.failure()) {
+        server.shutdown();
+        throw std::runtime_error("the tensor-parallel group failed, the server stops: " + *failure);
+      }
+    }
     server.shutdown();
     const specdec::remote::ServerStats stats = server.stats();
     std::cout << "stopping (signal " << signal << "): " << stats.verifications << " verifications in "
@@ -130,7 +167,7 @@ int main(int argc, char** argv) {
     std::cerr << "specdec-verifier: " << e.what() << " (see --help)\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "specdec-verifier: " << e.what() << "\n";
+    std::cerr << "specdec-verifier" << specdec::examples::Parallel::label() << ": " << e.what() << "\n";
     return 2;
   }
 }

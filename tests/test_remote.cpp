@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <utility>
 #include <chrono>
+#include <condition_variable>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -1068,6 +1069,253 @@ TEST(Remote, MemoryFreedSessionsHeldIsReturnedAfterAStorm) {
   EXPECT_GT(top - baseline, 32 << 20);  // the storm did hold memory
   EXPECT_LT(after - baseline, std::max<int64_t>(16 << 20, (top - baseline) / 4));
 #endif
+}
+
+
+// Tensor parallelism, in one process: rank 0's server and a follower (remote::follow_verifier) on
+// another thread, joined by ThreadPair, two ranks that pass broadcasts through memory. The
+// targets are replicated, not split (the split model and c10d are tested across processes in
+// test_parallel.cpp and tests/cli/verifier_tp.sh): so the follower's own decision in every step
+// must equal rank 0's bit for bit, which holds only if it replays every round exactly (the same
+// sessions, tokens, drafts, batches and seeds).
+// The message of what `run` throws; empty when it does not throw.
+template <class F>
+std::string error_of(const F& run) {
+  try {
+    (void)run();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+class ThreadPair final : public Collectives {
+ public:
+  [[nodiscard]] int64_t rank() const override { return thread_rank(); }
+  [[nodiscard]] int64_t world_size() const override { return 2; }
+  void all_reduce(at::Tensor& /*tensor*/) override { throw std::logic_error("ThreadPair: a replicated target never reduces"); }
+  // Rank 0 leaves a copy and goes on; rank 1 takes rank 0's copy of the same call, after
+  // comparing shapes and, for a step's decisions (int64 tensors of two or more values), its own
+  // values.
+  void broadcast(at::Tensor& tensor, int64_t root) override {
+    if (root != 0) throw std::logic_error("ThreadPair: rank 0 broadcasts");
+    std::unique_lock lock(mutex_);
+    if (gone_) throw std::runtime_error("ThreadPair: rank 1 is gone");
+    const uint64_t call = calls_[static_cast<size_t>(rank())]++;
+    if (rank() == 0) {
+      sent_.emplace(call, tensor.clone());
+      arrived_.notify_all();
+      return;
+    }
+    if (!arrived_.wait_for(lock, std::chrono::seconds(30), [&] { return gone_ || sent_.contains(call); })) {
+      throw std::runtime_error("ThreadPair: rank 0 sent nothing for 30 s");
+    }
+    if (gone_) throw std::runtime_error("ThreadPair: rank 1 is gone");
+    const at::Tensor sent = sent_.at(call);
+    sent_.erase(call);
+    if (sent.sizes() != tensor.sizes() || sent.scalar_type() != tensor.scalar_type()) {
+      ++mismatched_shapes;
+      throw std::runtime_error("ThreadPair: the ranks broadcast tensors of different shapes");
+    }
+    if (tensor.scalar_type() == at::kLong && tensor.numel() >= 2) {
+      ++decisions;
+      if (!tensor.equal(sent)) ++differing_decisions;
+    }
+    if (tensor.scalar_type() == at::kByte) ++rounds;
+    tensor.copy_(sent);
+  }
+  // From now on every call on either rank fails, as when rank 1's process ends.
+  void end_rank_1() {
+    const std::lock_guard lock(mutex_);
+    gone_ = true;
+    arrived_.notify_all();
+  }
+  static int64_t& thread_rank() {
+    thread_local int64_t rank = 0;
+    return rank;
+  }
+  std::atomic<int64_t> decisions = 0, differing_decisions = 0, mismatched_shapes = 0, rounds = 0;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable arrived_;
+  std::map<uint64_t, at::Tensor> sent_;
+  uint64_t calls_[2] = {0, 0};
+  bool gone_ = false;
+};
+
+// A client of raw calls (no local model, so no host copy of its own): `new_tokens` tokens after
+// `prompt`. Greedy sessions draft `guess`'s next three tokens, every third one changed; sampled
+// ones (multinomial, seeded by `seed`) draft nothing. Throws std::runtime_error with a failed
+// call's status.
+Ids raw_generate(int port, const Ids& prompt, const Ids& guess, bool sampled, uint64_t seed, size_t new_tokens) {
+  RawClient raw(port);
+  remote::wire::OpenRequest open;
+  open.mutable_sampling()->set_kind(sampled ? remote::wire::Sampling::MULTINOMIAL : remote::wire::Sampling::GREEDY);
+  open.mutable_sampling()->set_temperature(1.0);
+  open.mutable_prompt()->Add(prompt.begin(), prompt.end());
+  open.set_seed(seed);
+  remote::wire::OpenReply opened;
+  const auto check = [](const grpc::Status& status, const char* call) {
+    if (!status.ok()) {
+      throw std::runtime_error(std::string(call) + " failed (" + std::to_string(status.error_code()) + "): " + status.error_message());
+    }
+  };
+  {
+    grpc::ClientContext context;
+    check(remote::wire::Verifier::NewStub(grpc::CreateChannel(local(port), grpc::InsecureChannelCredentials()))
+              ->Open(&context, open, &opened),
+          "Open");
+  }
+  Ids tokens = prompt;
+  while (tokens.size() < prompt.size() + new_tokens) {
+    remote::wire::VerifyRequest request;
+    request.set_session(opened.session());
+    request.set_secret(opened.secret());
+    request.set_length(static_cast<int64_t>(tokens.size()));
+    request.set_last_token(tokens.back());
+    for (size_t at = tokens.size(); !sampled && at < tokens.size() + 3 && at < guess.size(); ++at) {
+      request.add_drafts(at % 3 == 0 ? (guess[at] + 1) % 256 : guess[at]);
+    }
+    remote::wire::VerifyReply reply;
+    check(raw.verify(request, &reply), "Verify");
+    tokens.insert(tokens.end(), request.drafts().begin(), request.drafts().begin() + reply.accepted());
+    tokens.push_back(reply.token());
+  }
+  check(raw.close(opened.session(), opened.secret()), "Close");
+  const auto from = tokens.begin() + static_cast<std::ptrdiff_t>(prompt.size());
+  return Ids(from, from + static_cast<std::ptrdiff_t>(new_tokens));
+}
+
+TEST(RemoteTensorParallel, TheFollowerReplaysEveryRoundExactly) {
+  constexpr int kClients = 4;
+  constexpr size_t kNew = 40;
+  std::vector<Ids> prompts, guesses, expected(kClients), got(kClients);
+  Model reference = bundled("target");
+  for (int c = 0; c < kClients; ++c) {
+    prompts.push_back(bytes("def g" + std::to_string(c) + "(y):\n    return "));
+    Ids guess = prompts.back();
+    const Ids more = autoregressive_generate(reference, prompts.back(), {.max_new_tokens = kNew + 4}).tokens;
+    guess.insert(guess.end(), more.begin(), more.end());
+    guesses.push_back(std::move(guess));
+  }
+  const auto clients = [&](int port, std::vector<Ids>& out) {
+    std::vector<std::thread> threads;
+    for (int c = 0; c < kClients; ++c) {
+      threads.emplace_back([&, c] {
+        try {
+          out[static_cast<size_t>(c)] = raw_generate(port, prompts[static_cast<size_t>(c)], guesses[static_cast<size_t>(c)],
+                                                     /*sampled=*/c % 2 == 1, 7 + static_cast<uint64_t>(c), kNew);
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << "client " << c << ": " << e.what();
+        }
+      });
+    }
+    for (auto& thread : threads) thread.join();
+  };
+  const remote::ServerLimits batching{.max_batch = 4, .batch_delay = std::chrono::milliseconds(20)};
+  {
+    Model target = bundled("target");
+    VerifierServer alone(target, loopback(batching));
+    clients(alone.port(), expected);
+  }
+  for (int c = 0; c < kClients; c += 2) {
+    const Ids& guess = guesses[static_cast<size_t>(c)];
+    EXPECT_EQ(expected[static_cast<size_t>(c)], Ids(guess.begin() + static_cast<std::ptrdiff_t>(prompts[static_cast<size_t>(c)].size()),
+                                                    guess.begin() + static_cast<std::ptrdiff_t>(prompts[static_cast<size_t>(c)].size() + kNew)));
+  }
+
+  auto pair = std::make_shared<ThreadPair>();
+  const SharedDecisions shared(*pair);
+  Model target = bundled("target");
+  Model follower_target = bundled("target");
+  std::string follower_error = "(running)";
+  std::thread follower([&] {
+    ThreadPair::thread_rank() = 1;
+    try {
+      remote::follow_verifier(follower_target, pair);
+      follower_error.clear();
+    } catch (const std::exception& e) {
+      follower_error = e.what();
+    }
+  });
+  {
+    remote::ServerOptions options = loopback(batching);
+    options.group = pair;
+    options.heartbeat = std::chrono::milliseconds(10);
+    VerifierServer server(target, std::move(options));
+    const int64_t before_idle = pair->rounds.load();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_GE(pair->rounds.load() - before_idle, 5) << "an idle rank 0 sends heartbeats";
+    clients(server.port(), got);
+    EXPECT_FALSE(server.failure().has_value());
+    EXPECT_GT(server.stats().largest_batch, 1) << "batched rounds are replayed too";
+  }  // shutdown: the follower returns
+  follower.join();
+  EXPECT_EQ(follower_error, "");
+  for (int c = 0; c < kClients; ++c) EXPECT_EQ(got[static_cast<size_t>(c)], expected[static_cast<size_t>(c)]) << "client " << c;
+  EXPECT_GE(pair->decisions.load(), 10);  // one per forward: batched rows share one
+  EXPECT_EQ(pair->differing_decisions.load(), 0) << "the follower decided otherwise than rank 0";
+  EXPECT_EQ(pair->mismatched_shapes.load(), 0);
+}
+
+TEST(RemoteTensorParallel, ALostRankFailsTheCallsAndTheServer) {
+  auto pair = std::make_shared<ThreadPair>();
+  const SharedDecisions shared(*pair);
+  Model target = bundled("target");
+  Model follower_target = bundled("target");
+  std::string follower_error;
+  std::thread follower([&] {
+    ThreadPair::thread_rank() = 1;
+    try {
+      remote::follow_verifier(follower_target, pair);
+    } catch (const std::exception& e) {
+      follower_error = e.what();
+    }
+  });
+  remote::ServerOptions options = loopback();
+  options.group = pair;
+  VerifierServer server(target, std::move(options));
+  RawClient raw(server.port());
+  remote::wire::OpenReply opened;
+  ASSERT_TRUE(raw.open(bytes("x = "), &opened).ok());
+  pair->end_rank_1();
+  follower.join();
+  EXPECT_NE(follower_error.find("rank 1 is gone"), std::string::npos) << follower_error;
+  remote::wire::VerifyRequest request;
+  request.set_session(opened.session());
+  request.set_secret(opened.secret());
+  request.set_length(4);
+  request.set_last_token(' ');
+  expect_status(raw.verify(request), grpc::StatusCode::UNAVAILABLE, "tensor-parallel group has failed");
+  ASSERT_TRUE(server.failure().has_value());
+  EXPECT_NE(server.failure()->find("rank 1 is gone"), std::string::npos) << *server.failure();
+  expect_status(raw.open(bytes("y = "), &opened), grpc::StatusCode::UNAVAILABLE, "rank 1 is gone");
+}
+
+TEST(RemoteTensorParallel, BadGroupsAreRefused) {
+  auto pair = std::make_shared<ThreadPair>();
+  Model target = bundled("target");
+  remote::ServerOptions options = loopback();
+  options.group = pair;
+  EXPECT_NE(error_of([&] { return std::make_unique<VerifierServer<Model>>(target, options); }).find("no specdec::SharedDecisions"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { remote::follow_verifier(target, pair); }).find("follow_verifier: rank 0 serves"), std::string::npos);
+  EXPECT_NE(error_of([&] { remote::follow_verifier(target, std::shared_ptr<Collectives>()); }).find("group must not be null"),
+            std::string::npos);
+  const SharedDecisions shared(*pair);
+  options.heartbeat = std::chrono::milliseconds(0);
+  EXPECT_NE(error_of([&] { return std::make_unique<VerifierServer<Model>>(target, options); })
+                .find("ServerOptions::heartbeat must be >= 1 ms, got 0 ms"),
+            std::string::npos);
+  std::string message;
+  std::thread rank_1([&] {
+    ThreadPair::thread_rank() = 1;
+    options.heartbeat = std::chrono::milliseconds(10);
+    message = error_of([&] { return std::make_unique<VerifierServer<Model>>(target, options); });
+  });
+  rank_1.join();
+  EXPECT_NE(message.find("this process is rank 1; rank 0 serves"), std::string::npos) << message;
 }
 
 }  // namespace

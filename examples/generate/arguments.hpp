@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "../support/cli.hpp"
+#include "../support/parallel.hpp"
 
 #include <chrono>
 #include <cstdio>
@@ -93,12 +94,7 @@ struct Arguments {
   std::string verifier_tls_ca, verifier_tls_cert, verifier_tls_key;
   double added_latency_ms = 0;
   bool half_q = false;
-  int64_t tp = 1;                  // --tp: ranks started on this machine
-  int64_t rank = -1;               // --rank: this process's rank (-1: not given)
-  int64_t world_size = 0;          // --world-size of a group started by hand (0: not given)
-  std::string master;              // --master HOST:PORT of that group
-  std::string tp_rendezvous_file;  // set by --tp for the ranks it starts
-  int64_t tp_timeout_ms = 60000;   // the rendezvous and every collective
+  examples::TensorParallelFlags parallel;  // --tp, --rank, --world-size, --master, --tp-timeout-ms
 };
 
 // --device: "cpu", "cuda" or "cuda:N", with a CUDA device present.
@@ -336,19 +332,7 @@ Arguments parse(int argc, char** argv) {
   app.add_flag("--half-q", a.half_q, "send dense drafter distributions as float16 (half the bytes, see docs/remote.md)")
       ->group(remote);
 
-  const std::string parallel = "Tensor parallelism (the target split over ranks, one process each; see docs/parallel.md)";
-  app.add_option("--tp", a.tp, "split the target over N processes on this machine (default 1)")
-      ->check(cli::integer<int64_t>(1, 1024))->group(parallel);
-  app.add_option("--rank", a.rank, "this process's rank in a group started by hand (with --world-size and --master)")
-      ->check(cli::integer<int64_t>(0, 1023))->group(parallel);
-  app.add_option("--world-size", a.world_size, "the number of ranks of that group")
-      ->check(cli::integer<int64_t>(1, 1024))->group(parallel);
-  app.add_option("--master", a.master, "HOST:PORT of rank 0, which listens there; the other ranks connect")
-      ->group(parallel);
-  app.add_option("--tp-timeout-ms", a.tp_timeout_ms,
-                 "a rank that does not come or answer within this long fails the run (default 60000)")
-      ->check(cli::integer<int64_t>(1, 3600000))->group(parallel);
-  app.add_option("--tp-rendezvous-file", a.tp_rendezvous_file)->group("");  // set by --tp for the ranks it starts
+  a.parallel.add_to(app);
 
   const std::string output = "Output";
   app.add_option("--batch-file", a.batch_file,
@@ -425,23 +409,8 @@ Arguments parse(int argc, char** argv) {
       throw std::invalid_argument("--verifier must be HOST:PORT, got " + a.verifier);
     }
   }
-  const bool by_hand = app.count("--world-size") > 0 || app.count("--master") > 0;
-  if (by_hand && a.tp > 1) {
-    throw std::invalid_argument("--tp starts its ranks on this machine; --world-size and --master describe a group "
-                                "started by hand: give one or the other");
-  }
-  if (by_hand && (a.rank < 0 || a.world_size == 0 || a.master.empty())) {
-    throw std::invalid_argument("a rank of a group started by hand needs --rank, --world-size and --master");
-  }
-  if (a.rank >= 0 && !by_hand && a.tp_rendezvous_file.empty()) {
-    throw std::invalid_argument("--rank applies to a group started by hand: give --world-size and --master too");
-  }
-  if (by_hand && a.rank >= a.world_size) {
-    throw std::invalid_argument("--rank " + std::to_string(a.rank) + " must be below --world-size " +
-                                std::to_string(a.world_size));
-  }
-  if (!a.master.empty()) (void)Rendezvous{.master = a.master}.host_and_port();
-  if ((a.tp > 1 || by_hand) && !a.verifier.empty()) {
+  a.parallel.check();
+  if ((a.parallel.tp > 1 || a.parallel.by_hand()) && !a.verifier.empty()) {
     throw std::invalid_argument("--tp, --rank, --world-size and --master do not apply to --verifier: the target is on "
                                 "the server");
   }

@@ -10,7 +10,6 @@
 // and here run(), which loads the models and runs the chosen mode, and main().
 #include "arguments.hpp"
 #include "modes.hpp"
-#include "parallel.hpp"
 #include "remote.hpp"
 #include "text.hpp"
 
@@ -24,14 +23,14 @@ int run(const Arguments& a) {
   const auto weights = at::TensorOptions().dtype(parse_dtype(a.dtype)).device(parse_device(a.device));
   const io::LoadLimits limits{.max_sequence_length = a.max_seq_len};
   // Ranks other than 0 of a group started by hand print nothing (--tp discards theirs itself).
-  if (a.rank > 0 && a.tp_rendezvous_file.empty() && std::freopen("/dev/null", "w", stdout) == nullptr) {
-    throw std::runtime_error("cannot discard the standard output of rank " + std::to_string(a.rank));
+  if (a.parallel.follower() && a.parallel.rendezvous_file.empty() && std::freopen("/dev/null", "w", stdout) == nullptr) {
+    throw std::runtime_error("cannot discard the standard output of rank " + std::to_string(a.parallel.rank));
   }
   // Split over ranks, each reads its own shard of the target (and refuses a model that does not
   // divide before any rank starts).
-  const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights, limits, Parallel::shard(a));
-  Parallel parallel;
-  parallel.start(a, target_checkpoint.config);
+  const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights, limits, a.parallel.shard());
+  examples::Parallel parallel("specdec-generate");
+  parallel.start(a.parallel, target_checkpoint.config, a.device.rfind("cuda", 0) == 0);
   const auto& group = parallel.group();
   Model target = group ? Model(target_checkpoint.config, target_checkpoint.weights, group)
                        : Model(target_checkpoint.config, target_checkpoint.weights);
@@ -303,14 +302,14 @@ int run(const Arguments& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Parallel::command_line().assign(argv, argv + argc);
+  examples::Parallel::command_line().assign(argv, argv + argc);
   try {
     return run(parse(argc, argv));
   } catch (const CLI::ParseError& e) {
     std::cerr << "specdec-generate: " << e.what() << " (see --help)\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "specdec-generate" << Parallel::label() << ": " << e.what() << "\n";
+    std::cerr << "specdec-generate" << examples::Parallel::label() << ": " << e.what() << "\n";
     return 2;
   }
 }

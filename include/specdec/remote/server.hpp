@@ -40,6 +40,18 @@
 // queued up during the previous forward. A batched forward pays two copies of its sessions' cached
 // positions (join and split). A row's result is the one it would get alone, up to the rounding of
 // a batched product. Targets whose cache is not a JoinableKVCache verify one request per forward.
+//
+// Tensor parallelism (ServerOptions::group): the target is rank 0's shard of a model split over a
+// process group (parallel.hpp), and ranks 1..N-1 run follow_verifier() with their shards. Rank 0
+// alone serves gRPC; before each round of its model thread (a prompt's prefill, a batch of
+// verifications) it broadcasts the round's work (the requests, the sessions they belong to, the
+// step indices, the sessions freed since the last round), and every rank then runs the same code
+// on the same inputs: the same batches, joins, rollbacks and forwards, with every decision rank
+// 0's (SharedDecisions). While idle, rank 0 broadcasts a heartbeat every ServerOptions::heartbeat,
+// so the others wait for work without reaching the group's timeout, and a rank that is gone is
+// noticed without traffic. A rank that fails or disappears fails the group for good: the calls in
+// flight and every later call get UNAVAILABLE naming it, failure() says what happened, and the
+// other ranks' collectives fail within the group's timeout.
 #pragma once
 
 #include <sys/random.h>
@@ -75,6 +87,7 @@
 #include "specdec/detail/torch_compat.hpp"
 #include "specdec/draft_source.hpp"
 #include "specdec/kv_cache.hpp"
+#include "specdec/parallel.hpp"
 #include "specdec/remote/protocol.hpp"
 #include "specdec/remote/token.hpp"
 #include "specdec/session.hpp"
@@ -121,6 +134,12 @@ struct ServerOptions {
   // TLS: certificate_chain and private_key serve over TLS; trusted_ca then also requires every
   // client to present a certificate signed by one of those CAs. Empty: plaintext.
   TlsOptions tls{};
+  // Tensor parallelism (see the top of this file): the group whose rank 0 this server is, with a
+  // SharedDecisions alive on it and the target this rank's shard; null for one process.
+  std::shared_ptr<Collectives> group{};
+  // How often an idle rank 0 tells the other ranks that no work came: well under the group's
+  // timeout, which is how long they wait for the next word.
+  std::chrono::milliseconds heartbeat{1000};
 };
 
 // Whether `address` (host:port) names the loopback interface: localhost, 127.0.0.0/8 or [::1].
@@ -186,6 +205,79 @@ inline void return_free_memory() noexcept {
 #endif
 }
 
+// One round of a tensor-parallel verifier's work as rank 0 hands it to the others: int64s and
+// length-prefixed byte strings (serialized requests), written by rank 0 and read by the others.
+class WorkMessage {
+ public:
+  enum Kind : int64_t { idle = 0, stop = 1, open = 2, verify = 3 };
+
+  void put(int64_t value) { bytes_.append(reinterpret_cast<const char*>(&value), sizeof value); }
+  void put(const google::protobuf::MessageLite& message) {
+    const std::string serialized = message.SerializeAsString();
+    put(static_cast<int64_t>(serialized.size()));
+    bytes_ += serialized;
+  }
+  [[nodiscard]] std::string& bytes() noexcept { return bytes_; }
+
+ private:
+  std::string bytes_;
+};
+
+// Reads a WorkMessage; throws std::runtime_error where it ends early or a string's size or a
+// request does not parse (ranks built from different sources).
+class WorkReader {
+ public:
+  explicit WorkReader(std::string_view bytes) : bytes_(bytes) {}
+  int64_t integer() {
+    int64_t value = 0;
+    std::memcpy(&value, take(sizeof value).data(), sizeof value);
+    return value;
+  }
+  template <class Message>
+  Message message() {
+    const int64_t size = integer();
+    if (size < 0) malformed();
+    Message parsed;
+    const std::string_view bytes = take(static_cast<size_t>(size));
+    if (!parsed.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) malformed();
+    return parsed;
+  }
+
+ private:
+  std::string_view take(size_t n) {
+    if (n > bytes_.size() - at_) malformed();
+    const std::string_view part = bytes_.substr(at_, n);
+    at_ += n;
+    return part;
+  }
+  [[noreturn]] static void malformed() {
+    throw std::runtime_error(
+        "tensor parallelism: the verifier's work message from rank 0 is malformed (are the ranks the same program?)");
+  }
+  std::string_view bytes_;
+  size_t at_ = 0;
+};
+
+// Rank 0's `message`, on every rank of `group` (its size, then its bytes: two broadcasts). The
+// other ranks pass anything (it is not read). Throws std::runtime_error when a collective fails.
+inline std::string share(Collectives& group, const std::string& message) {
+  at::Tensor size = at::full({1}, static_cast<int64_t>(message.size()), at::kLong);
+  group.broadcast(size, 0);
+  const int64_t n = size.item<int64_t>();
+  if (n < 0) throw std::runtime_error("tensor parallelism: rank 0 announced a work message of " + std::to_string(n) + " bytes");
+  at::Tensor bytes = at::empty({n}, at::kByte);
+  if (group.rank() == 0) std::memcpy(bytes.data_ptr(), message.data(), static_cast<size_t>(n));
+  if (n > 0) group.broadcast(bytes, 0);
+  return {reinterpret_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n)};
+}
+
+// The numbers of the sessions rank 0 has freed since its last round (tensor parallelism): the
+// other ranks free theirs when they read the next round.
+struct RetiredSessions {
+  std::mutex mutex;
+  std::vector<int64_t> numbers;
+};
+
 // The host of a gRPC peer ("ipv4:10.0.0.7:5123" gives "ipv4:10.0.0.7"): a client's connections
 // share it, their ports differ.
 inline std::string peer_host(const std::string& peer) {
@@ -196,6 +288,12 @@ inline std::string peer_host(const std::string& peer) {
 }  // namespace detail
 
 template <Target T>
+class VerifierService;
+
+template <Target T>
+void follow_verifier(T& target, std::shared_ptr<Collectives> group);
+
+template <Target T>
 class VerifierService final : public grpc::Service {
  public:
   // Throws std::invalid_argument when options.token holds a byte no client can send (see token.hpp).
@@ -204,6 +302,7 @@ class VerifierService final : public grpc::Service {
     route("Open", &VerifierService::Open);
     route("Verify", &VerifierService::Verify);
     route("Close", &VerifierService::Close);
+    if (options_.group) retired_ = std::make_shared<detail::RetiredSessions>();
     model_thread_ = std::thread([this] { serve_queue(); });
   }
 
@@ -223,29 +322,15 @@ class VerifierService final : public grpc::Service {
     }
     const std::string client = client_of(context);
     if (auto full = check_room(client)) return *full;  // before the prefill: a refused Open costs no forward
-    auto state = std::make_shared<State>();
+    std::shared_ptr<State> state;
     try {
-      state->processor = processor_of(request->sampling());
+      state = state_of(*request);
     } catch (const std::invalid_argument& e) {
       return invalid(std::string("sampling: ") + e.what());
     }
-    state->seed = request->seed();
-    state->threshold = request->threshold();
-    state->tau = request->tau();
-    // The cache is the target's to make, and the prompt is computed now (but for its last token,
-    // which the first Verify feeds): a Verify then computes only the step's new tokens, so batched
-    // rows stay of similar widths.
-    Job prefill{.task = [&]() -> grpc::Status {
-      try {
-        state->cache = std::make_unique<cache_type>(target_.make_cache(1));
-        state->session.emplace(target_, *state->cache);
-        state->session->append(prompt);
-        state->session->prefill();
-        return grpc::Status::OK;
-      } catch (const std::exception& e) {
-        return {grpc::StatusCode::INTERNAL, std::string("prefill of the prompt failed: ") + e.what()};
-      }
-    }};
+    state->number = next_number_++;
+    state->retired = retired_;
+    Job prefill{.task = [&] { return prefill_session(*state, prompt); }, .opening = request, .number = state->number};
     if (const grpc::Status prefilled = schedule(prefill); !prefilled.ok()) return prefilled;
     state->last_used = std::chrono::steady_clock::now();
     const std::lock_guard lock(sessions_mutex_);
@@ -299,25 +384,15 @@ class VerifierService final : public grpc::Service {
                                                         " tokens, more than its limit of " +
                                                         std::to_string(token_limit())};
     }
-    Job job{.state = state.get(), .drafts = std::vector<int64_t>(drafts.begin(), drafts.end())};
-    const bool greedy = std::holds_alternative<GreedyProcessor>(state->processor);
-    const bool needs_q = k > 0 && !greedy && !state->threshold;
-    if (!needs_q && request->q().encoding() != wire::DraftProbs::NONE) {
-      return invalid("q must have encoding NONE under greedy decoding, threshold verification or without drafts");
-    }
+    Job job{.state = state.get(), .request = request, .number = state->number, .step = state->steps};
     try {
-      if (needs_q) job.q = decode_q(request->q(), drafts, vocab);
+      prepare(job, vocab);
     } catch (const std::invalid_argument& e) {
       return invalid(e.what());
     }
+    ++state->steps;
     session.rollback(request->length());
     session.append(append);
-    job.options = SpeculativeOptions{.max_new_tokens = k + 1,
-                                     .seed = step_seed(state->seed, state->steps++),
-                                     .gamma = std::max<int64_t>(k, 1),
-                                     .first_target = false,
-                                     .verification = state->threshold ? Verification::threshold : Verification::rejection,
-                                     .threshold = state->threshold ? state->tau : 0.25};
     const grpc::Status status = schedule(job);
     if (!status.ok()) {
       session.rollback(request->length());
@@ -397,7 +472,19 @@ class VerifierService final : public grpc::Service {
     return stats_;
   }
 
+  // Tensor parallelism: what failed the group (a rank gone, a collective timed out), once it has
+  // failed; then the server serves no more requests. Empty while it serves, and for one process.
+  [[nodiscard]] std::optional<std::string> failure() const {
+    const std::lock_guard lock(failure_mutex_);
+    return failure_;
+  }
+
  private:
+  friend void follow_verifier<T>(T& target, std::shared_ptr<Collectives> group);
+  struct Follower {};
+  // A service that serves no calls: a tensor-parallel rank other than 0 (follow()).
+  VerifierService(T& target, ServerOptions options, Follower /*tag*/) : target_(target), options_(std::move(options)) {}
+
   using cache_type = typename T::cache_type;
   static constexpr bool kJoinable = JoinableKVCache<cache_type>;
 
@@ -414,6 +501,19 @@ class VerifierService final : public grpc::Service {
     std::string secret{};  // OpenReply.secret: every later call presents it
     std::string owner{};   // identity_of() the client that opened it
     std::string client{};  // client_of() it: what max_sessions_per_client counts
+    int64_t number = 0;    // what the ranks of a tensor-parallel verifier call it
+    std::shared_ptr<detail::RetiredSessions> retired{};  // where it is reported freed (tensor parallelism)
+    State() = default;
+    State(const State&) = delete;
+    State& operator=(const State&) = delete;
+    ~State() {
+      if (!retired) return;
+      try {
+        const std::lock_guard lock(retired->mutex);
+        retired->numbers.push_back(number);
+      } catch (...) {  // no memory for the number: the other ranks keep the session's cache
+      }
+    }
   };
 
   // Work for the model's thread: a task (a prompt's prefill) or one verification: the session
@@ -421,7 +521,11 @@ class VerifierService final : public grpc::Service {
   // then the outcome, written by the forward that served it.
   struct Job {
     std::function<grpc::Status()> task{};  // run alone when set
+    const wire::OpenRequest* opening = nullptr;  // the task's request (handed to the other ranks)
     State* state = nullptr;
+    const wire::VerifyRequest* request = nullptr;  // the verification's request
+    int64_t number = 0;                            // the session's State::number
+    uint64_t step = 0;                             // the session's step index (its seed)
     std::vector<int64_t> drafts{};
     at::Tensor q{};  // [k, vocab] float, or undefined when verification needs none
     SpeculativeOptions options{};
@@ -432,6 +536,53 @@ class VerifierService final : public grpc::Service {
   };
 
   static grpc::Status invalid(const std::string& message) { return {grpc::StatusCode::INVALID_ARGUMENT, message}; }
+
+  // A session as `request` opens it, before its prefill. Throws std::invalid_argument for a bad
+  // sampling description.
+  static std::shared_ptr<State> state_of(const wire::OpenRequest& request) {
+    auto state = std::make_shared<State>();
+    state->processor = processor_of(request.sampling());
+    state->seed = request.seed();
+    state->threshold = request.threshold();
+    state->tau = request.tau();
+    return state;
+  }
+
+  // The cache is the target's to make, and the prompt is computed now (but for its last token,
+  // which the first Verify feeds): a Verify then computes only the step's new tokens, so batched
+  // rows stay of similar widths.
+  grpc::Status prefill_session(State& state, std::span<const int64_t> prompt) {
+    try {
+      state.cache = std::make_unique<cache_type>(target_.make_cache(1));
+      state.session.emplace(target_, *state.cache);
+      state.session->append(prompt);
+      state.session->prefill();
+      return grpc::Status::OK;
+    } catch (const std::exception& e) {
+      return {grpc::StatusCode::INTERNAL, std::string("prefill of the prompt failed: ") + e.what()};
+    }
+  }
+
+  // The step of `job.request` (validated but for q) on its session: the drafts, their q and the
+  // step's options, seeded from job.step. Throws std::invalid_argument for a bad q.
+  static void prepare(Job& job, int64_t vocab) {
+    const wire::VerifyRequest& request = *job.request;
+    const State& state = *job.state;
+    job.drafts.assign(request.drafts().begin(), request.drafts().end());
+    const auto k = static_cast<int64_t>(job.drafts.size());
+    const bool greedy = std::holds_alternative<GreedyProcessor>(state.processor);
+    const bool needs_q = k > 0 && !greedy && !state.threshold;
+    if (!needs_q && request.q().encoding() != wire::DraftProbs::NONE) {
+      throw std::invalid_argument("q must have encoding NONE under greedy decoding, threshold verification or without drafts");
+    }
+    if (needs_q) job.q = decode_q(request.q(), job.drafts, vocab);
+    job.options = SpeculativeOptions{.max_new_tokens = k + 1,
+                                     .seed = step_seed(state.seed, job.step),
+                                     .gamma = std::max<int64_t>(k, 1),
+                                     .first_target = false,
+                                     .verification = state.threshold ? Verification::threshold : Verification::rejection,
+                                     .threshold = state.threshold ? state.tau : 0.25};
+  }
 
   // Registers `handler` as /specdec.remote.v1.Verifier/`method`, behind front_door(). The method is
   // client-streaming here: gRPC then hands the call over on its headers, before its message is
@@ -510,25 +661,42 @@ class VerifierService final : public grpc::Service {
   // runs the oldest task, if any, then every queued verification (up to max_batch) in one forward,
   // after waiting up to batch_delay for more to join (running the tasks that arrive meanwhile). It
   // returns when stop() is called and nothing is queued.
+  // With a group, each round's work is handed to the other ranks first (hand_over), and an idle
+  // wait of ServerOptions::heartbeat hands them an empty round.
   void serve_queue() {
     std::unique_lock lock(queue_mutex_);
     const auto run_task = [&] {
       Job* job = tasks_.front();
       tasks_.pop_front();
       lock.unlock();
-      try {
-        job->status = job->task();
-      } catch (const std::exception& e) {
-        job->status = {grpc::StatusCode::INTERNAL, e.what()};
+      if (hand_over({&job, 1}, detail::WorkMessage::open)) {
+        try {
+          job->status = job->task();
+        } catch (const std::exception& e) {
+          job->status = {grpc::StatusCode::INTERNAL, e.what()};
+        }
+        check_group({&job, 1});
       }
       lock.lock();
       job->done = true;
       served_.notify_all();
     };
     const size_t limit = kJoinable ? static_cast<size_t>(options_.limits.max_batch) : 1;
+    const auto waiting = [&] { return stopping_ || !queue_.empty() || !tasks_.empty(); };
     while (true) {
-      arrived_.wait(lock, [&] { return stopping_ || !queue_.empty() || !tasks_.empty(); });
-      if (queue_.empty() && tasks_.empty()) return;
+      if (!options_.group) {
+        arrived_.wait(lock, waiting);
+      } else if (!arrived_.wait_for(lock, options_.heartbeat, waiting)) {
+        lock.unlock();
+        hand_over({}, detail::WorkMessage::idle);
+        lock.lock();
+        continue;
+      }
+      if (queue_.empty() && tasks_.empty()) {
+        lock.unlock();
+        hand_over({}, detail::WorkMessage::stop);
+        return;
+      }
       if (!tasks_.empty()) run_task();
       if (queue_.empty()) continue;
       if (options_.limits.batch_delay.count() > 0) {
@@ -545,13 +713,143 @@ class VerifierService final : public grpc::Service {
       std::vector<Job*> batch(queue_.begin(), queue_.begin() + take);
       queue_.erase(queue_.begin(), queue_.begin() + take);
       lock.unlock();
-      run(batch);
+      if (hand_over(batch, detail::WorkMessage::verify)) {
+        run(batch);
+        check_group(batch);
+      }
       lock.lock();
       stats_.verifications += static_cast<int64_t>(batch.size());
       ++stats_.forwards;
       stats_.largest_batch = std::max(stats_.largest_batch, static_cast<int64_t>(batch.size()));
       for (Job* served : batch) served->done = true;
       served_.notify_all();
+    }
+  }
+
+  // Tensor parallelism: broadcasts the round of `kind` that serves `jobs` (and the sessions freed
+  // since the last round) to the other ranks, before rank 0 runs it. False, with every job's
+  // status UNAVAILABLE, once the group has failed (now or before); true without a group.
+  bool hand_over(std::span<Job* const> jobs, detail::WorkMessage::Kind kind) noexcept {
+    if (!options_.group) return true;
+    if (!failure()) {
+      try {
+        detail::WorkMessage message;
+        message.put(kind);
+        std::vector<int64_t> retired;
+        {
+          const std::lock_guard lock(retired_->mutex);
+          retired.swap(retired_->numbers);
+        }
+        message.put(static_cast<int64_t>(retired.size()));
+        for (const int64_t number : retired) message.put(number);
+        if (kind == detail::WorkMessage::verify) message.put(static_cast<int64_t>(jobs.size()));
+        for (const Job* job : jobs) {
+          message.put(job->number);
+          if (job->opening != nullptr) {
+            message.put(*job->opening);
+          } else {
+            message.put(static_cast<int64_t>(job->step));
+            message.put(*job->request);
+          }
+        }
+        detail::share(*options_.group, message.bytes());
+        return true;
+      } catch (const std::exception& e) {
+        fail(e.what());
+      }
+    }
+    const grpc::Status status = failed_status();
+    for (Job* job : jobs) job->status = status;
+    return false;
+  }
+
+  // Tensor parallelism: a round that ended in an internal error (a collective that failed, a rank
+  // that ran out of memory) has left the ranks out of step: the group fails for good, and the
+  // round's calls say so (UNAVAILABLE, as every later call).
+  void check_group(std::span<Job* const> jobs) {
+    if (!options_.group) return;
+    for (const Job* job : jobs) {
+      if (job->status.error_code() == grpc::StatusCode::INTERNAL) fail(job->status.error_message());
+    }
+    if (!failure()) return;
+    const grpc::Status status = failed_status();
+    for (Job* job : jobs) {
+      if (job->status.error_code() == grpc::StatusCode::INTERNAL) job->status = status;
+    }
+  }
+
+  void fail(const std::string& what) noexcept {
+    const std::lock_guard lock(failure_mutex_);
+    if (!failure_) failure_ = what;
+  }
+
+  [[nodiscard]] grpc::Status failed_status() const {
+    return {grpc::StatusCode::UNAVAILABLE,
+            "the verifier's tensor-parallel group has failed, and serves no more requests: " + failure().value_or("")};
+  }
+
+  // A rank other than 0 of a tensor-parallel verifier: reads each round rank 0 hands over and
+  // runs it as rank 0 does (the same sessions, batches and forwards), until rank 0 stops. Throws
+  // std::runtime_error when the group fails, or when a round fails here as it cannot have on rank
+  // 0 (which would have failed the group).
+  void follow() {
+    std::map<int64_t, std::shared_ptr<State>> sessions;
+    const int64_t vocab = target_.vocab_size();
+    const auto session_of = [&](int64_t number) {
+      const auto it = sessions.find(number);
+      if (it == sessions.end()) {
+        throw std::runtime_error("tensor parallelism: rank 0 named session " + std::to_string(number) +
+                                 ", which this rank does not hold");
+      }
+      return it->second;
+    };
+    while (true) {
+      const std::string bytes = detail::share(*options_.group, {});
+      detail::WorkReader in(bytes);
+      const int64_t kind = in.integer();
+      const int64_t retired = in.integer();
+      for (int64_t i = 0; i < retired; ++i) sessions.erase(in.integer());
+      if (retired > 0) detail::return_free_memory();
+      if (kind == detail::WorkMessage::stop) return;
+      if (kind == detail::WorkMessage::open) {
+        const int64_t number = in.integer();
+        const auto request = in.message<wire::OpenRequest>();
+        std::shared_ptr<State> state = state_of(request);
+        const std::span<const int64_t> prompt(request.prompt().data(), static_cast<size_t>(request.prompt_size()));
+        if (const grpc::Status status = prefill_session(*state, prompt); !status.ok()) {
+          throw std::runtime_error(status.error_message());
+        }
+        sessions[number] = std::move(state);
+      } else if (kind == detail::WorkMessage::verify) {
+        const int64_t count = in.integer();
+        if (count < 1 || static_cast<size_t>(count) > bytes.size() / (3 * sizeof(int64_t))) {
+          throw std::runtime_error("tensor parallelism: rank 0 sent a batch of " + std::to_string(count) + " verifications");
+        }
+        std::vector<wire::VerifyRequest> requests(static_cast<size_t>(count));
+        std::vector<std::shared_ptr<State>> states;
+        std::vector<Job> jobs(static_cast<size_t>(count));
+        std::vector<Job*> batch;
+        for (size_t i = 0; i < requests.size(); ++i) {
+          states.push_back(session_of(in.integer()));
+          Job& job = jobs[i];
+          job.step = static_cast<uint64_t>(in.integer());
+          requests[i] = in.message<wire::VerifyRequest>();
+          job.state = states.back().get();
+          job.request = &requests[i];
+          prepare(job, vocab);
+          Session<T>& session = *job.state->session;
+          session.rollback(requests[i].length());
+          session.append(std::span<const int64_t>(requests[i].append().data(), static_cast<size_t>(requests[i].append_size())));
+          batch.push_back(&job);
+        }
+        run(batch);
+        for (size_t i = 0; i < jobs.size(); ++i) {
+          if (jobs[i].status.error_code() == grpc::StatusCode::INTERNAL) throw std::runtime_error(jobs[i].status.error_message());
+          if (!jobs[i].status.ok()) jobs[i].state->session->rollback(requests[i].length());
+        }
+      } else if (kind != detail::WorkMessage::idle) {
+        throw std::runtime_error("tensor parallelism: rank 0 sent a round of unknown kind " + std::to_string(kind));
+      }
     }
   }
 
@@ -818,8 +1116,44 @@ class VerifierService final : public grpc::Service {
                                               // return_free_memory()
   std::mutex reading_mutex_;
   std::map<grpc::ServerContext*, std::chrono::steady_clock::time_point> reading_;  // calls awaiting their message
-  std::thread model_thread_{};  // serve_queue(), started last by the constructor
+  std::shared_ptr<detail::RetiredSessions> retired_{};  // tensor parallelism: sessions freed since the last round
+  std::atomic<int64_t> next_number_{0};                 // the next session's State::number
+  mutable std::mutex failure_mutex_;
+  std::optional<std::string> failure_{};  // failure()
+  std::thread model_thread_{};            // serve_queue(), started last by the constructor
 };
+
+namespace detail {
+
+// Throws std::invalid_argument unless a SharedDecisions is alive on `group`: without it the ranks
+// of a tensor-parallel verifier would each take their own decisions and fall out of step.
+inline void check_shared_decisions(const Collectives& group) {
+  if (specdec::detail::decision_group().load() != &group) {
+    throw std::invalid_argument("ServerOptions::group: no specdec::SharedDecisions is alive on it; every rank of a "
+                                "tensor-parallel verifier needs one for as long as it serves");
+  }
+}
+
+}  // namespace detail
+
+// Rank group->rank() (not 0) of a tensor-parallel verifier (see the top of this file): runs, on
+// this thread, every round of work that rank 0's VerifierServer over the same group hands over,
+// with `target` this rank's shard, until rank 0 stops serving (it returns) or the group fails (it
+// throws std::runtime_error naming the collective and the rank; within the group's timeout of
+// rank 0's last word). A SharedDecisions must be alive on `group`. Throws std::invalid_argument
+// for a missing group, rank 0, or no SharedDecisions.
+template <Target T>
+void follow_verifier(T& target, std::shared_ptr<Collectives> group) {
+  if (!group) throw std::invalid_argument("follow_verifier: group must not be null");
+  if (group->rank() == 0) {
+    throw std::invalid_argument("follow_verifier: rank 0 serves (VerifierServer with ServerOptions::group), it does not follow");
+  }
+  detail::check_shared_decisions(*group);
+  ServerOptions options;
+  options.group = std::move(group);
+  VerifierService<T> service(target, std::move(options), typename VerifierService<T>::Follower{});
+  service.follow();
+}
 
 // A running server: the service on options.address, and a thread that frees idle sessions.
 template <Target T>
@@ -870,6 +1204,9 @@ class VerifierServer {
   [[nodiscard]] int port() const noexcept { return port_; }
   [[nodiscard]] int64_t sessions() const { return service_.sessions(); }
   [[nodiscard]] ServerStats stats() const { return service_.stats(); }
+  // Tensor parallelism: what failed the group, once it has (then every call gets UNAVAILABLE;
+  // a program stops the server and exits). Empty while it serves.
+  [[nodiscard]] std::optional<std::string> failure() const { return service_.failure(); }
 
   // Stops accepting requests, cancels those in flight and stops the reaper. Idempotent.
   void shutdown() {
@@ -918,6 +1255,17 @@ class VerifierServer {
     };
     for (const auto& [rule, holds] : rules) {
       if (!holds) throw std::invalid_argument(std::string("limits: ") + rule + " is required");
+    }
+    if (options.group) {
+      if (options.group->rank() != 0) {
+        throw std::invalid_argument("ServerOptions::group: this process is rank " + std::to_string(options.group->rank()) +
+                                    "; rank 0 serves, the other ranks run remote::follow_verifier");
+      }
+      if (options.heartbeat.count() < 1) {
+        throw std::invalid_argument("ServerOptions::heartbeat must be >= 1 ms, got " +
+                                    std::to_string(options.heartbeat.count()) + " ms");
+      }
+      detail::check_shared_decisions(*options.group);
     }
     return options;
   }
