@@ -4,7 +4,8 @@
 #   1. builds specdec's unit tests and specdec_gpu_bench against that PyTorch
 #      (python3 -c 'import torch; print(torch.utils.cmake_prefix_path)'), with the libraries of
 #      .gpu-deps (scripts/gpu-deps.sh) where the machine lacks them;
-#   2. runs every CUDA test, then the whole unit suite, in shards;
+#   2. runs every CUDA test, then the whole unit suite, in shards, then the NCCL test (one rank in
+#      an NCCL group on the GPU, TensorParallelNccl in tests/test_parallel.cpp);
 #   3. benchmarks a 1.1B-parameter random-weight Llama in bfloat16 (scripts/gpu_check.py) with a
 #      self-drafter (its first two layers) and a small separate drafter: autoregressive against
 #      speculative decoding, eager and with CUDA graphs, in one run of alternated rounds; then
@@ -48,6 +49,13 @@ fi
 stage "configure and build against the machine's PyTorch"
 mapfile -t torch_args < <("$root/scripts/torch-cmake-args.sh" "$python")
 arch="$("$python" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability(0))')"
+# nccl.h: the CUDA toolkit's where installed, else the one of PyTorch's nvidia-nccl package.
+nccl_include="$("$python" -c 'import os, nvidia.nccl as n
+for p in n.__path__:
+    if os.path.exists(os.path.join(p, "include", "nccl.h")): print(os.path.join(p, "include")); break' 2>/dev/null || true)"
+if [ -n "$nccl_include" ] && [ ! -f /usr/local/cuda/include/nccl.h ]; then
+  torch_args+=("-DSPECDEC_NCCL_INCLUDE_DIR=$nccl_include")
+fi
 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release "${torch_args[@]}" \
   -DTORCH_CUDA_ARCH_LIST="$arch" -DSPECDEC_BUILD_TESTS=ON -DSPECDEC_BUILD_EXAMPLES=OFF \
   -DSPECDEC_BUILD_GPU_BENCH=ON -DSPECDEC_BUILD_REMOTE=OFF > "$build.configure.log" 2>&1 \
@@ -78,6 +86,26 @@ echo "unit suite: $(cat "$work"/shard*.log | grep -c '^\[  FAILED  \].*(' || tru
 $(cat "$work"/shard*.log | grep -oE '^\[==========\] [0-9]+ tests' | awk '{s += $2} END {print s}') tests" \
   >> "$work/cuda-tests.txt"
 
+stage "NCCL: one rank in an NCCL group on the GPU"
+nccl=0
+grep -E "tensor parallelism over|Gloo headers" "$build.configure.log" || true
+if cmake --build "$build" -j "$jobs" --target specdec_parallel_tests specdec_parallel_worker > "$work/nccl-build.log" 2>&1; then
+  "$build/tests/specdec_parallel_tests" --gtest_filter='TensorParallelNccl.*' > "$work/nccl.log" 2>&1 || nccl=1
+  grep -E '^\[ +(OK|FAILED|SKIPPED) |skipped' "$work/nccl.log" || true
+  if [ "$nccl" -ne 0 ]; then
+    echo "nccl: FAILED (see below)" >> "$work/cuda-tests.txt"
+    tail -n 30 "$work/nccl.log"
+  elif grep -q '^\[  SKIPPED \]' "$work/nccl.log"; then
+    echo "nccl: skipped: $(grep -m1 'skipped:' "$work/nccl.log" || echo 'see nccl.log')" >> "$work/cuda-tests.txt"
+  else
+    echo "nccl: one rank over NCCL equals the GPU without a group (speculative, batch)" >> "$work/cuda-tests.txt"
+  fi
+else
+  nccl=1
+  echo "nccl: FAILED: the tensor-parallel tests did not build (nccl-build.log)" >> "$work/cuda-tests.txt"
+  tail -n 30 "$work/nccl-build.log"
+fi
+
 stage "models (scripts/gpu_check.py make)"
 if [ ! -f "$work/models/prompt.json" ]; then "$python" "$root/scripts/gpu_check.py" make "$work/models"; fi
 stage "specdec_gpu_bench"
@@ -89,4 +117,4 @@ stage "transformers"
 stage "summary"
 "$python" "$root/scripts/gpu_check.py" table "$work/models" --checks "$work/cuda-tests.txt"
 if [ -n "${OUT:-}" ]; then cp "$work/models/specdec.json" "$work/models/transformers.json" "$work/cuda-tests.log" "$OUT/"; fi
-if [ "$failed" -ne 0 ] || [ "$suite" -ne 0 ]; then echo "gpu-check: tests failed" >&2; exit 1; fi
+if [ "$failed" -ne 0 ] || [ "$suite" -ne 0 ] || [ "$nccl" -ne 0 ]; then echo "gpu-check: tests failed" >&2; exit 1; fi

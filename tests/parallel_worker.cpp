@@ -11,7 +11,9 @@
 // offset by 1000 * rank more), distribution (rank 0 writes the target's next-token probabilities at the
 // sampled prompt, one per line), die (speculative, greedy; rank world_size - 1 ends its process
 // after --die-at-step steps of the second prompt). --model-per-rank gives each rank the weights
-// of another seed (a mismatched checkpoint).
+// of another seed (a mismatched checkpoint). --device cuda runs on cuda:0; --nccl joins an NCCL
+// group even at world size 1 (one GPU cannot hold two NCCL ranks), and exits with status 77,
+// printing why, where this build has no NCCL or the machine no GPU.
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -52,8 +54,11 @@ std::vector<std::vector<int64_t>> prompts() {
 struct Arguments {
   int64_t rank = 0, world_size = 1, samples = 0, die_at_step = 3, timeout_ms = 20000, seed_offset = 0;
   std::string file, out, mode;
-  bool seed_per_rank = false, model_per_rank = false;
+  bool seed_per_rank = false, model_per_rank = false, nccl = false;
+  std::string device = "cpu";
 };
+
+constexpr int kSkipped = 77;
 
 void write_whole(const std::string& path, const std::string& text) {
   const std::string partial = path + ".partial";
@@ -72,19 +77,33 @@ std::string line(const std::vector<int64_t>& tokens) {
 }
 
 int run(const Arguments& a) {
+  if (a.nccl || a.device == "cuda") {
+#ifndef SPECDEC_HAVE_NCCL
+    if (a.nccl) {
+      std::cerr << "skipped: this build of specdec has no NCCL (a libtorch with CUDA and nccl.h)\n";
+      return kSkipped;
+    }
+#endif
+    if (!at::hasCUDA()) {
+      std::cerr << "skipped: no CUDA device\n";
+      return kSkipped;
+    }
+  }
   const models::LlamaConfig config = parallel_config();
-  const models::LlamaWeights weights =
-      models::LlamaWeights::random(config, a.model_per_rank ? 1 + static_cast<uint64_t>(a.rank) : 1);
+  const at::Device device = a.device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  const models::LlamaWeights weights = models::LlamaWeights::random(
+      config, a.model_per_rank ? 1 + static_cast<uint64_t>(a.rank) : 1, at::TensorOptions(at::kFloat).device(device));
   std::shared_ptr<Collectives> group;
   std::optional<SharedDecisions> decisions;
-  if (a.world_size > 1) {
+  if (a.world_size > 1 || a.nccl) {
     check_tensor_parallel(config, a.world_size);  // before the rendezvous: nothing to wait for
     group = connect(Rendezvous{.rank = a.rank, .world_size = a.world_size, .file = a.file,
-                               .timeout = std::chrono::milliseconds(a.timeout_ms)});
+                               .timeout = std::chrono::milliseconds(a.timeout_ms),
+                               .backend = a.nccl ? Rendezvous::Backend::nccl : Rendezvous::Backend::gloo});
     decisions.emplace(*group);
   }
-  Model target = a.world_size > 1 ? Model(config, models::llama_shard(config, weights, a.rank, a.world_size), group)
-                                  : Model(config, weights);
+  Model target = group ? Model(config, models::llama_shard(config, weights, a.rank, a.world_size), group)
+                       : Model(config, weights);
   // The drafter is replicated: every rank holds it whole.
   Model drafter(config, test::perturbed(weights, 0.05, 2));
   const std::vector<std::vector<int64_t>> all = prompts();
@@ -159,6 +178,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed-offset", a.seed_offset);
   app.add_flag("--seed-per-rank", a.seed_per_rank);
   app.add_flag("--model-per-rank", a.model_per_rank);
+  app.add_option("--device", a.device)->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_flag("--nccl", a.nccl);
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);

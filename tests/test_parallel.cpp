@@ -4,7 +4,8 @@
 // chi-square test against the whole model's distribution (with a power check); ranks sampling with
 // different seeds still emit rank 0's tokens; a rank whose process ends makes every other rank
 // fail within a bounded time with a clear error and no output file; a world size that does not
-// divide the model, an unreachable rendezvous and mismatched checkpoints are named.
+// divide the model, an unreachable rendezvous and mismatched checkpoints are named; NCCL on a GPU
+// where there is one.
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
@@ -267,6 +268,22 @@ TEST(TensorParallelFailures, RanksWithDifferentCheckpointsAreRefusedOnEveryRank)
     EXPECT_FALSE(rank.has_output);
   }
   EXPECT_NE(ranks[1].errors.find("this rank, 1, is one of them"), std::string::npos) << ranks[1].errors;
+}
+
+// NCCL, where the build has it and the machine a GPU (scripts/gpu-check.sh runs this; elsewhere it
+// skips, saying why): one rank on cuda:0 in an NCCL group, so the construction's checks and every
+// layer's two all-reduces run through NCCL on the GPU's stream, emits exactly what cuda:0 emits
+// without a group. One GPU cannot hold two NCCL ranks; the Gloo tests above cover the split.
+TEST(TensorParallelNccl, OneRankOnTheGpuEqualsTheGpuWithoutAGroup) {
+  for (const std::string mode : {"speculative", "batch"}) {
+    const Scratch scratch;
+    const std::vector<Ended> nccl = run_ranks(scratch, 1, mode, {"--device", "cuda", "--nccl"});
+    if (nccl[0].status == 77) GTEST_SKIP() << nccl[0].errors;
+    ASSERT_EQ(nccl[0].status, 0) << nccl[0].errors;
+    const std::vector<std::string> alone = outputs(1, mode, {"--device", "cuda"});
+    EXPECT_EQ(nccl[0].output, alone[0]) << mode;
+    EXPECT_FALSE(token_lines(alone[0]).empty());
+  }
 }
 
 }  // namespace
