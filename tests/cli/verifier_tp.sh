@@ -93,9 +93,14 @@ case "$case_name" in
     rank1="$(pgrep -P "$server")"
     [ -n "$rank1" ] || { echo "rank 1 is not running"; exit 1; }
     "$generate" --verifier "127.0.0.1:$port" "${model[@]}" --prompt "Once upon a time" --max-new-tokens 400 \
-      --added-latency-ms 10 > "$work/client.out" 2>&1 &
+      --added-latency-ms 10 --trace > "$work/client.out" 2>&1 &
     client_pid=$!
-    sleep 1
+    # Mid-generation: once the client has made three steps (--trace prints one [k=...] per step).
+    for _ in $(seq 1 600); do
+      [ "$(grep -o '\[k=' "$work/client.out" | wc -l)" -ge 3 ] && break
+      kill -0 "$client_pid" 2>/dev/null || break
+      sleep 0.1
+    done
     kill -9 "$rank1"
     start=$SECONDS
     wait "$client_pid"
