@@ -3,9 +3,9 @@
 # end, on stories260K (8 heads: it splits over 2 and 4 ranks) with llama2xs drafting.
 #   same:  a server split over 2 and over 4 ranks answers as one process does: a greedy client
 #          gets the same text, three clients at once (batched verifications: --max-batch,
-#          --batch-delay-us) each get their own text, a sampled client generates; the first client
-#          comes after the server has idled past its --tp-timeout-ms (heartbeats keep the group
-#          alive); SIGTERM stops every rank with status 0.
+#          --batch-delay-us) each get their own text, a sampled client generates; the 2-rank
+#          server's first client comes after it has idled past its --tp-timeout-ms (heartbeats
+#          keep the group alive); SIGTERM stops every rank with status 0.
 #   kill1: rank 1 is killed (SIGKILL) mid-generation: the client exits 1 naming the tensor-parallel
 #          failure, rank 0 exits 2 within 20 s, and no rank is left running.
 #   kill0: rank 0 is killed (SIGKILL) while idle: rank 1 exits 2 within 20 s naming tensor
@@ -55,11 +55,11 @@ client() {  # client OUT ARGS...: the text of one remote generation (header and 
   "$generate" --verifier "127.0.0.1:$port" "${model[@]}" "$@" > "$out.raw" 2>&1 || { echo "client failed:"; cat "$out.raw"; exit 1; }
   grep -Ev '^(mode|target|drafter|verifier): | tokens in |tokens/s| round trips' "$out.raw" > "$out"
 }
-serve_all() {  # serve_all DIR TP: the texts a server of TP ranks gives, into DIR
-  local dir="$1" tp="$2"
+serve_all() {  # serve_all DIR TP TIMEOUT_MS IDLE_S: the texts a server of TP ranks gives, into DIR
+  local dir="$1" tp="$2" timeout_ms="$3" idle="$4"
   mkdir -p "$dir"
-  start_server "$dir/server.log" --tp "$tp" --tp-timeout-ms 2000 --max-batch 8 --batch-delay-us 20000
-  sleep 3  # idle past the timeout: only the heartbeats keep the ranks waiting
+  start_server "$dir/server.log" --tp "$tp" --tp-timeout-ms "$timeout_ms" --max-batch 8 --batch-delay-us 20000
+  sleep "$idle"  # idle past the timeout: only the heartbeats keep the ranks waiting
   client "$dir/greedy" --prompt "Once upon a time" --max-new-tokens 80
   local clients=()
   for i in 1 2 3; do
@@ -74,9 +74,10 @@ serve_all() {  # serve_all DIR TP: the texts a server of TP ranks gives, into DI
 }
 case "$case_name" in
   same)
-    serve_all "$work/1" 1
+    serve_all "$work/1" 1 60000 0
+    serve_all "$work/2" 2 5000 6  # idle past the group's timeout first
+    serve_all "$work/4" 4 60000 0
     for tp in 2 4; do
-      serve_all "$work/$tp" "$tp"
       for text in greedy batch.1 batch.2 batch.3; do
         if ! cmp -s "$work/1/$text" "$work/$tp/$text"; then
           echo "--tp $tp: the $text text differs from one process:"
