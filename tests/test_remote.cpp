@@ -253,11 +253,13 @@ class RawClient {
   RawClient(int port, std::string token = "")
       : stub_(remote::wire::Verifier::NewStub(grpc::CreateChannel(local(port), grpc::InsecureChannelCredentials()))),
         token_(std::move(token)) {}
-  grpc::Status open(const Ids& prompt, remote::wire::OpenReply* reply, remote::wire::Sampling::Kind kind = remote::wire::Sampling::GREEDY) {
+  grpc::Status open(const Ids& prompt, remote::wire::OpenReply* reply, remote::wire::Sampling::Kind kind = remote::wire::Sampling::GREEDY,
+                    uint64_t seed = 0) {
     remote::wire::OpenRequest request;
     request.mutable_sampling()->set_kind(kind);
     request.mutable_sampling()->set_temperature(1.0);
     request.mutable_prompt()->Add(prompt.begin(), prompt.end());
+    request.set_seed(seed);
     grpc::ClientContext context;
     authorize(context);
     return stub_->Open(&context, request, reply);
@@ -1150,23 +1152,13 @@ class ThreadPair final : public Collectives {
 // call's status.
 Ids raw_generate(int port, const Ids& prompt, const Ids& guess, bool sampled, uint64_t seed, size_t new_tokens) {
   RawClient raw(port);
-  remote::wire::OpenRequest open;
-  open.mutable_sampling()->set_kind(sampled ? remote::wire::Sampling::MULTINOMIAL : remote::wire::Sampling::GREEDY);
-  open.mutable_sampling()->set_temperature(1.0);
-  open.mutable_prompt()->Add(prompt.begin(), prompt.end());
-  open.set_seed(seed);
-  remote::wire::OpenReply opened;
   const auto check = [](const grpc::Status& status, const char* call) {
     if (!status.ok()) {
       throw std::runtime_error(std::string(call) + " failed (" + std::to_string(status.error_code()) + "): " + status.error_message());
     }
   };
-  {
-    grpc::ClientContext context;
-    check(remote::wire::Verifier::NewStub(grpc::CreateChannel(local(port), grpc::InsecureChannelCredentials()))
-              ->Open(&context, open, &opened),
-          "Open");
-  }
+  remote::wire::OpenReply opened;
+  check(raw.open(prompt, &opened, sampled ? remote::wire::Sampling::MULTINOMIAL : remote::wire::Sampling::GREEDY, seed), "Open");
   Ids tokens = prompt;
   while (tokens.size() < prompt.size() + new_tokens) {
     remote::wire::VerifyRequest request;

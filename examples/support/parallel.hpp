@@ -43,8 +43,6 @@ struct TensorParallelFlags {
   std::string rendezvous_file;   // set by --tp for the ranks it starts
   int64_t timeout_ms = 60000;    // the rendezvous and every collective
 
-  // Whether this process is one rank of several.
-  [[nodiscard]] bool split() const { return tp > 1 || world_size > 1; }
   // Whether this process is a rank other than 0.
   [[nodiscard]] bool follower() const { return rank > 0; }
   // Whether this is a rank of a group started by hand (--world-size, --master).
