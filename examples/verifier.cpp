@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
     app.add_option("--max-sessions", options.limits.max_sessions, "open sessions at once (default 64)")
         ->check(cli::integer<int64_t>(1, 1 << 20));
     app.add_option("--max-sessions-per-client", options.limits.max_sessions_per_client,
-                   "sessions one client (its token, certificate and host) may hold (default 16)")
+                   "sessions one client (its TLS certificate where one is required, else its connection) may hold (default 16)")
         ->check(cli::integer<int64_t>(1, 1 << 20));
     app.add_option("--max-concurrent-requests", options.limits.max_concurrent_requests,
                    "authenticated requests served at once; more are refused (default 64)")
@@ -113,6 +113,7 @@ int main(int argc, char** argv) {
     options.tls = {.certificate_chain = pem(tls_cert, "--tls-cert"),
                    .private_key = pem(tls_key, "--tls-key"),
                    .trusted_ca = pem(tls_client_ca, "--tls-client-ca")};
+    specdec::remote::check_tls_key(options.tls, "--tls-cert " + tls_cert, "--tls-key " + tls_key);
 
     // On rank 0, SIGINT and SIGTERM are taken by sigwait below, in this thread only (blocked
     // before any thread starts). The other ranks end when rank 0 stops, or by SIGTERM; those that

@@ -7,6 +7,7 @@
 #include <specdec/io/eagle.hpp>
 #include <specdec/io/hf_tokenizer.hpp>
 #include <specdec/io/medusa.hpp>
+#include <specdec/io/regular_file.hpp>
 #include <specdec/io/tokenizer.hpp>
 #include <specdec/models/llama.hpp>
 #include <specdec/specdec.hpp>

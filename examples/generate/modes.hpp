@@ -6,6 +6,9 @@
 
 namespace {
 
+// The largest --dev-file or --batch-file read.
+constexpr size_t kMaxPromptFileBytes = size_t{64} << 20;
+
 // Beam search prints its n-best list when it is done (hypotheses are not final before).
 int run_beam(const Arguments& a, Model& target, const Text& text, const std::vector<int64_t>& prompt,
              const std::vector<int64_t>& eos) {
@@ -125,9 +128,9 @@ CalibrationResult calibrate(const Arguments& a, Model& drafter, Model& target, c
                             const Processor& processor) {
   std::vector<std::vector<int64_t>> dev{prompt};
   if (!a.dev_file.empty()) {
-    std::ifstream in(a.dev_file, std::ios::binary);
-    if (!in) throw std::invalid_argument("--dev-file: cannot open " + a.dev_file);
-    const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string read = io::read_regular_file(a.dev_file, "--dev-file", kMaxPromptFileBytes);
+    if (read.size() > kMaxPromptFileBytes) throw std::invalid_argument("--dev-file " + a.dev_file + " is larger than 64 MiB");
+    const std::vector<uint8_t> bytes(read.begin(), read.end());
     dev.clear();
     for (const auto& window : text::line_prompts(bytes, 8, 256)) dev.push_back(text.encode(window));
     if (dev.empty()) throw std::invalid_argument("--dev-file: " + a.dev_file + " is too short for 256-byte prompts");
@@ -159,8 +162,9 @@ CalibrationResult calibrate(const Arguments& a, Model& drafter, Model& target, c
 int run_batch_file(const Arguments& a, Model& target, Model* drafter, const models::EagleHead* eagle,
                    const models::MedusaHeads* medusa, const Text& text, const std::vector<int64_t>& eos,
                    const std::vector<std::vector<int64_t>>& stops, const Processor& processor) {
-  std::ifstream in(a.batch_file);
-  if (!in) throw std::invalid_argument("--batch-file: cannot open " + a.batch_file);
+  const std::string read = io::read_regular_file(a.batch_file, "--batch-file", kMaxPromptFileBytes);
+  if (read.size() > kMaxPromptFileBytes) throw std::invalid_argument("--batch-file " + a.batch_file + " is larger than 64 MiB");
+  std::istringstream in(read);
   std::vector<std::string> lines;
   for (std::string line; std::getline(in, line);) {
     // "\n" (backslash, n) in a line stands for a newline of the prompt.

@@ -4,6 +4,10 @@
 // proto/specdec/remote/v1/verifier.proto).
 #pragma once
 
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -11,6 +15,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -18,6 +24,7 @@
 #include <variant>
 
 #include "specdec/detail/torch_compat.hpp"
+#include "specdec/io/regular_file.hpp"
 #include "specdec/logits_processor.hpp"
 #include "specdec/remote/v1/verifier.grpc.pb.h"
 
@@ -199,27 +206,46 @@ struct TlsOptions {
 };
 
 // The contents of a PEM file. Throws std::invalid_argument naming `what` and the file when it
-// does not exist, is a folder, cannot be opened (with the system's reason), is larger than 1 MiB
-// or holds no PEM block.
+// does not exist, is not a regular file (a folder, a FIFO, a socket, a device), cannot be opened
+// (with the system's reason), is larger than 1 MiB or holds no PEM block.
 inline std::string read_pem(const std::string& file, const char* what) {
   const std::string named = std::string(what) + " " + file;
-  std::error_code error;
-  const auto status = std::filesystem::status(file, error);
-  if (status.type() == std::filesystem::file_type::not_found) throw std::invalid_argument(named + " does not exist");
-  if (status.type() == std::filesystem::file_type::directory) throw std::invalid_argument(named + " is a folder");
-  std::ifstream in(file, std::ios::binary);
-  if (!in) {
-    const int reason = errno;
-    throw std::invalid_argument(named + " cannot be opened: " + std::generic_category().message(reason));
-  }
-  // At most 1 MiB and one byte is read: a device that never ends cannot hold the reader.
-  std::string text((size_t{1} << 20) + 1, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  if (in.bad()) throw std::invalid_argument(named + " cannot be read");
-  text.resize(static_cast<size_t>(in.gcount()));
+  const std::string text = io::read_regular_file(file, what, size_t{1} << 20);
   if (text.size() > (size_t{1} << 20)) throw std::invalid_argument(named + " is larger than 1 MiB");
   if (text.find("-----BEGIN ") == std::string::npos) throw std::invalid_argument(named + " holds no PEM block (-----BEGIN ...)");
   return text;
+}
+
+// Throws std::invalid_argument unless `tls`'s certificate_chain opens with a certificate whose
+// public key is that of private_key (both PEM; OpenSSL reads them), naming them as `chain_name`
+// and `key_name` (a flag and a file) and the cause: a chain without a readable certificate, a key
+// that cannot be read (an encrypted key is refused: the server has no passphrase), or a key that is
+// another certificate's. gRPC would only fail to listen, without saying why. Does nothing when
+// either is empty.
+inline void check_tls_key(const TlsOptions& tls, const std::string& chain_name, const std::string& key_name) {
+  if (tls.certificate_chain.empty() || tls.private_key.empty()) return;
+  const auto bio_of = [](const std::string& pem) {
+    return std::unique_ptr<BIO, decltype(&BIO_free)>(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())), &BIO_free);
+  };
+  const auto chain = bio_of(tls.certificate_chain);
+  const auto key = bio_of(tls.private_key);
+  if (!chain || !key) throw std::bad_alloc();
+  const std::unique_ptr<X509, decltype(&X509_free)> certificate(PEM_read_bio_X509(chain.get(), nullptr, nullptr, nullptr),
+                                                                &X509_free);
+  if (!certificate) throw std::invalid_argument(chain_name + " holds no readable certificate (PEM CERTIFICATE)");
+  // A callback that gives no passphrase: an encrypted key fails here instead of prompting.
+  pem_password_cb* no_passphrase = [](char*, int, int, void*) { return 0; };
+  const std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> private_key(
+      PEM_read_bio_PrivateKey(key.get(), nullptr, no_passphrase, nullptr), &EVP_PKEY_free);
+  ERR_clear_error();
+  if (!private_key) {
+    throw std::invalid_argument(key_name + " holds no readable private key (PEM PRIVATE KEY, unencrypted)");
+  }
+  if (X509_check_private_key(certificate.get(), private_key.get()) != 1) {
+    ERR_clear_error();
+    throw std::invalid_argument(key_name + " is not the private key of the certificate in " + chain_name +
+                                " (the key belongs to another certificate)");
+  }
 }
 
 inline constexpr std::string_view kAuthorization = "authorization";

@@ -10,12 +10,11 @@
 
 #include <cstddef>
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <system_error>
+
+#include "specdec/io/regular_file.hpp"
 
 namespace specdec::remote {
 
@@ -50,8 +49,9 @@ inline std::string_view trim_token(std::string_view text) {
 
 // The token: the first line of `file` (named `flag` in messages) when `file` is not empty, else the
 // value of $SPECDEC_VERIFIER_TOKEN ("" when it is unset), both trimmed and checked.
-// Throws std::invalid_argument naming the flag and file, or the variable, when the file cannot be
-// read, holds no token on its first line, or the token holds a byte gRPC cannot carry.
+// Throws std::invalid_argument naming the flag and file, or the variable, when the file does not
+// exist, is not a regular file (a folder, a FIFO, a socket, a device), cannot be read, holds no
+// token on its first line, or the token holds a byte gRPC cannot carry.
 inline std::string read_token(const std::string& file, const std::string& flag) {
   if (file.empty()) {
     const char* value = std::getenv(kTokenVariable);
@@ -61,16 +61,9 @@ inline std::string read_token(const std::string& file, const std::string& flag) 
     check_token(token, std::string("$") + kTokenVariable);
     return token;
   }
-  std::error_code error;
-  if (std::filesystem::is_directory(file, error)) throw std::invalid_argument(flag + " " + file + " is a folder");
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw std::invalid_argument(flag + " " + file + " cannot be read");
-  // The first line, read in at most kMaxTokenFileLine + 1 bytes (a device that never ends a line
-  // cannot hold the reader).
-  std::string head(kMaxTokenFileLine + 1, '\0');
-  in.read(head.data(), static_cast<std::streamsize>(head.size()));
-  if (in.bad()) throw std::invalid_argument(flag + " " + file + " cannot be read");
-  head.resize(static_cast<size_t>(in.gcount()));
+  // The first line, read in at most kMaxTokenFileLine + 1 bytes, from a regular file only (a FIFO
+  // or a device that never ends a line cannot hold the reader).
+  const std::string head = io::read_regular_file(file, flag, kMaxTokenFileLine);
   const size_t end = head.find('\n');
   if (end == std::string::npos && head.size() > kMaxTokenFileLine) {
     throw std::invalid_argument(flag + " " + file + ": its first line is longer than " +
