@@ -131,6 +131,24 @@ if(SPECDEC_HAVE_REMOTE)
   specdec_cli_case(tls_without_verifier 2 "apply to --verifier" ${G} --verifier-tls-ca "${TLS}/ca.pem")
   specdec_cli_case(verifier_tls_key_alone 2 "a client certificate needs both certificate_chain and private_key"
     ${G} --verifier 127.0.0.1:1 --verifier-tls-ca "${TLS}/ca.pem" --verifier-tls-key "${TLS}/client.key")
+  specdec_cli_case(verifier_tls_key_of_another 2
+    "--tls-key .*/client.key is not the private key of the certificate in --tls-cert .*/server.pem"
+    ${V} --tls-cert "${TLS}/server.pem" --tls-key "${TLS}/client.key")
+  # Operator files that are FIFOs without a writer (which would block an open for ever) are
+  # refused at once, naming the flag; each case must end within 10 s (its CTest timeout).
+  set(_fifo "${CMAKE_CURRENT_BINARY_DIR}/fifo")
+  if(NOT EXISTS "${_fifo}")
+    execute_process(COMMAND mkfifo "${_fifo}")
+  endif()
+  foreach(_case IN ITEMS "token-file;token" "tls-cert;cert" "tls-key;key" "tls-client-ca;client_ca")
+    list(GET _case 0 _flag)
+    list(GET _case 1 _name)
+    specdec_cli_case(verifier_fifo_${_name} 2 "--${_flag} .*/fifo is a FIFO \\(named pipe\\)" ${V} --${_flag} "${_fifo}")
+    set_tests_properties(cli.verifier_fifo_${_name} PROPERTIES TIMEOUT 10)
+  endforeach()
+  specdec_cli_case(verifier_token_fifo 2 "--verifier-token-file .*/fifo is a FIFO"
+    ${G} --verifier 127.0.0.1:1 --verifier-token-file "${_fifo}")
+  set_tests_properties(cli.verifier_token_fifo PROPERTIES TIMEOUT 10)
 endif()
 
 # Tensor parallelism: the group's shape, and a model that does not divide over it, named before

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes the TLS material of the remote verification tests (tests/data/tls): a test CA, a server
-# certificate for localhost and 127.0.0.1, a client certificate, both signed by that CA, and a
+# certificate for localhost and 127.0.0.1, two client certificates (two clients the server tells
+# apart by their certificates), all signed by that CA, and a
 # second, unrelated CA whose client certificate the server must refuse. Test material only: the
 # private keys are public in this repository. Valid for 100 years; run again to replace them.
 set -euo pipefail
@@ -24,6 +25,7 @@ make_ca other-ca "/CN=specdec unrelated test CA"
 make_leaf server ca "/CN=localhost" "subjectAltName=DNS:localhost,IP:127.0.0.1
 extendedKeyUsage=serverAuth"
 make_leaf client ca "/CN=specdec test client" "extendedKeyUsage=clientAuth"
+make_leaf second-client ca "/CN=specdec second test client" "extendedKeyUsage=clientAuth"
 make_leaf stranger other-ca "/CN=specdec unrelated client" "extendedKeyUsage=clientAuth"
 rm -f ./*.srl ca.key other-ca.key
 echo "wrote $(ls | tr '\n' ' ')to $out"

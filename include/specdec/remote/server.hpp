@@ -14,21 +14,26 @@
 // that secret from the identity that opened the session (its bearer token and TLS client
 // certificate); a session the caller may not use gets the same NOT_FOUND as one that does not
 // exist, and no error text shows a session's tokens.
-// Nothing is read before the caller is authenticated: the three methods are registered as
-// client-streaming (on the wire the same as the unary calls clients make), so gRPC hands a call
-// over on its headers and the token is checked before a byte of the message is received; an
-// unauthenticated call costs no more than HTTP/2's flow-control window (bandwidth-delay probing is
-// off, so a message nobody reads cannot grow the window; a read asks for the window it needs).
-// Authenticated calls then take one of limits.max_concurrent_requests places, and their one
-// message must arrive within limits.read_timeout. Sessions (in all and per client), tokens per
-// session, drafts per request, request bytes, HTTP/2 streams per connection and gRPC's own memory
-// and threads (its resource quota) are bounded (ServerLimits); a session idle for
-// limits.idle_timeout and a connection idle for limits.connection_idle_timeout are closed, and the
-// memory freed sessions held is handed back to the system. Every bad request is answered with
-// INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, RESOURCE_EXHAUSTED or UNAUTHENTICATED and a
-// message, while the server goes on serving the others.
+// The front door (admission.hpp; docs/remote.md states the threat model): every call is served
+// through gRPC's callback API (one generic service; on the wire the same unary calls clients
+// make), so a stream costs no thread: gRPC hands a call over on its headers, the token is checked
+// before a byte of the message is read, and an unauthenticated or reset stream costs a few
+// allocations and no more than HTTP/2's flow-control window (bandwidth-delay probing is off, so a
+// message nobody reads cannot grow the window; a read asks for the window it needs). An
+// authenticated call then reads its one message, which must arrive within limits.read_timeout;
+// calls still reading are at most limits.max_reading_calls (a client's fair share when full) and
+// limits.max_streams_per_connection on a connection, and hold no request place. Once the message
+// is there, its size and what its fields become in memory are charged to limits.max_memory_bytes
+// before it is parsed, and only then does the call take one of limits.max_concurrent_requests
+// places and a handler thread. Sessions (in all, with max-min fair admission between clients,
+// and per client), tokens per session, drafts per request, request bytes and gRPC's own memory (its
+// resource quota) are bounded (ServerLimits); a session idle for limits.idle_timeout and a
+// connection idle for limits.connection_idle_timeout are closed, and the memory freed sessions
+// held is handed back to the system. Every bad request is answered with INVALID_ARGUMENT,
+// FAILED_PRECONDITION, NOT_FOUND, RESOURCE_EXHAUSTED or UNAUTHENTICATED and a message naming the
+// limit, while the server goes on serving the others.
 //
-// Concurrency: gRPC's thread pool serves requests concurrently and sessions are independent. The
+// Concurrency: the handler threads serve requests concurrently and sessions are independent. The
 // target runs one forward at a time, all on one thread of the server's (so one thread's scratch
 // buffers serve every forward), and the verifications waiting for it are batched: when the
 // model comes free, the next forward takes every waiting request (up to limits.max_batch), joins
@@ -60,8 +65,10 @@
 #include <malloc.h>
 #endif
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/resource_quota.h>
+#include <grpcpp/support/proto_buffer_reader.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -88,6 +95,7 @@
 #include "specdec/draft_source.hpp"
 #include "specdec/kv_cache.hpp"
 #include "specdec/parallel.hpp"
+#include "specdec/remote/admission.hpp"
 #include "specdec/remote/protocol.hpp"
 #include "specdec/remote/token.hpp"
 #include "specdec/session.hpp"
@@ -95,14 +103,25 @@
 namespace specdec::remote {
 
 struct ServerLimits {
-  int64_t max_sessions = 64;  // open sessions at once
-  // Sessions one client may hold: a client is its bearer token, its TLS certificate and its host.
+  // Open sessions at once. When full, an Open from a client holding at least two fewer sessions
+  // than another client closes that client's least recently used idle session (max-min fair
+  // admission, by host and then by client: admission.hpp); otherwise it is refused.
+  int64_t max_sessions = 64;
+  // Sessions one client may hold: a client is its TLS client certificate where the server requires
+  // one (tls.trusted_ca), else its connection (the token is shared and tells nobody apart).
   int64_t max_sessions_per_client = 16;
-  // Authenticated calls served at once; more get RESOURCE_EXHAUSTED. gRPC's threads are bounded to
-  // this and 4 pollers.
+  // Calls served at once, counted from when their message has arrived and been charged to
+  // max_memory_bytes; more get RESOURCE_EXHAUSTED. Also the most handler threads.
   int64_t max_concurrent_requests = 64;
-  int64_t max_streams_per_connection = 16;      // HTTP/2 streams one connection may have open
-  int64_t max_memory_bytes = int64_t{1} << 30;  // gRPC's resource quota: its transports' buffers
+  // Authenticated calls whose message has not arrived yet. When full, a call from a client that has
+  // at least two fewer of them than another cancels that client's oldest (max-min fair).
+  int64_t max_reading_calls = 256;
+  int64_t max_streams_per_connection = 16;  // HTTP/2 streams one connection may have open
+  // Memory for requests in flight: a quarter is gRPC's resource quota (its transports' buffers),
+  // the rest the budget every received request is charged to before it is parsed (its bytes and
+  // the worst case of its parsed fields and working tensors). Sessions' caches are bounded apart:
+  // max_sessions x max_tokens_per_session.
+  int64_t max_memory_bytes = int64_t{1} << 30;
   // An authenticated call's message must arrive this soon after its headers, and a TLS handshake
   // end this soon, or it is cancelled.
   std::chrono::milliseconds read_timeout{10000};
@@ -124,6 +143,9 @@ struct ServerStats {
   int64_t verifications = 0;
   int64_t forwards = 0;
   int64_t largest_batch = 0;
+  int64_t sessions_evicted = 0;  // sessions closed by fair admission to make room for another client
+  int64_t unauthenticated = 0;   // calls refused on their headers for want of the token
+  int64_t live_calls = 0;        // calls handed over by gRPC and not yet done (now)
 };
 
 struct ServerOptions {
@@ -278,12 +300,9 @@ struct RetiredSessions {
   std::vector<int64_t> numbers;
 };
 
-// The host of a gRPC peer ("ipv4:10.0.0.7:5123" gives "ipv4:10.0.0.7"): a client's connections
-// share it, their ports differ.
-inline std::string peer_host(const std::string& peer) {
-  const size_t colon = peer.rfind(':');
-  return colon == std::string::npos || colon < peer.find(':') + 1 ? peer : peer.substr(0, colon);
-}
+// Closed sessions remembered so that their clients hear why (fair admission's evictions): at most
+// this many, the oldest forgotten first.
+inline constexpr size_t kRememberedEvictions = 1024;
 
 }  // namespace detail
 
@@ -294,20 +313,24 @@ template <Target T>
 void follow_verifier(T& target, std::shared_ptr<Collectives> group);
 
 template <Target T>
-class VerifierService final : public grpc::Service {
+class VerifierService final : public grpc::CallbackGenericService {
  public:
   // Throws std::invalid_argument when options.token holds a byte no client can send (see token.hpp).
-  VerifierService(T& target, ServerOptions options) : target_(target), options_(std::move(options)) {
+  VerifierService(T& target, ServerOptions options)
+      : target_(target),
+        options_(std::move(options)),
+        budget_(options_.limits.max_memory_bytes - grpc_share(options_.limits)),
+        workers_(static_cast<size_t>(options_.limits.max_concurrent_requests)) {
     check_token(options_.token, "ServerOptions::token");
-    route("Open", &VerifierService::Open);
-    route("Verify", &VerifierService::Verify);
-    route("Close", &VerifierService::Close);
     if (options_.group) retired_ = std::make_shared<detail::RetiredSessions>();
     model_thread_ = std::thread([this] { serve_queue(); });
   }
 
-  // The three methods, as front_door() calls them: the caller is authenticated and the request read.
-  grpc::Status Open(grpc::ServerContext* context, const wire::OpenRequest* request, wire::OpenReply* reply) {
+  // The part of limits.max_memory_bytes that is gRPC's resource quota: a quarter.
+  static int64_t grpc_share(const ServerLimits& limits) { return limits.max_memory_bytes / 4; }
+
+  // The three methods, as a Call runs them: the caller is authenticated and the request read.
+  grpc::Status Open(const detail::Caller& caller, const wire::OpenRequest* request, wire::OpenReply* reply) {
     const int64_t vocab = target_.vocab_size();
     const std::span<const int64_t> prompt(request->prompt().data(), static_cast<size_t>(request->prompt_size()));
     if (prompt.empty()) return invalid("prompt must not be empty");
@@ -320,8 +343,7 @@ class VerifierService final : public grpc::Service {
     if (request->threshold() && !(std::isfinite(request->tau()) && request->tau() >= 0)) {
       return invalid("tau must be a finite number >= 0, got " + std::to_string(request->tau()));
     }
-    const std::string client = client_of(context);
-    if (auto full = check_room(client)) return *full;  // before the prefill: a refused Open costs no forward
+    if (auto full = make_room(caller, /*evict=*/false)) return *full;  // a refused Open costs no forward
     std::shared_ptr<State> state;
     try {
       state = state_of(*request);
@@ -334,14 +356,14 @@ class VerifierService final : public grpc::Service {
     if (const grpc::Status prefilled = schedule(prefill); !prefilled.ok()) return prefilled;
     state->last_used = std::chrono::steady_clock::now();
     const std::lock_guard lock(sessions_mutex_);
-    if (auto full = check_room_locked(client)) return *full;  // others may have opened meanwhile
+    if (auto full = make_room_locked(caller, /*evict=*/true)) return *full;  // others may have opened meanwhile
     // The handle and the secret: 128 random bits each. The secret and the opener's identity are
     // what every later call must present; the handle only finds the session.
     std::string id = detail::random_hex(16);
-    while (sessions_.contains(id)) id = detail::random_hex(16);
+    while (sessions_.contains(id) || evicted_.contains(id)) id = detail::random_hex(16);
     state->secret = detail::random_hex(16);
-    state->owner = identity_of(context);
-    state->client = std::move(client);
+    state->owner = caller.identity;
+    state->path = caller.path;
     reply->set_secret(state->secret);
     sessions_.emplace(id, std::move(state));
     reply->set_session(id);
@@ -351,10 +373,11 @@ class VerifierService final : public grpc::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Verify(grpc::ServerContext* context, const wire::VerifyRequest* request, wire::VerifyReply* reply) {
-    const std::shared_ptr<State> state = find(context, request->session(), request->secret());
-    if (!state) return no_session();
+  grpc::Status Verify(const detail::Caller& caller, const wire::VerifyRequest* request, wire::VerifyReply* reply) {
+    const std::shared_ptr<State> state = find(caller, request->session(), request->secret());
+    if (!state) return no_session(caller, request->session(), request->secret());
     const std::lock_guard lock(state->mutex);
+    if (state->evicted) return no_session(caller, request->session(), request->secret());
     state->last_used = std::chrono::steady_clock::now();
     Session<T>& session = *state->session;
     const int64_t vocab = target_.vocab_size();
@@ -405,12 +428,16 @@ class VerifierService final : public grpc::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Close(grpc::ServerContext* context, const wire::CloseRequest* request, wire::CloseReply* /*reply*/) {
-    const std::lock_guard lock(sessions_mutex_);
-    const auto it = sessions_.find(request->session());
-    if (it == sessions_.end() || !belongs(*it->second, context, request->secret())) return no_session();
-    sessions_.erase(it);
-    return grpc::Status::OK;
+  grpc::Status Close(const detail::Caller& caller, const wire::CloseRequest* request, wire::CloseReply* /*reply*/) {
+    {
+      const std::lock_guard lock(sessions_mutex_);
+      const auto it = sessions_.find(request->session());
+      if (it != sessions_.end() && belongs(*it->second, caller, request->secret())) {
+        sessions_.erase(it);
+        return grpc::Status::OK;
+      }
+    }
+    return no_session(caller, request->session(), request->secret());
   }
 
   // Open sessions.
@@ -446,16 +473,42 @@ class VerifierService final : public grpc::Service {
   void cancel_slow_reads() {
     const auto now = std::chrono::steady_clock::now();
     const std::lock_guard lock(reading_mutex_);
-    for (const auto& [context, since] : reading_) {
-      if (now - since > options_.limits.read_timeout) context->TryCancel();
+    for (auto it = reading_.begin(); it != reading_.end();) {
+      if (now - it->second > options_.limits.read_timeout) {
+        it->first->context().TryCancel();
+        it = reading_.erase(it);
+      } else {
+        ++it;
+      }
     }
+  }
+
+  // Calls whose message has not arrived yet.
+  [[nodiscard]] int64_t reading() const {
+    const std::lock_guard lock(reading_mutex_);
+    return static_cast<int64_t>(reading_.size());
+  }
+
+  // Calls admitted (message arrived, charged) and not yet answered; threads started to serve them.
+  [[nodiscard]] int64_t serving() const noexcept { return serving_.load(); }
+  [[nodiscard]] size_t handler_threads() const { return workers_.threads(); }
+
+  // The bytes of requests in flight charged now, and the budget (max_memory_bytes less gRPC's share).
+  [[nodiscard]] int64_t charged_bytes() const noexcept { return budget_.used(); }
+  [[nodiscard]] int64_t budget_bytes() const noexcept { return budget_.limit(); }
+
+  // Every call starts here (gRPC's callback API, on one of its threads): see Call.
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override {
+    return new Call(*this, context);
   }
 
   [[nodiscard]] const ServerOptions& options() const noexcept { return options_; }
 
-  // Stops the model's thread once the queue is empty (after the gRPC server has shut down, so no
-  // call waits on it). Idempotent; the destructor calls it.
+  // Stops the handler threads and then the model's thread once the queue is empty (after the gRPC
+  // server has shut down, so no call comes and none waits on them). Idempotent; the destructor
+  // calls it.
   void stop() {
+    workers_.stop();
     {
       const std::lock_guard lock(queue_mutex_);
       stopping_ = true;
@@ -468,8 +521,15 @@ class VerifierService final : public grpc::Service {
   ~VerifierService() override { stop(); }
 
   [[nodiscard]] ServerStats stats() const {
-    const std::lock_guard lock(queue_mutex_);
-    return stats_;
+    ServerStats stats;
+    {
+      const std::lock_guard lock(queue_mutex_);
+      stats = stats_;
+    }
+    stats.sessions_evicted = sessions_evicted_.load();
+    stats.unauthenticated = unauthenticated_.load();
+    stats.live_calls = live_calls_.load();
+    return stats;
   }
 
   // Tensor parallelism: what failed the group (a rank gone, a collective timed out), once it has
@@ -483,7 +543,8 @@ class VerifierService final : public grpc::Service {
   friend void follow_verifier<T>(T& target, std::shared_ptr<Collectives> group);
   struct Follower {};
   // A service that serves no calls: a tensor-parallel rank other than 0 (follow()).
-  VerifierService(T& target, ServerOptions options, Follower /*tag*/) : target_(target), options_(std::move(options)) {}
+  VerifierService(T& target, ServerOptions options, Follower /*tag*/)
+      : target_(target), options_(std::move(options)), budget_(0), workers_(0) {}
 
   using cache_type = typename T::cache_type;
   static constexpr bool kJoinable = JoinableKVCache<cache_type>;
@@ -499,8 +560,11 @@ class VerifierService final : public grpc::Service {
     uint64_t steps = 0;
     std::chrono::steady_clock::time_point last_used{};
     std::string secret{};  // OpenReply.secret: every later call presents it
-    std::string owner{};   // identity_of() the client that opened it
-    std::string client{};  // client_of() it: what max_sessions_per_client counts
+    std::string owner{};   // the Caller::identity that opened it
+    // Where its client stands (Caller::path, the last call's: a client that reconnects takes its
+    // sessions along); its last entry is what max_sessions_per_client counts.
+    std::vector<std::string> path{};
+    bool evicted = false;  // closed by fair admission while a call had found it
     int64_t number = 0;    // what the ranks of a tensor-parallel verifier call it
     std::shared_ptr<detail::RetiredSessions> retired{};  // where it is reported freed (tensor parallelism)
     State() = default;
@@ -584,63 +648,213 @@ class VerifierService final : public grpc::Service {
                                      .threshold = state.threshold ? state.tau : 0.25};
   }
 
-  // Registers `handler` as /specdec.remote.v1.Verifier/`method`, behind front_door(). The method is
-  // client-streaming here: gRPC then hands the call over on its headers, before its message is
-  // received (a unary method's message is received and parsed first), while on the wire a
-  // client-streaming call with one message is a unary call, so clients are unchanged.
-  template <class Request, class Reply>
-  void route(const char* method, grpc::Status (VerifierService::*handler)(grpc::ServerContext*, const Request*, Reply*)) {
-    const std::string& path = paths_.emplace_back("/" + std::string(wire::Verifier::service_full_name()) + "/" + method);
-    AddMethod(new grpc::internal::RpcServiceMethod(
-        path.c_str(), grpc::internal::RpcMethod::CLIENT_STREAMING,
-        new grpc::internal::ClientStreamingHandler<VerifierService, grpc::ByteBuffer, Reply>(
-            [handler](VerifierService* self, grpc::ServerContext* context, grpc::ServerReader<grpc::ByteBuffer>* reader,
-                      Reply* reply) { return self->front_door(context, reader, reply, handler); },
-            this)));
+  enum class Method { open, verify, close };
+
+  // One call, from its headers to its answer, on gRPC's callback API: no thread is held while
+  // it waits. The constructor checks the token (unauthenticated: UNAUTHENTICATED, nothing read),
+  // the method and a reading place (start_reading), then asks for the message; OnReadDone hands
+  // it to admit(), which charges it, takes a request place and runs it on a handler thread
+  // (serve()), which answers. gRPC deletes nothing: OnDone, after the answer, deletes the call.
+  class Call final : public grpc::ServerGenericBidiReactor {
+   public:
+    Call(VerifierService& service, grpc::GenericCallbackServerContext* context) : service_(service), context_(*context) {
+      ++service.live_calls_;
+      if (auto denied = service.authorize(*context)) {
+        ++service.unauthenticated_;
+        Finish(*denied);
+        return;
+      }
+      const std::string& path = context->method();
+      const std::string prefix = "/" + std::string(wire::Verifier::service_full_name()) + "/";
+      const std::string_view name = path.rfind(prefix, 0) == 0 ? std::string_view(path).substr(prefix.size()) : "";
+      if (name == "Open") {
+        method_ = Method::open;
+      } else if (name == "Verify") {
+        method_ = Method::verify;
+      } else if (name == "Close") {
+        method_ = Method::close;
+      } else {
+        Finish({grpc::StatusCode::UNIMPLEMENTED, "the verifier serves " + prefix + "Open, Verify and Close only"});
+        return;
+      }
+      caller_ = detail::caller_of(*context, service.options_.token);
+      if (auto full = service.start_reading(*this)) {
+        Finish(*full);
+        return;
+      }
+      StartRead(&message_);
+    }
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+
+    void OnReadDone(bool ok) override {
+      service_.stop_reading(*this);
+      if (!ok) {
+        // Cancelled (read_timeout, a fairer caller, or the client), larger than max_request_bytes
+        // (gRPC has answered RESOURCE_EXHAUSTED), or a call closed without a message.
+        Finish(context_.IsCancelled() ? grpc::Status(grpc::StatusCode::CANCELLED,
+                                                     "the request's message did not arrive within read_timeout, "
+                                                     "or the call was cancelled")
+                                      : invalid("the call carried no request message"));
+        return;
+      }
+      service_.admit(*this);
+    }
+    void OnDone() override {
+      --service_.live_calls_;
+      delete this;
+    }
+
+    [[nodiscard]] grpc::GenericCallbackServerContext& context() noexcept { return context_; }
+    [[nodiscard]] const detail::Caller& caller() const noexcept { return caller_; }
+
+   private:
+    friend class VerifierService;
+    VerifierService& service_;
+    grpc::GenericCallbackServerContext& context_;
+    Method method_ = Method::open;
+    detail::Caller caller_;
+    grpc::ByteBuffer message_;  // the request as it arrived
+    detail::Charge charge_;     // its part of the memory budget
+    grpc::ByteBuffer reply_;
+  };
+
+  // Takes a place among limits.max_reading_calls for `call`, whose message is to be read: nullopt
+  // when it has one (cancelling, where the calls are full, the oldest call of the client that
+  // holds the most, if it holds at least two more than this caller: fair_victim), else the refusal.
+  std::optional<grpc::Status> start_reading(Call& call) {
+    const auto now = std::chrono::steady_clock::now();
+    const std::lock_guard lock(reading_mutex_);
+    if (static_cast<int64_t>(reading_.size()) >= options_.limits.max_reading_calls) {
+      std::vector<Call*> calls;
+      std::vector<detail::Holding> held;
+      for (const auto& [other, since] : reading_) {
+        calls.push_back(other);
+        held.push_back({.path = &other->caller().path, .last_used = since});
+      }
+      const std::optional<size_t> victim = detail::fair_victim(held, call.caller().path);
+      if (!victim) {
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            "the server holds " + std::to_string(reading_.size()) +
+                                " calls whose message has not arrived, its limit (max_reading_calls), and this "
+                                "client holds as many as any other: try again");
+      }
+      calls[*victim]->context().TryCancel();
+      reading_.erase(calls[*victim]);
+    }
+    reading_.emplace(&call, now);
+    return std::nullopt;
   }
 
-  // Every call comes in here: the token is checked on the headers alone, then the call takes a
-  // place among max_concurrent_requests, reads its one message (cancelled by the reaper after
-  // read_timeout), parses it and runs `handler`. Messages after the first are not read.
-  template <class Request, class Reply>
-  grpc::Status front_door(grpc::ServerContext* context, grpc::ServerReader<grpc::ByteBuffer>* reader, Reply* reply,
-                          grpc::Status (VerifierService::*handler)(grpc::ServerContext*, const Request*, Reply*)) {
-    if (auto denied = authorize(context)) return *denied;
-    const int64_t serving = ++serving_;
-    struct Leave {
-      VerifierService& service;
-      ~Leave() {
-        service.busy_since_trim_ = true;
-        --service.serving_;
+  // `call`'s message has arrived, or its read has failed: it leaves the reading calls.
+  void stop_reading(Call& call) {
+    const std::lock_guard lock(reading_mutex_);
+    reading_.erase(&call);
+  }
+
+  // A memory refusal that names the limit.
+  [[nodiscard]] grpc::Status over_budget(int64_t needed) const {
+    return {grpc::StatusCode::RESOURCE_EXHAUSTED,
+            "the request needs " + std::to_string(needed) + " bytes of the server's memory budget for requests in "
+                "flight, of which " + std::to_string(budget_.limit() - budget_.used()) + " of " +
+                std::to_string(budget_.limit()) + " are free (max_memory_bytes): try again, or send less"};
+  }
+
+  // `call`'s message has arrived: its bytes are charged, then, from its wire form and before it is
+  // parsed, what its fields will hold (wire_cost, three times over for the growth of repeated
+  // fields as they parse) and what its step will allocate (q decoded densely); counts over the
+  // request limits are refused here, unparsed. Then it takes a request place and a handler
+  // thread, or is answered RESOURCE_EXHAUSTED naming the limit.
+  void admit(Call& call) noexcept {
+    try {
+      const auto size = static_cast<int64_t>(call.message_.Length());
+      if (!call.charge_.add(budget_, size)) return call.Finish(over_budget(size));
+      const detail::MessageShape& shape = call.method_ == Method::open     ? detail::open_shape()
+                                          : call.method_ == Method::verify ? detail::verify_shape()
+                                                                           : detail::close_shape();
+      std::optional<detail::WireCost> cost;
+      {
+        grpc::ProtoBufferReader reader(&call.message_);
+        cost = detail::wire_cost(reader, shape);
       }
-    } leave{*this};
-    if (serving > options_.limits.max_concurrent_requests) {
-      return {grpc::StatusCode::RESOURCE_EXHAUSTED,
-              "the server is serving " + std::to_string(options_.limits.max_concurrent_requests) +
-                  " requests, its limit (max_concurrent_requests): try again"};
+      if (!cost) return call.Finish(invalid("the request message is not a well-formed protobuf message"));
+      const auto count = [&](int field) {
+        const auto it = cost->elements.find(field);
+        return it == cost->elements.end() ? int64_t{0} : it->second;
+      };
+      int64_t working = 0;
+      if (call.method_ == Method::open && count(5) >= token_limit()) {
+        return call.Finish({grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            "prompt of " + std::to_string(count(5)) + " tokens leaves no room under the session limit of " +
+                                std::to_string(token_limit()) + " tokens"});
+      }
+      if (call.method_ == Method::verify) {
+        if (count(5) > options_.limits.max_gamma) {
+          return call.Finish(invalid("drafts holds " + std::to_string(count(5)) + " tokens, more than max_gamma = " +
+                                     std::to_string(options_.limits.max_gamma)));
+        }
+        if (count(4) >= token_limit()) {
+          return call.Finish({grpc::StatusCode::RESOURCE_EXHAUSTED,
+                              "append holds " + std::to_string(count(4)) + " tokens, more than the session limit of " +
+                                  std::to_string(token_limit()) + " tokens"});
+        }
+        working = count(5) * target_.vocab_size() * static_cast<int64_t>(sizeof(float) + sizeof(uint16_t));
+      }
+      const int64_t parsing = 3 * cost->parsed + working;
+      if (!call.charge_.add(budget_, parsing)) return call.Finish(over_budget(call.charge_.bytes() + parsing));
+      if (++serving_ > options_.limits.max_concurrent_requests) {
+        --serving_;
+        return call.Finish({grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            "the server is serving " + std::to_string(options_.limits.max_concurrent_requests) +
+                                " requests, its limit (max_concurrent_requests): try again"});
+      }
+      try {
+        workers_.post([this, &call] { serve(call); });
+      } catch (const std::exception& e) {
+        --serving_;
+        call.charge_.release();
+        return call.Finish({grpc::StatusCode::RESOURCE_EXHAUSTED, std::string("no handler thread: ") + e.what()});
+      }
+    } catch (const std::exception& e) {  // memory for the message's copy or the cost's tally
+      call.charge_.release();
+      call.Finish({grpc::StatusCode::RESOURCE_EXHAUSTED, std::string("the request cannot be held: ") + e.what()});
     }
-    grpc::ByteBuffer message;
-    {
-      const std::lock_guard lock(reading_mutex_);
-      reading_.emplace(context, std::chrono::steady_clock::now());
+  }
+
+  // On a handler thread: parses `call`'s request, runs its method and answers.
+  void serve(Call& call) noexcept {
+    grpc::Status status;
+    try {
+      switch (call.method_) {
+        case Method::open: status = run_method(call, &VerifierService::Open); break;
+        case Method::verify: status = run_method(call, &VerifierService::Verify); break;
+        case Method::close: status = run_method(call, &VerifierService::Close); break;
+      }
+    } catch (const std::exception& e) {
+      status = {grpc::StatusCode::INTERNAL, e.what()};
     }
-    const bool read = reader->Read(&message);
-    {
-      const std::lock_guard lock(reading_mutex_);
-      reading_.erase(context);
+    call.message_.Clear();
+    call.charge_.release();
+    busy_since_trim_ = true;
+    --serving_;
+    if (status.ok()) {
+      call.StartWriteAndFinish(&call.reply_, grpc::WriteOptions(), status);
+    } else {
+      call.Finish(status);
     }
-    if (!read) {
-      // Cancelled (the reaper, after read_timeout, or the client), larger than max_request_bytes
-      // (gRPC has answered RESOURCE_EXHAUSTED), or a call closed without a message.
-      return context->IsCancelled() ? grpc::Status(grpc::StatusCode::CANCELLED,
-                                                   "the request's message did not arrive within read_timeout")
-                                    : invalid("the call carried no request message");
-    }
+  }
+
+  template <class Request, class Reply>
+  grpc::Status run_method(Call& call, grpc::Status (VerifierService::*handler)(const detail::Caller&, const Request*, Reply*)) {
     Request request;
-    if (!grpc::SerializationTraits<Request>::Deserialize(&message, &request).ok()) {
+    if (!grpc::SerializationTraits<Request>::Deserialize(&call.message_, &request).ok()) {
       return invalid("the request message cannot be parsed as a " + std::string(Request::descriptor()->name()));
     }
-    return (this->*handler)(context, &request, reply);
+    Reply reply;
+    const grpc::Status status = (this->*handler)(call.caller(), &request, &reply);
+    if (!status.ok()) return status;
+    bool own = false;
+    return grpc::SerializationTraits<Reply>::Serialize(reply, &call.reply_, &own);
   }
 
   // Queues `job` for the model's thread and returns when it has been served.
@@ -1012,22 +1226,71 @@ class VerifierService final : public grpc::Service {
     }
   }
 
-  // RESOURCE_EXHAUSTED when the server holds max_sessions sessions, or `client` holds
-  // max_sessions_per_client of them.
-  std::optional<grpc::Status> check_room(const std::string& client) const {
+  // Whether `caller` may open a session: nullopt when it may, else RESOURCE_EXHAUSTED naming the
+  // limit. Its client holding max_sessions_per_client is refused. On a full server, fair_victim
+  // picks the session to close (the least recently used idle session of the client holding the
+  // most, where it holds at least two more than this caller, by host and then by client); with
+  // `evict` it is closed, and its client hears why on its next call.
+  std::optional<grpc::Status> make_room(const detail::Caller& caller, bool evict) {
     const std::lock_guard lock(sessions_mutex_);
-    return check_room_locked(client);
+    return make_room_locked(caller, evict);
   }
-  std::optional<grpc::Status> check_room_locked(const std::string& client) const {
-    if (static_cast<int64_t>(sessions_.size()) >= options_.limits.max_sessions) {
+  std::optional<grpc::Status> make_room_locked(const detail::Caller& caller, bool evict) {
+    const auto held = std::count_if(sessions_.begin(), sessions_.end(),
+                                    [&](const auto& s) { return s.second->path.back() == caller.client(); });
+    if (held >= options_.limits.max_sessions_per_client) {
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          "the server holds " + std::to_string(sessions_.size()) + " sessions, its limit (max_sessions)");
+                          "this client holds " + std::to_string(held) +
+                              " sessions, the limit per client (max_sessions_per_client): close one first");
     }
-    const auto held = std::count_if(sessions_.begin(), sessions_.end(), [&](const auto& s) { return s.second->client == client; });
-    if (held < options_.limits.max_sessions_per_client) return std::nullopt;
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        "this client holds " + std::to_string(held) +
-                            " sessions, the limit per client (max_sessions_per_client): close one first");
+    if (static_cast<int64_t>(sessions_.size()) < options_.limits.max_sessions) return std::nullopt;
+    std::vector<typename decltype(sessions_)::iterator> entries;
+    std::vector<detail::Holding> holdings;
+    for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
+      State& state = *it->second;
+      std::unique_lock idle(state.mutex, std::try_to_lock);  // a session serving a call is not taken
+      entries.push_back(it);
+      holdings.push_back({.path = &state.path, .last_used = idle ? state.last_used : std::chrono::steady_clock::time_point{},
+                          .takeable = static_cast<bool>(idle)});
+    }
+    const std::optional<size_t> victim = detail::fair_victim(holdings, caller.path);
+    if (!victim) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "the server holds " + std::to_string(sessions_.size()) +
+                              " sessions, its limit (max_sessions), and no client holds two more than this one "
+                              "(fair admission): try again later");
+    }
+    if (!evict) return std::nullopt;
+    const auto it = entries[*victim];
+    State& state = *it->second;
+    std::unique_lock idle(state.mutex, std::try_to_lock);
+    if (!idle) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "the server holds " + std::to_string(sessions_.size()) + " sessions, its limit (max_sessions): try again");
+    }
+    const int64_t held_by_victim = std::count_if(sessions_.begin(), sessions_.end(),
+                                                 [&](const auto& s) { return s.second->path.back() == state.path.back(); });
+    state.evicted = true;
+    remember_eviction(it->first, state,
+                      "this session was closed to make room for another client: the server held its limit of " +
+                          std::to_string(options_.limits.max_sessions) + " sessions (max_sessions) and this client held " +
+                          std::to_string(held_by_victim) + ", the most (fair admission closes the least recently used "
+                          "session of the largest holder); open a new session");
+    idle.unlock();
+    sessions_.erase(it);
+    ++sessions_evicted_;
+    busy_since_trim_ = true;
+    return std::nullopt;
+  }
+
+  // Keeps why session `id` was closed, for its client's next call (at most kRememberedEvictions).
+  void remember_eviction(const std::string& id, const State& state, std::string why) {
+    evicted_.insert_or_assign(id, Eviction{.secret = state.secret, .owner = state.owner, .why = std::move(why)});
+    eviction_order_.push_back(id);
+    while (eviction_order_.size() > detail::kRememberedEvictions) {
+      evicted_.erase(eviction_order_.front());
+      eviction_order_.pop_front();
+    }
   }
 
   [[nodiscard]] int64_t token_limit() const {
@@ -1044,9 +1307,9 @@ class VerifierService final : public grpc::Service {
     return std::nullopt;
   }
 
-  [[nodiscard]] std::optional<grpc::Status> authorize(const grpc::ServerContext* context) const {
+  [[nodiscard]] std::optional<grpc::Status> authorize(const grpc::ServerContextBase& context) const {
     if (options_.token.empty()) return std::nullopt;
-    const auto& metadata = context->client_metadata();
+    const auto& metadata = context.client_metadata();
     const auto it = metadata.find(grpc::string_ref(kAuthorization.data(), kAuthorization.size()));
     if (it != metadata.end()) {
       const std::string_view value(it->second.data(), it->second.size());
@@ -1057,48 +1320,47 @@ class VerifierService final : public grpc::Service {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "a valid token is required (authorization: Bearer TOKEN)");
   }
 
-  // The session `id` where `secret` is its secret and the caller is the identity that opened it;
-  // null otherwise, the same for a session that does not exist and one that is not the caller's.
-  std::shared_ptr<State> find(const grpc::ServerContext* context, const std::string& id, const std::string& secret) const {
+  // The session `id` where `secret` is its secret and `caller` the identity that opened it (its
+  // client is then where the caller stands now); null otherwise, the same for a session that does
+  // not exist and one that is not the caller's.
+  std::shared_ptr<State> find(const detail::Caller& caller, const std::string& id, const std::string& secret) {
     const std::lock_guard lock(sessions_mutex_);
     const auto it = sessions_.find(id);
-    return it == sessions_.end() || !belongs(*it->second, context, secret) ? nullptr : it->second;
+    if (it == sessions_.end() || !belongs(*it->second, caller, secret)) return nullptr;
+    it->second->path = caller.path;
+    return it->second;
   }
 
-  // Whether the caller may use `state`: its secret (compared in constant time) and the identity
-  // that opened it.
-  static bool belongs(const State& state, const grpc::ServerContext* context, const std::string& secret) {
-    const bool secret_matches = detail::equal_secret(secret, state.secret);
-    const bool owner_matches = detail::equal_secret(identity_of(context), state.owner);
+  // Whether `caller` may use a session of `secret` and `owner`: its secret (compared in constant
+  // time) and the identity that opened it.
+  static bool belongs(const std::string& secret, const std::string& owner, const detail::Caller& caller,
+                      const std::string& presented) {
+    const bool secret_matches = detail::equal_secret(presented, secret);
+    const bool owner_matches = caller.identity == owner;
     return secret_matches && owner_matches;
   }
-
-  // Who calls: the bearer token it presents and the identity of its TLS client certificate (both
-  // empty on a plaintext server without a token: then the session's secret alone binds it).
-  static std::string identity_of(const grpc::ServerContext* context) {
-    std::string identity = "token:";
-    const auto& metadata = context->client_metadata();
-    if (const auto it = metadata.find(grpc::string_ref(kAuthorization.data(), kAuthorization.size())); it != metadata.end()) {
-      identity.append(it->second.data(), it->second.size());
-    }
-    identity += "|peer:";
-    if (const auto auth = context->auth_context(); auth != nullptr) {
-      for (const grpc::string_ref& name : auth->GetPeerIdentity()) identity.append(name.data(), name.size()).append(",");
-    }
-    return identity;
+  static bool belongs(const State& state, const detail::Caller& caller, const std::string& presented) {
+    return belongs(state.secret, state.owner, caller, presented);
   }
 
-  // The client whose sessions max_sessions_per_client counts: its identity and its host (clients
-  // sharing one token are told apart by where they connect from).
-  static std::string client_of(const grpc::ServerContext* context) {
-    return identity_of(context) + "|host:" + detail::peer_host(context->peer());
-  }
-
-  // The one answer for a session the caller cannot use: unknown, closed, idle too long, or
-  // another client's (the handle is not echoed).
-  static grpc::Status no_session() {
+  // The answer for a session the caller cannot use: unknown, closed, idle too long, or another
+  // client's (the handle is not echoed) get one NOT_FOUND; a session of the caller's that fair
+  // admission closed says so.
+  grpc::Status no_session(const detail::Caller& caller, const std::string& id, const std::string& secret) const {
+    {
+      const std::lock_guard lock(sessions_mutex_);
+      const auto it = evicted_.find(id);
+      if (it != evicted_.end() && belongs(it->second.secret, it->second.owner, caller, secret)) {
+        return {grpc::StatusCode::NOT_FOUND, it->second.why};
+      }
+    }
     return {grpc::StatusCode::NOT_FOUND, "no such session for this client (closed, idle too long, or never opened by it)"};
   }
+
+  // Why a session was closed, for its client: its secret and owner as it had them.
+  struct Eviction {
+    std::string secret, owner, why;
+  };
 
   T& target_;
   ServerOptions options_;
@@ -1110,12 +1372,17 @@ class VerifierService final : public grpc::Service {
   std::deque<Job*> tasks_;   // prefills
   bool stopping_ = false;
   ServerStats stats_;
-  std::deque<std::string> paths_;  // the methods' full names (gRPC keeps pointers to them)
+  std::map<std::string, Eviction> evicted_;  // sessions fair admission closed (guarded by sessions_mutex_)
+  std::deque<std::string> eviction_order_;   // their handles, oldest first
+  std::atomic<int64_t> sessions_evicted_{0};
+  std::atomic<int64_t> unauthenticated_{0}, live_calls_{0};
+  detail::MemoryBudget budget_;
+  detail::Workers workers_;
   std::atomic<int64_t> serving_{0};
   std::atomic<bool> busy_since_trim_{false};  // calls served or sessions freed since the last
                                               // return_free_memory()
-  std::mutex reading_mutex_;
-  std::map<grpc::ServerContext*, std::chrono::steady_clock::time_point> reading_;  // calls awaiting their message
+  mutable std::mutex reading_mutex_;
+  std::map<Call*, std::chrono::steady_clock::time_point> reading_;  // calls awaiting their message, since
   std::shared_ptr<detail::RetiredSessions> retired_{};  // tensor parallelism: sessions freed since the last round
   std::atomic<int64_t> next_number_{0};                 // the next session's State::number
   mutable std::mutex failure_mutex_;
@@ -1164,12 +1431,11 @@ class VerifierServer {
   VerifierServer(T& target, ServerOptions options) : service_(target, check(std::move(options))) {
     grpc::ServerBuilder builder;
     builder.AddListeningPort(service_.options().address, credentials(service_.options().tls), &port_);
-    builder.RegisterService(&service_);
+    builder.RegisterCallbackGenericService(&service_);
     const ServerLimits& limits = service_.options().limits;
     builder.SetMaxReceiveMessageSize(static_cast<int>(limits.max_request_bytes));
     grpc::ResourceQuota quota("specdec-verifier");
-    quota.Resize(static_cast<size_t>(limits.max_memory_bytes));
-    quota.SetMaxThreads(static_cast<int>(limits.max_concurrent_requests) + 4);
+    quota.Resize(static_cast<size_t>(VerifierService<T>::grpc_share(limits)));
     builder.SetResourceQuota(quota);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);  // see the top of this file
     builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, static_cast<int>(limits.max_streams_per_connection));
@@ -1182,8 +1448,7 @@ class VerifierServer {
     server_ = builder.BuildAndStart();
     if (!server_ || port_ == 0) {
       throw std::runtime_error("cannot listen on " + service_.options().address +
-                               ": the address is in use by another process, or not an address of this machine" +
-                               (service_.options().tls.enabled() ? " (or the TLS certificate and key are not valid)" : ""));
+                               ": the address is in use by another process, or not an address of this machine");
     }
     reaper_ = std::thread([this] {
       const ServerLimits& l = service_.options().limits;
@@ -1204,6 +1469,13 @@ class VerifierServer {
   [[nodiscard]] int port() const noexcept { return port_; }
   [[nodiscard]] int64_t sessions() const { return service_.sessions(); }
   [[nodiscard]] ServerStats stats() const { return service_.stats(); }
+  // Calls whose message has not arrived yet, calls being served, the handler threads started and
+  // the bytes of requests in flight charged to the memory budget (of budget_bytes()).
+  [[nodiscard]] int64_t reading() const { return service_.reading(); }
+  [[nodiscard]] int64_t serving() const noexcept { return service_.serving(); }
+  [[nodiscard]] size_t handler_threads() const { return service_.handler_threads(); }
+  [[nodiscard]] int64_t charged_bytes() const noexcept { return service_.charged_bytes(); }
+  [[nodiscard]] int64_t budget_bytes() const noexcept { return service_.budget_bytes(); }
   // Tensor parallelism: what failed the group, once it has (then every call gets UNAVAILABLE;
   // a program stops the server and exits). Empty while it serves.
   [[nodiscard]] std::optional<std::string> failure() const { return service_.failure(); }
@@ -1230,6 +1502,7 @@ class VerifierServer {
     if (tls.enabled() && (tls.certificate_chain.empty() || tls.private_key.empty())) {
       throw std::invalid_argument("tls: serving over TLS needs both certificate_chain and private_key");
     }
+    check_tls_key(tls, "tls.certificate_chain", "tls.private_key");
     if (!is_loopback(options.address) && options.token.empty() && tls.trusted_ca.empty()) {
       throw std::invalid_argument("address " + options.address +
                                   " is not loopback: a token or TLS with client certificates (tls.trusted_ca) is "
@@ -1245,8 +1518,9 @@ class VerifierServer {
         {"max_gamma >= 0", l.max_gamma >= 0},
         {"max_request_bytes in [1024, 2^31)", in(l.max_request_bytes, 1024, kInt)},
         {"max_concurrent_requests in [1, 65536]", in(l.max_concurrent_requests, 1, 65536)},
+        {"max_reading_calls >= 1", l.max_reading_calls >= 1},
         {"max_streams_per_connection in [1, 2^31)", in(l.max_streams_per_connection, 1, kInt)},
-        {"max_memory_bytes >= 1 MiB", l.max_memory_bytes >= (int64_t{1} << 20)},
+        {"max_memory_bytes >= 4 MiB", l.max_memory_bytes >= (int64_t{4} << 20)},
         {"idle_timeout >= 1 ms", l.idle_timeout.count() >= 1},
         {"read_timeout in [1 ms, 2^31 ms)", in(l.read_timeout.count(), 1, kInt)},
         {"connection_idle_timeout in [1 ms, 2^31 ms)", in(l.connection_idle_timeout.count(), 1, kInt)},
