@@ -39,6 +39,15 @@ using remote::VerifierServer;
 using remote::detail::Holding;
 using Clock = std::chrono::steady_clock;
 
+// Whether the process's resident memory says what the server holds: not under AddressSanitizer,
+// whose allocator keeps freed memory in its quarantine (256 MiB) and its shadow beside it. The
+// bounds on memory are checked in the Release leg; the sanitized leg checks everything else.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kMemoryIsMeasured = false;
+#else
+constexpr bool kMemoryIsMeasured = true;
+#endif
+
 // Max-min fair admission on hand-made holdings: a newcomer takes from a group only where that
 // group holds at least two more than its own, level by level (host, then connection), and then
 // the least recently used takeable holding of that group's largest client.
@@ -173,12 +182,13 @@ struct WellBehaved {
 };
 
 // Rapid reset (CVE-2023-44487) without the token: two connections open streams of Verify and reset
-// each at once, 1500 a second each, for three seconds. Every stream is refused on its headers by a
-// callback that holds no thread (a thread-per-stream server ran out of threads here and refused
-// token holders), so a token holder's calls meanwhile all succeed, no handler thread serves the
-// flood, every stream is accounted for once the flood ends, and the server's memory stays within
-// 128 MiB of where it was. (A flood as fast as a connection can send outruns gRPC 1.51's callback
-// executor, whose queue of calls then grows without bound: docs/remote.md.)
+// each at once, as fast as this machine lets them (reconnecting when closed), for three seconds.
+// gRPC 1.51 accepts them without limit, but the server's front end closes a connection past its
+// reset budget (max_resets_per_connection), and what reaches gRPC is refused on its headers by a
+// callback that holds no thread. So a token holder's calls meanwhile all succeed, no handler
+// thread serves the flood, no call of the flood is left once it ends, and the server's memory
+// stays within 128 MiB of where it was. Without the front end, the same flood outran gRPC's
+// callback executor and held gigabytes (docs/remote.md).
 TEST(RemoteFrontDoor, ARapidResetFloodLeavesTokenHoldersServed) {
   test::MarkovModel target(test::markov_target_rows());
   VerifierServer server(target, {.address = "127.0.0.1:0", .token = "s3cret"});
@@ -199,7 +209,7 @@ TEST(RemoteFrontDoor, ARapidResetFloodLeavesTokenHoldersServed) {
   for (int c = 0; c < 2; ++c) {
     attackers.emplace_back([&] {
       RapidReset flood(server.port(), "/specdec.remote.v1.Verifier/Verify");
-      streams += flood.run(stop, 1500);
+      streams += flood.run(stop);
     });
   }
   WellBehaved holder;
@@ -213,19 +223,20 @@ TEST(RemoteFrontDoor, ARapidResetFloodLeavesTokenHoldersServed) {
   for (int i = 0; i < 500 && server.stats().live_calls > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const double growth = static_cast<double>(peak.stop() - baseline) / kMiB;
   const remote::ServerStats stats = server.stats();
-  std::cout << "[ figures  ] rapid reset: " << streams << " streams opened and reset in " << seconds << " s ("
-            << static_cast<double>(streams) / seconds << " per second) from 2 connections, " << stats.unauthenticated
-            << " refused on their headers; the token holder's calls: " << holder.ok << " served, " << holder.failed
+  std::cout << "[ figures  ] rapid reset from 2 connections for " << seconds << " s: " << stats.unauthenticated
+            << " streams reached gRPC and were refused on their headers ("
+            << static_cast<double>(stats.unauthenticated) / seconds << " per second), "
+            << server.front_end().closed_for_resets << " of " << server.front_end().connections
+            << " connections closed past their reset budget; the token holder's calls: " << holder.ok << " served, " << holder.failed
             << " failed; peak RSS " << growth << " MiB above " << static_cast<double>(baseline) / kMiB
             << " MiB; handler threads " << server.handler_threads() << "\n";
   EXPECT_EQ(holder.failed.load(), 0) << holder.last_error;
   EXPECT_GE(holder.ok.load(), 20);
-  EXPECT_GT(streams.load(), 3000) << "the flood did not run";
-  EXPECT_LE(stats.unauthenticated, streams.load());  // a stream reset before gRPC hands it over is not counted
-  EXPECT_GT(stats.unauthenticated, streams.load() * 9 / 10);
+  EXPECT_GT(stats.unauthenticated, 3000) << "the flood did not run";
+  EXPECT_GT(server.front_end().closed_for_resets, 2);
   EXPECT_EQ(stats.live_calls, 0) << "calls of the flood still held";
   EXPECT_LE(server.handler_threads(), std::max<size_t>(threads, 2)) << "the flood took handler threads";
-  EXPECT_LT(growth, 128.0);
+  if (kMemoryIsMeasured) EXPECT_LT(growth, 128.0);
 }
 
 // 64 calls that send their headers and never their message (5 connections, 13 streams each, the
@@ -446,7 +457,8 @@ TEST(RemoteFairness, ACertificateIsOneClient) {
 // memory stays under baseline + max_memory_bytes, and every request it does not serve is refused
 // naming the limit that refused it: max_memory_bytes or max_concurrent_requests from the server,
 // or gRPC's own quota (its quarter of max_memory_bytes), which resets a stream it has no memory
-// for with HTTP/2's ENHANCE_YOUR_CALM.
+// for with HTTP/2's ENHANCE_YOUR_CALM or closes a connection (UNAVAILABLE: "Socket closed"),
+// without naming itself.
 TEST(RemoteMemory, ConcurrentMaximalRequestsStayWithinTheBudget) {
   test::MarkovModel target(test::markov_target_rows());
   constexpr int64_t kBudget = int64_t{256} << 20, kRequest = int64_t{4} << 20;
@@ -475,6 +487,7 @@ TEST(RemoteMemory, ConcurrentMaximalRequestsStayWithinTheBudget) {
           std::string kind = status.error_message().find("max_memory_bytes") != std::string::npos ? "max_memory_bytes"
                              : status.error_message().find("RST_STREAM with error code 11") != std::string::npos
                                  ? "gRPC's quota (ENHANCE_YOUR_CALM)"
+                             : status.error_code() == grpc::StatusCode::UNAVAILABLE ? "gRPC's quota (connection closed)"
                              : status.error_message().find("max_concurrent_requests") != std::string::npos
                                  ? "max_concurrent_requests"
                              : status.error_code() == grpc::StatusCode::NOT_FOUND ? "parsed and served"
@@ -489,14 +502,15 @@ TEST(RemoteMemory, ConcurrentMaximalRequestsStayWithinTheBudget) {
                 << kBudget / (1 << 20) << " MiB: peak RSS " << growth << " MiB above baseline;";
       for (const auto& [kind, count] : answers) std::cout << " " << count << " " << kind << ";";
       std::cout << "\n";
-      EXPECT_LT(growth, static_cast<double>(kBudget) / kMiB);
+      if (kMemoryIsMeasured) EXPECT_LT(growth, static_cast<double>(kBudget) / kMiB);
     }
     EXPECT_GE(answers["parsed and served"], 1);
     for (const auto& [kind, count] : answers) {
       EXPECT_TRUE(kind == "max_memory_bytes" || kind == "max_concurrent_requests" || kind == "parsed and served" ||
-                  kind == "gRPC's quota (ENHANCE_YOUR_CALM)")
+                  kind == "gRPC's quota (ENHANCE_YOUR_CALM)" || kind == "gRPC's quota (connection closed)")
           << count << " answered: " << kind;
     }
+    for (int i = 0; i < 200 && server.charged_bytes() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     EXPECT_EQ(server.charged_bytes(), 0);
   }
 }
@@ -613,7 +627,7 @@ TEST(RemoteFrontDoor, UnauthenticatedRequestsAreRefusedBeforeTheirMessageIsRead)
     std::cout << "[ figures  ] " << refused << " unauthenticated 64 MiB requests from " << kClients
               << " clients, refused; " << generations << " authenticated generations meanwhile; peak RSS "
               << growth << " MiB above " << static_cast<double>(baseline) / kMiB << " MiB\n";
-    EXPECT_LT(growth, 64.0);
+    if (kMemoryIsMeasured) EXPECT_LT(growth, 64.0);
   }
   EXPECT_GE(refused.load(), kClients);
   EXPECT_EQ(otherwise.load(), 0);
@@ -629,7 +643,7 @@ TEST(RemoteFrontDoor, UnauthenticatedRequestsAreRefusedBeforeTheirMessageIsRead)
   expect_status(read, grpc::StatusCode::INVALID_ARGUMENT, "drafts holds 67108848 tokens, more than max_gamma = 64");
   std::cout << "[ figures  ] the same request with the token: read, refused unparsed, peak RSS " << growth
             << " MiB above " << static_cast<double>(before) / kMiB << " MiB\n";
-  EXPECT_LT(growth, 160.0);
+  if (kMemoryIsMeasured) EXPECT_LT(growth, 160.0);
 }
 
 // The other bounds of the front door: sessions per client (a closed one frees its place), a call

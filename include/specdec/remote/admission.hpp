@@ -59,10 +59,11 @@ struct Caller {
   [[nodiscard]] const std::string& client() const { return path.back(); }
 };
 
-// The caller of `context` on a server whose token is `token` (empty: none). The token joins the
-// identity only where the server checks it (every caller then presents the same one); a header a
-// server without a token receives is ignored, so inventing values makes no new client.
-inline Caller caller_of(const grpc::ServerContextBase& context, std::string_view token) {
+// The caller of `context`, whose peer address is `peer` (gRPC's "ipv4:10.0.0.7:5123"), on a
+// server whose token is `token` (empty: none). The token joins the identity only where the server
+// checks it (every caller then presents the same one); a header a server without a token receives
+// is ignored, so inventing values makes no new client.
+inline Caller caller_of(const grpc::ServerContextBase& context, std::string_view token, const std::string& peer) {
   Caller caller;
   std::string certificate;
   if (const auto auth = context.auth_context(); auth != nullptr && auth->IsPeerAuthenticated()) {
@@ -72,7 +73,6 @@ inline Caller caller_of(const grpc::ServerContextBase& context, std::string_view
   if (!certificate.empty()) {
     caller.path = {"certificate:" + certificate};
   } else {
-    const std::string peer = context.peer();
     caller.path = {"host:" + peer_host(peer), "connection:" + peer};
   }
   return caller;

@@ -14,9 +14,11 @@
 // that secret from the identity that opened the session (its bearer token and TLS client
 // certificate); a session the caller may not use gets the same NOT_FOUND as one that does not
 // exist, and no error text shows a session's tokens.
-// The front door (admission.hpp; docs/remote.md states the threat model): every call is served
-// through gRPC's callback API (one generic service; on the wire the same unary calls clients
-// make), so a stream costs no thread: gRPC hands a call over on its headers, the token is checked
+// The front door (admission.hpp; docs/remote.md states the threat model): on a plaintext address
+// the server accepts connections itself and relays them to gRPC (front_end.hpp), closing a
+// connection that resets more streams than limits.max_resets_per_connection allows (a rapid-reset
+// flood, which gRPC 1.51 does not bound). Every call is served through gRPC's callback API (one
+// generic service; on the wire the same unary calls clients make), so a stream costs no thread: gRPC hands a call over on its headers, the token is checked
 // before a byte of the message is read, and an unauthenticated or reset stream costs a few
 // allocations and no more than HTTP/2's flow-control window (bandwidth-delay probing is off, so a
 // message nobody reads cannot grow the window; a read asks for the window it needs). An
@@ -96,6 +98,7 @@
 #include "specdec/kv_cache.hpp"
 #include "specdec/parallel.hpp"
 #include "specdec/remote/admission.hpp"
+#include "specdec/remote/front_end.hpp"
 #include "specdec/remote/protocol.hpp"
 #include "specdec/remote/token.hpp"
 #include "specdec/session.hpp"
@@ -117,6 +120,11 @@ struct ServerLimits {
   // at least two fewer of them than another cancels that client's oldest (max-min fair).
   int64_t max_reading_calls = 256;
   int64_t max_streams_per_connection = 16;  // HTTP/2 streams one connection may have open
+  // Streams a plaintext connection may reset (RST_STREAM): a burst of max_resets_per_connection,
+  // refilled at resets_per_second; one more closes the connection (front_end.hpp: the answer to
+  // a rapid-reset flood). Clients reset a stream only when they cancel a call.
+  int64_t max_resets_per_connection = 64;
+  int64_t resets_per_second = 16;
   // Memory for requests in flight: a quarter is gRPC's resource quota (its transports' buffers),
   // the rest the budget every received request is charged to before it is parsed (its bytes and
   // the worst case of its parsed fields and working tensors). Sessions' caches are bounded apart:
@@ -325,6 +333,11 @@ class VerifierService final : public grpc::CallbackGenericService {
     if (options_.group) retired_ = std::make_shared<detail::RetiredSessions>();
     model_thread_ = std::thread([this] { serve_queue(); });
   }
+
+  // How the server names a connection: gRPC's peer string as the front end resolves it (a
+  // connection it relays is "fd:N" to gRPC). Set before serving.
+  void set_peer_names(std::function<std::string(const std::string&)> names) { peer_names_ = std::move(names); }
+  [[nodiscard]] std::string peer_of(const std::string& peer) const { return peer_names_ ? peer_names_(peer) : peer; }
 
   // The part of limits.max_memory_bytes that is gRPC's resource quota: a quarter.
   static int64_t grpc_share(const ServerLimits& limits) { return limits.max_memory_bytes / 4; }
@@ -677,7 +690,7 @@ class VerifierService final : public grpc::CallbackGenericService {
         Finish({grpc::StatusCode::UNIMPLEMENTED, "the verifier serves " + prefix + "Open, Verify and Close only"});
         return;
       }
-      caller_ = detail::caller_of(*context, service.options_.token);
+      caller_ = detail::caller_of(*context, service.options_.token, service.peer_of(context->peer()));
       if (auto full = service.start_reading(*this)) {
         Finish(*full);
         return;
@@ -765,10 +778,18 @@ class VerifierService final : public grpc::CallbackGenericService {
   // fields as they parse) and what its step will allocate (q decoded densely); counts over the
   // request limits are refused here, unparsed. Then it takes a request place and a handler
   // thread, or is answered RESOURCE_EXHAUSTED naming the limit.
+  // Answers `call` with `status` without serving it; what it held of the memory budget is handed
+  // back first, so that the budget is free by the time its client hears.
+  static void refuse(Call& call, const grpc::Status& status) {
+    call.message_.Clear();
+    call.charge_.release();
+    call.Finish(status);
+  }
+
   void admit(Call& call) noexcept {
     try {
       const auto size = static_cast<int64_t>(call.message_.Length());
-      if (!call.charge_.add(budget_, size)) return call.Finish(over_budget(size));
+      if (!call.charge_.add(budget_, size)) return refuse(call, over_budget(size));
       const detail::MessageShape& shape = call.method_ == Method::open     ? detail::open_shape()
                                           : call.method_ == Method::verify ? detail::verify_shape()
                                                                            : detail::close_shape();
@@ -777,34 +798,34 @@ class VerifierService final : public grpc::CallbackGenericService {
         grpc::ProtoBufferReader reader(&call.message_);
         cost = detail::wire_cost(reader, shape);
       }
-      if (!cost) return call.Finish(invalid("the request message is not a well-formed protobuf message"));
+      if (!cost) return refuse(call, invalid("the request message is not a well-formed protobuf message"));
       const auto count = [&](int field) {
         const auto it = cost->elements.find(field);
         return it == cost->elements.end() ? int64_t{0} : it->second;
       };
       int64_t working = 0;
       if (call.method_ == Method::open && count(5) >= token_limit()) {
-        return call.Finish({grpc::StatusCode::RESOURCE_EXHAUSTED,
+        return refuse(call, {grpc::StatusCode::RESOURCE_EXHAUSTED,
                             "prompt of " + std::to_string(count(5)) + " tokens leaves no room under the session limit of " +
                                 std::to_string(token_limit()) + " tokens"});
       }
       if (call.method_ == Method::verify) {
         if (count(5) > options_.limits.max_gamma) {
-          return call.Finish(invalid("drafts holds " + std::to_string(count(5)) + " tokens, more than max_gamma = " +
+          return refuse(call, invalid("drafts holds " + std::to_string(count(5)) + " tokens, more than max_gamma = " +
                                      std::to_string(options_.limits.max_gamma)));
         }
         if (count(4) >= token_limit()) {
-          return call.Finish({grpc::StatusCode::RESOURCE_EXHAUSTED,
+          return refuse(call, {grpc::StatusCode::RESOURCE_EXHAUSTED,
                               "append holds " + std::to_string(count(4)) + " tokens, more than the session limit of " +
                                   std::to_string(token_limit()) + " tokens"});
         }
         working = count(5) * target_.vocab_size() * static_cast<int64_t>(sizeof(float) + sizeof(uint16_t));
       }
       const int64_t parsing = 3 * cost->parsed + working;
-      if (!call.charge_.add(budget_, parsing)) return call.Finish(over_budget(call.charge_.bytes() + parsing));
+      if (!call.charge_.add(budget_, parsing)) return refuse(call, over_budget(call.charge_.bytes() + parsing));
       if (++serving_ > options_.limits.max_concurrent_requests) {
         --serving_;
-        return call.Finish({grpc::StatusCode::RESOURCE_EXHAUSTED,
+        return refuse(call, {grpc::StatusCode::RESOURCE_EXHAUSTED,
                             "the server is serving " + std::to_string(options_.limits.max_concurrent_requests) +
                                 " requests, its limit (max_concurrent_requests): try again"});
       }
@@ -813,11 +834,10 @@ class VerifierService final : public grpc::CallbackGenericService {
       } catch (const std::exception& e) {
         --serving_;
         call.charge_.release();
-        return call.Finish({grpc::StatusCode::RESOURCE_EXHAUSTED, std::string("no handler thread: ") + e.what()});
+        return refuse(call, {grpc::StatusCode::RESOURCE_EXHAUSTED, std::string("no handler thread: ") + e.what()});
       }
     } catch (const std::exception& e) {  // memory for the message's copy or the cost's tally
-      call.charge_.release();
-      call.Finish({grpc::StatusCode::RESOURCE_EXHAUSTED, std::string("the request cannot be held: ") + e.what()});
+      refuse(call, {grpc::StatusCode::RESOURCE_EXHAUSTED, std::string("the request cannot be held: ") + e.what()});
     }
   }
 
@@ -1376,6 +1396,7 @@ class VerifierService final : public grpc::CallbackGenericService {
   std::deque<std::string> eviction_order_;   // their handles, oldest first
   std::atomic<int64_t> sessions_evicted_{0};
   std::atomic<int64_t> unauthenticated_{0}, live_calls_{0};
+  std::function<std::string(const std::string&)> peer_names_{};
   detail::MemoryBudget budget_;
   detail::Workers workers_;
   std::atomic<int64_t> serving_{0};
@@ -1429,8 +1450,17 @@ class VerifierServer {
   // Starts serving. Throws std::invalid_argument for a non-loopback address without a token or
   // bad limits, std::runtime_error when the address cannot be bound.
   VerifierServer(T& target, ServerOptions options) : service_(target, check(std::move(options))) {
+    const ServerLimits& l = service_.options().limits;
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(service_.options().address, credentials(service_.options().tls), &port_);
+    if (service_.options().tls.enabled()) {
+      builder.AddListeningPort(service_.options().address, credentials(service_.options().tls), &port_);
+    } else {
+      front_ = std::make_unique<detail::FrontEnd>(
+          service_.options().address,
+          detail::ResetBudget{.burst = l.max_resets_per_connection, .per_second = l.resets_per_second});
+      port_ = front_->port();
+      service_.set_peer_names([front = front_.get()](const std::string& peer) { return front->peer_of(peer); });
+    }
     builder.RegisterCallbackGenericService(&service_);
     const ServerLimits& limits = service_.options().limits;
     builder.SetMaxReceiveMessageSize(static_cast<int>(limits.max_request_bytes));
@@ -1446,6 +1476,7 @@ class VerifierServer {
     // sessions' traffic); without it, binding a taken port fails here.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     server_ = builder.BuildAndStart();
+    if (server_ && front_) front_->start(*server_);
     if (!server_ || port_ == 0) {
       throw std::runtime_error("cannot listen on " + service_.options().address +
                                ": the address is in use by another process, or not an address of this machine");
@@ -1476,6 +1507,8 @@ class VerifierServer {
   [[nodiscard]] size_t handler_threads() const { return service_.handler_threads(); }
   [[nodiscard]] int64_t charged_bytes() const noexcept { return service_.charged_bytes(); }
   [[nodiscard]] int64_t budget_bytes() const noexcept { return service_.budget_bytes(); }
+  // Plaintext servers: connections accepted, and closed past their reset budget.
+  [[nodiscard]] detail::FrontEnd::Stats front_end() const { return front_ ? front_->stats() : detail::FrontEnd::Stats{}; }
   // Tensor parallelism: what failed the group, once it has (then every call gets UNAVAILABLE;
   // a program stops the server and exits). Empty while it serves.
   [[nodiscard]] std::optional<std::string> failure() const { return service_.failure(); }
@@ -1489,6 +1522,7 @@ class VerifierServer {
     }
     stop_.notify_all();
     if (reaper_.joinable()) reaper_.join();
+    if (front_) front_->stop();
     server_->Shutdown(std::chrono::system_clock::now());
     service_.stop();
   }
@@ -1519,6 +1553,8 @@ class VerifierServer {
         {"max_request_bytes in [1024, 2^31)", in(l.max_request_bytes, 1024, kInt)},
         {"max_concurrent_requests in [1, 65536]", in(l.max_concurrent_requests, 1, 65536)},
         {"max_reading_calls >= 1", l.max_reading_calls >= 1},
+        {"max_resets_per_connection >= 1", l.max_resets_per_connection >= 1},
+        {"resets_per_second >= 0", l.resets_per_second >= 0},
         {"max_streams_per_connection in [1, 2^31)", in(l.max_streams_per_connection, 1, kInt)},
         {"max_memory_bytes >= 4 MiB", l.max_memory_bytes >= (int64_t{4} << 20)},
         {"idle_timeout >= 1 ms", l.idle_timeout.count() >= 1},
@@ -1558,6 +1594,7 @@ class VerifierServer {
   }
 
   VerifierService<T> service_;
+  std::unique_ptr<detail::FrontEnd> front_;  // plaintext: the listener and relay (front_end.hpp)
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::mutex mutex_;
