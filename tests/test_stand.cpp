@@ -572,6 +572,29 @@ TEST(ModelTreeGenerate, SessionsTakeTreesAndTheTreeIsCutNearTheLimit) {
   EXPECT_EQ(rest.stop_reason, StopReason::sequence_limit);
 }
 
+// A prompt longer than the drafter's context (a model tree's and a dynamic tree's): the target goes
+// on alone, as with a chain, and the output is the target's; a prompt that fits drafts until the
+// sequence outgrows the drafter, then goes on alone.
+TEST(ModelTreeGenerate, APromptPastTheDrafterContextGoesOnWithTheTargetAlone) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  models::LlamaConfig short_config = config;
+  short_config.max_seq_len = 16;
+  models::LlamaModel<StaticKVCache> drafter(short_config, test::perturbed(weights, 0.05, 4));
+  for (const size_t length : {size_t{20}, size_t{6}}) {
+    const std::vector<int64_t> prompt(length, 3);
+    const auto reference = autoregressive_generate(target, prompt, {.max_new_tokens = 24}).tokens;
+    ModelTreeSource tree(drafter, TreeTemplate::full(2, 3));
+    const auto from_tree = generate_with(tree, target, prompt, {.max_new_tokens = 24});
+    EXPECT_EQ(from_tree.tokens, reference) << length;
+    DynamicTreeSource dynamic(drafter, {.depth = 3, .top_k = 2, .total_tokens = 6});
+    EXPECT_EQ(generate_with(dynamic, target, prompt, {.max_new_tokens = 24}).tokens, reference) << length;
+    if (length < 16) EXPECT_GT(from_tree.stats.drafted, 0) << "the drafter drafted while it fit";
+    if (length > 16) EXPECT_EQ(from_tree.stats.drafter_calls, 0);
+  }
+}
+
 TEST(ModelTreeGenerate, RejectsBadInputNamingIt) {
   test::MarkovModel target(target_rows());
   test::MarkovModel drafter(memory_rows());

@@ -260,6 +260,7 @@ class ModelTreeSource {
     const int64_t drafter_room = detail::sequence_limit(runner_.model(), runner_.cache()) - length_;
     int64_t n = tree_.within(std::max<int64_t>(0, request.room));
     n = std::clamp<int64_t>(std::min({n, request.capacity, drafter_room}), 0, tree_.size());
+    if (drafter_room < 1) n = 0;  // the context alone fills the drafter: the target goes on alone
     n_ = n;
     fed_ = 0;
     ranks_.resize(static_cast<size_t>(n));
@@ -273,6 +274,10 @@ class ModelTreeSource {
     valid_ = at::ones({n}, longs.dtype(at::kBool));
     q_rows_.clear();
     finite_.clear();
+    if (n == 0) {  // nothing to draft: no drafter forward (the context may not even fit it)
+      ids_ = at::empty({0}, longs);
+      return TreeDrafts{.parents = parents, .calls = 0, .ids = ids_.to(request.device)};
+    }
     // Level 0: the context (what the drafter has not seen of it); its last row is the root's.
     int64_t uncached = 0;
     at::Tensor level_logits = drafter_forward(request.sequence, at::Tensor(), {}, &uncached);
@@ -378,7 +383,12 @@ class ModelTreeSource {
       if (node >= fed_) break;
       kept_.push_back(node);
     }
-    runner_.keep_tree(position, kept_);
+    // A step that drafted nothing fed the drafter nothing: it may hold less than `position`.
+    if (kept_.empty()) {
+      runner_.truncate(position);
+    } else {
+      runner_.keep_tree(position, kept_);
+    }
   }
 
  private:
