@@ -10,6 +10,7 @@
 
 #include "specdec/generate.hpp"
 #include "specdec/verification.hpp"
+#include "specdec/draft_source.hpp"
 #include "support/markov_fixtures.hpp"
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
@@ -194,6 +195,66 @@ TEST(SpeculativeDistribution, ThresholdVerificationIsExactOnlyWhenItAcceptsNothi
   const auto lossy = sequence_fit(MultinomialProcessor{}, {.gamma = 2, .verification = Verification::threshold,
                                                             .threshold = 0.3}, kSamples);
   EXPECT_GT(lossy.statistic, test::chi_square_quantile(lossy.dof, kZ));
+}
+
+}  // namespace
+namespace {
+
+// The first drafting step comes after the target's own first token (first_target): a rejection
+// there is followed by a token from the residual max(0, p - q) of the context's row, like any
+// other rejection; skip_sample_adjustment takes it from p instead. Pinned by a chi-square of that
+// position, given the rejection, against the residual (and, for power, against p).
+template <class Source>
+test::ChiSquare first_rejection_fit(Source make_source, bool skip, bool against_p, int64_t samples) {
+  test::MarkovModel target(test::markov_target_rows());
+  const at::Tensor p = test::markov_target_rows(), q = test::markov_drafter_rows();
+  std::map<std::pair<int64_t, int64_t>, int64_t> observed;
+  std::map<int64_t, int64_t> contexts;
+  int64_t rejections = 0;
+  for (int64_t i = 0; i < samples; ++i) {
+    auto source = make_source();
+    int64_t previous = -1;
+    SpeculativeOptions options{.max_new_tokens = 3, .seed = static_cast<uint64_t>(7000 + i), .gamma = 4,
+                               .skip_sample_adjustment = skip};
+    options.on_step = [&](const StepInfo& step) {
+      if (step.step == 1 && !step.drafts.empty() && step.accepted == 0) {
+        ++observed[{previous, step.token}];
+        ++contexts[previous];
+        ++rejections;
+      }
+      previous = step.emitted.empty() ? previous : step.emitted.back();
+      return StepAction::proceed;
+    };
+    (void)generate_with(source, target, std::vector<int64_t>{0}, options, MultinomialProcessor(1.0));
+  }
+  std::map<std::pair<int64_t, int64_t>, double> expected;
+  for (const auto& [context, count] : contexts) {
+    const at::Tensor row = against_p ? p[context] : (p[context] - q[context]).clamp_min(0.0);
+    const at::Tensor next = row / row.sum();
+    for (int64_t t = 0; t < 4; ++t) {
+      expected[{context, t}] = static_cast<double>(count) / static_cast<double>(rejections) * next[t].item<double>();
+    }
+  }
+  auto fit = test::chi_square(observed, expected, rejections);
+  fit.dof -= static_cast<int64_t>(contexts.size()) - 1;  // the contexts' shares are taken from the sample
+  return fit;
+}
+
+TEST(SpeculativeDistribution, TheFirstRejectionAfterTheTargetsFirstTokenIsSampledFromTheResidual) {
+  test::MarkovModel drafter(test::markov_drafter_rows());
+  const auto chain = [&] { return ModelDraftSource(drafter); };
+  constexpr int64_t kSamples = 12000;
+  const auto exact = first_rejection_fit(chain, false, false, kSamples);
+  EXPECT_EQ(exact.outside_support, 0);
+  EXPECT_LT(exact.statistic, test::chi_square_quantile(exact.dof, kZ));
+  // Power: the same position against p fails, and skip_sample_adjustment's samples fit p.
+  const auto against_p = first_rejection_fit(chain, false, true, kSamples);
+  EXPECT_GT(against_p.statistic, test::chi_square_quantile(against_p.dof, kZ));
+  const auto skipped = first_rejection_fit(chain, true, true, kSamples);
+  EXPECT_LT(skipped.statistic, test::chi_square_quantile(skipped.dof, kZ));
+  std::cout << "[ figures  ] first rejection after the target's first token: chi-square " << exact.statistic
+            << " against the residual, " << against_p.statistic << " against p (dof " << exact.dof
+            << "); skip_sample_adjustment " << skipped.statistic << " against p\n";
 }
 
 }  // namespace
