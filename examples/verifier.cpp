@@ -64,14 +64,25 @@ int main(int argc, char** argv) {
                    "sessions one client (its TLS certificate where one is required, else its connection) may hold (default 16)")
         ->check(cli::integer<int64_t>(1, 1 << 20));
     app.add_option("--max-concurrent-requests", options.limits.max_concurrent_requests,
-                   "authenticated requests served at once; more are refused (default 64)")
+                   "requests served at once once their message has arrived; more are refused (default 64)")
         ->check(cli::integer<int64_t>(1, 65536));
+    app.add_option("--max-reading-calls", options.limits.max_reading_calls,
+                   "authenticated calls whose message has not arrived yet, at most (fair between clients; default 256)")
+        ->check(cli::integer<int64_t>(1, 1 << 20));
+    app.add_option("--max-resets-per-connection", options.limits.max_resets_per_connection,
+                   "streams a plaintext connection may reset in a burst before it is closed (default 64)")
+        ->check(cli::integer<int64_t>(1, 1 << 20));
+    app.add_option("--resets-per-second", options.limits.resets_per_second,
+                   "how fast that budget refills (default 16)")
+        ->check(cli::integer<int64_t>(0, 1 << 20));
     app.add_option("--max-streams-per-connection", options.limits.max_streams_per_connection,
                    "HTTP/2 streams one connection may have open (default 16)")
         ->check(cli::integer<int64_t>(1, 1 << 20));
     int64_t memory_mib = options.limits.max_memory_bytes >> 20;
-    app.add_option("--max-memory-mib", memory_mib, "gRPC's memory quota for its buffers, MiB (default 1024)")
-        ->check(cli::integer<int64_t>(1, int64_t{1} << 30));
+    app.add_option("--max-memory-mib", memory_mib,
+                   "memory for requests in flight, MiB: a quarter gRPC's buffers, the rest charged by requests before "
+                   "they are parsed (default 1024)")
+        ->check(cli::integer<int64_t>(4, int64_t{1} << 30));
     int64_t read_timeout_ms = options.limits.read_timeout.count();
     app.add_option("--read-timeout-ms", read_timeout_ms,
                    "milliseconds a request's message (and a TLS handshake) may take to arrive (default 10000)")
@@ -162,7 +173,10 @@ int main(int argc, char** argv) {
     server.shutdown();
     const specdec::remote::ServerStats stats = server.stats();
     std::cout << "stopping (signal " << signal << "): " << stats.verifications << " verifications in "
-              << stats.forwards << " target forwards, largest batch " << stats.largest_batch << std::endl;
+              << stats.forwards << " target forwards, largest batch " << stats.largest_batch << "; refused "
+              << stats.unauthenticated << " calls without the token, closed " << stats.sessions_evicted
+              << " sessions for fair admission and " << server.front_end().closed_for_resets
+              << " connections past their reset budget" << std::endl;
     return 0;
   } catch (const CLI::ParseError& e) {
     std::cerr << "specdec-verifier: " << e.what() << " (see --help)\n";
