@@ -13,6 +13,7 @@
 // shards (remote::follow_verifier) and end when rank 0 stops. When the group fails (a rank gone,
 // a collective timed out), rank 0 answers the calls in flight with UNAVAILABLE naming it and exits
 // with status 2.
+#include <grpcpp/version_info.h>
 #include <specdec/io/checkpoint.hpp>
 #include <specdec/models/llama.hpp>
 #include <specdec/remote/server.hpp>
@@ -162,6 +163,15 @@ int main(int argc, char** argv) {
                                                    : "TLS with client certificates")
               << (group ? ", split over " + std::to_string(group->world_size()) + " ranks" : std::string()) << ")"
               << std::endl;
+    if (options.tls.enabled() && options.tls.trusted_ca.empty()) {
+      // gRPC terminates TLS itself, so the front end cannot read the frames (docs/remote.md).
+      std::cerr << "specdec-verifier: note: over TLS without --tls-client-ca, a client without the token can flood "
+                   "the server with reset streams, which gRPC "
+                << GRPC_CPP_VERSION_STRING
+                << " does not bound; require client certificates, or serve plaintext on loopback behind a TLS "
+                   "terminator"
+                << std::endl;
+    }
     int signal = 0;
     const timespec tick{.tv_sec = 0, .tv_nsec = 100'000'000};  // how often a split server looks at its group
     while ((signal = sigtimedwait(&signals, nullptr, &tick)) <= 0) {
