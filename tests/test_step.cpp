@@ -760,6 +760,110 @@ models::EagleHead random_eagle(const models::LlamaConfig& config, const models::
   return models::EagleHead(c, models::EagleHead::random(c, weights.token_embedding, weights.output, seed));
 }
 
+// A draft source that passes everything to `inner` and keeps the q of the last drafts it returned.
+template <class S>
+struct KeepsQ {
+  S& inner;
+  at::Tensor q{};
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
+    Drafts drafts = inner.draft(request, processor, gen);
+    q = drafts.probs;
+    return drafts;
+  }
+  void verified(const VerifiedDrafts& verified) { inner.verified(verified); }
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) { inner.start(sequence, options); }
+  [[nodiscard]] std::span<const int64_t> feature_taps() const { return inner.feature_taps(); }
+  [[nodiscard]] int64_t vocab_size() const { return inner.vocab_size(); }
+};
+
+// The token after the first rejected draft of a generation whose first token is the target's own
+// (first_target), drafted by an EAGLE-3 head from a fixed prompt: the context is then the prompt
+// and the first token t, so p (the target's) and q (the head's, as it drew the draft) depend on t
+// alone. Chi-square of the (t, token) cells against each t's residual max(0, p - q), and against
+// p for power. `skip`: skip_sample_adjustment.
+struct FirstRejection {
+  test::ChiSquare residual, target;
+  int64_t events = 0;
+};
+FirstRejection eagle_first_rejection(bool skip, int64_t events) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  models::LlamaConfig config = test::small_llama_config();
+  config.vocab_size = 8;
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 12);
+  Model target(config, weights), reference(config, weights);
+  const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 6, 4);
+  const std::vector<int64_t> prompt{3, 1, 5, 5, 4, 2};
+  const MultinomialProcessor processor(1.0);
+  std::map<std::pair<int64_t, int64_t>, int64_t> observed;
+  std::map<int64_t, int64_t> firsts;
+  std::map<int64_t, std::pair<at::Tensor, at::Tensor>> rows;  // t: (residual, p)
+  FirstRejection result;
+  for (uint64_t seed = 0; result.events < events && seed < static_cast<uint64_t>(40 * events); ++seed) {
+    models::EagleDraftSource eagle(head, target);
+    KeepsQ<models::EagleDraftSource> source{eagle};
+    int64_t first = -1;
+    SpeculativeOptions options{.max_new_tokens = 3, .seed = seed, .gamma = 3, .skip_sample_adjustment = skip};
+    options.on_step = [&](const StepInfo& step) {
+      if (step.step == 0) first = step.token;
+      if (step.step == 1 && step.drafts.size() == 1 && step.accepted == 0) {
+        if (!rows.contains(first)) {
+          std::vector<int64_t> context = prompt;
+          context.push_back(first);
+          auto cache = reference.make_cache(1);
+          const at::Tensor logits = reference.forward(at::tensor(context, at::kLong).view({1, -1}), cache)[0][-1];
+          const at::Tensor p = processor(logits).to(at::kDouble);
+          const at::Tensor rest = (p - source.q[0].to(at::kDouble)).clamp_min(0.0);
+          rows[first] = {rest / rest.sum(), p};
+        }
+        ++observed[{first, step.token}];
+        ++firsts[first];
+        ++result.events;
+      }
+      return StepAction::proceed;
+    };
+    (void)generate_with(source, target, prompt, options, processor);
+  }
+  std::map<std::pair<int64_t, int64_t>, double> residual, target_p;
+  for (const auto& [first, count] : firsts) {
+    const double share = static_cast<double>(count) / static_cast<double>(result.events);
+    for (int64_t t = 0; t < config.vocab_size; ++t) {
+      residual[{first, t}] = share * rows[first].first[t].item<double>();
+      target_p[{first, t}] = share * rows[first].second[t].item<double>();
+    }
+  }
+  result.residual = test::chi_square(observed, residual, result.events);
+  result.target = test::chi_square(observed, target_p, result.events);
+  // The first tokens' shares are taken from the sample.
+  result.residual.dof -= static_cast<int64_t>(firsts.size()) - 1;
+  result.target.dof -= static_cast<int64_t>(firsts.size()) - 1;
+  return result;
+}
+
+// The EAGLE-3 head's first rejection after the target's own first token: its next token follows
+// the residual of that context, not p (skip_sample_adjustment's tokens follow p, not the
+// residual). A 3-token generation whose outputs do not change with skip_sample_adjustment is
+// therefore no sign of p being used: inverse-CDF sampling with the same uniform gives the same
+// token from p and from a residual that differs from p only in small entries.
+TEST(Eagle, TheFirstRejectionAfterTheTargetsFirstTokenFollowsTheResidual) {
+  constexpr int64_t kEvents = 1500;
+  constexpr double kZ = 4.75;
+  const FirstRejection exact = eagle_first_rejection(false, kEvents);
+  ASSERT_EQ(exact.events, kEvents);
+  EXPECT_EQ(exact.residual.outside_support, 0) << "a token the residual cannot give";
+  EXPECT_LT(exact.residual.statistic, test::chi_square_quantile(exact.residual.dof, kZ));
+  EXPECT_GT(exact.target.statistic, test::chi_square_quantile(exact.target.dof, kZ)) << "no power against p";
+  const FirstRejection skipped = eagle_first_rejection(true, kEvents);
+  EXPECT_LT(skipped.target.statistic, test::chi_square_quantile(skipped.target.dof, kZ));
+  EXPECT_GT(skipped.residual.statistic + 1e6 * static_cast<double>(skipped.residual.outside_support),
+            test::chi_square_quantile(skipped.residual.dof, kZ));
+  std::cout << "[ figures  ] EAGLE-3 head, first rejection after the target's first token (" << kEvents
+            << " events): chi-square " << exact.residual.statistic << " under the residual, " << exact.target.statistic
+            << " under p (dof " << exact.residual.dof << "); with skip_sample_adjustment " << skipped.target.statistic
+            << " under p, " << skipped.residual.statistic << " under the residual and "
+            << skipped.residual.outside_support << " tokens outside it\n";
+}
+
 // The head's cache must equal one forward of the head over the whole sequence, every position
 // reading the target's hidden states computed from scratch.
 template <class Model>
