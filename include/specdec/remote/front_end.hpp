@@ -320,8 +320,9 @@ class FrontEnd {
       return;
     }
     // Wait to write where bytes are held; wait to read only where there is room.
-    watch(c.client, (c.to_relay.size() < kHeld ? EPOLLIN | EPOLLRDHUP : 0) | (c.to_client.empty() ? 0 : EPOLLOUT), true);
-    watch(c.relay, (c.to_client.size() < kHeld ? EPOLLIN | EPOLLRDHUP : 0) | (c.to_relay.empty() ? 0 : EPOLLOUT), true);
+    constexpr uint32_t kRead = EPOLLIN | EPOLLRDHUP, kWrite = EPOLLOUT, kNone = 0;
+    watch(c.client, (c.to_relay.size() < kHeld ? kRead : kNone) | (c.to_client.empty() ? kNone : kWrite), true);
+    watch(c.relay, (c.to_client.size() < kHeld ? kRead : kNone) | (c.to_relay.empty() ? kNone : kWrite), true);
   }
 
   // Writes what `pending` holds to `fd` as far as it takes it; false on an error.
