@@ -236,7 +236,9 @@ TEST(RemoteFrontDoor, ARapidResetFloodLeavesTokenHoldersServed) {
   EXPECT_GT(server.front_end().closed_for_resets, 2);
   EXPECT_EQ(stats.live_calls, 0) << "calls of the flood still held";
   EXPECT_LE(server.handler_threads(), std::max<size_t>(threads, 2)) << "the flood took handler threads";
-  if (kMemoryIsMeasured) EXPECT_LT(growth, 128.0);
+  if (kMemoryIsMeasured) {
+    EXPECT_LT(growth, 128.0);
+  }
 }
 
 // 64 calls that send their headers and never their message (5 connections, 13 streams each, the
@@ -503,9 +505,13 @@ TEST(RemoteMemory, ConcurrentMaximalRequestsStayWithinTheBudget) {
                 << kBudget / (1 << 20) << " MiB: peak RSS " << growth << " MiB above baseline;";
       for (const auto& [kind, count] : answers) std::cout << " " << count << " " << kind << ";";
       std::cout << "\n";
-      if (kMemoryIsMeasured) EXPECT_LT(growth, static_cast<double>(kBudget) / kMiB);
+      if (kMemoryIsMeasured) {
+        EXPECT_LT(growth, static_cast<double>(kBudget) / kMiB);
+      }
     }
-    if (clients == 8) EXPECT_GE(answers["parsed and served"], 1);
+    if (clients == 8) {
+      EXPECT_GE(answers["parsed and served"], 1);
+    }
     for (const auto& [kind, count] : answers) {
       EXPECT_TRUE(kind == "max_memory_bytes" || kind == "max_concurrent_requests" || kind == "parsed and served" ||
                   kind == "gRPC's quota (ENHANCE_YOUR_CALM)" || kind == "gRPC's quota (connection closed)")
@@ -631,7 +637,9 @@ TEST(RemoteFrontDoor, UnauthenticatedRequestsAreRefusedBeforeTheirMessageIsRead)
     std::cout << "[ figures  ] " << refused << " unauthenticated 64 MiB requests from " << kClients
               << " clients, refused; " << generations << " authenticated generations meanwhile; peak RSS "
               << growth << " MiB above " << static_cast<double>(baseline) / kMiB << " MiB\n";
-    if (kMemoryIsMeasured) EXPECT_LT(growth, 64.0);
+    if (kMemoryIsMeasured) {
+      EXPECT_LT(growth, 64.0);
+    }
   }
   EXPECT_GE(refused.load(), kClients);
   EXPECT_EQ(otherwise.load(), 0);
@@ -647,7 +655,9 @@ TEST(RemoteFrontDoor, UnauthenticatedRequestsAreRefusedBeforeTheirMessageIsRead)
   expect_status(read, grpc::StatusCode::INVALID_ARGUMENT, "drafts holds 67108848 tokens, more than max_gamma = 64");
   std::cout << "[ figures  ] the same request with the token: read, refused unparsed, peak RSS " << growth
             << " MiB above " << static_cast<double>(before) / kMiB << " MiB\n";
-  if (kMemoryIsMeasured) EXPECT_LT(growth, 160.0);
+  if (kMemoryIsMeasured) {
+    EXPECT_LT(growth, 160.0);
+  }
 }
 
 // The other bounds of the front door: sessions per client (a closed one frees its place), a call

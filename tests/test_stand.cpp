@@ -590,8 +590,12 @@ TEST(ModelTreeGenerate, APromptPastTheDrafterContextGoesOnWithTheTargetAlone) {
     EXPECT_EQ(from_tree.tokens, reference) << length;
     DynamicTreeSource dynamic(drafter, {.depth = 3, .top_k = 2, .total_tokens = 6});
     EXPECT_EQ(generate_with(dynamic, target, prompt, {.max_new_tokens = 24}).tokens, reference) << length;
-    if (length < 16) EXPECT_GT(from_tree.stats.drafted, 0) << "the drafter drafted while it fit";
-    if (length > 16) EXPECT_EQ(from_tree.stats.drafter_calls, 0);
+    if (length < 16) {
+      EXPECT_GT(from_tree.stats.drafted, 0) << "the drafter drafted while it fit";
+    }
+    if (length > 16) {
+      EXPECT_EQ(from_tree.stats.drafter_calls, 0);
+    }
   }
 }
 
