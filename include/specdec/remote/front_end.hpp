@@ -73,13 +73,10 @@ class FrameWatch {
     return true;
   }
 
-  [[nodiscard]] int64_t resets() const noexcept { return resets_; }
-
  private:
   static constexpr uint8_t kRstStream = 3;
 
   bool take_reset(std::chrono::steady_clock::time_point now) {
-    ++resets_;
     if (last_.time_since_epoch().count() != 0) {
       const double seconds = std::chrono::duration<double>(now - last_).count();
       tokens_ = std::min(static_cast<double>(budget_.burst), tokens_ + seconds * static_cast<double>(budget_.per_second));
@@ -97,7 +94,6 @@ class FrameWatch {
   uint64_t payload_left_ = 0;
   uint8_t header_[9]{};
   size_t header_filled_ = 0;
-  int64_t resets_ = 0;
 };
 
 // gRPC's name for a peer address: "ipv4:10.0.0.7:5123", "ipv6:[::1]:5123".
