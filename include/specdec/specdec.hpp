@@ -20,6 +20,7 @@
 #include "specdec/session.hpp"
 #include "specdec/stand.hpp"
 #include "specdec/step.hpp"
+#include "specdec/suffix.hpp"
 #include "specdec/threads.hpp"
 #include "specdec/tree.hpp"
 #include "specdec/verification.hpp"

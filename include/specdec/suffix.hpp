@@ -1,0 +1,407 @@
+// Suffix decoding (Oliaro et al., "SuffixDecoding", 2024): model-free drafting for agentic and
+// repetitive workloads, where outputs repeat long spans of the prompt, of earlier turns and of
+// earlier requests' responses.
+//
+// Two trees of substrings with counts (detail/suffix_trie.hpp): one per request, over its prompt
+// and everything generated since, learned as tokens are accepted; and a SuffixCache of earlier
+// requests' responses, shared by the requests of a server, bounded in bytes and responses
+// (oldest evicted first), saved and loaded as the n-gram storages are (atomic, checksummed
+// files). Each step drafts from both, anchored on the longest suffix of the text that was
+// followed before, along the most frequent followers while the path's estimated probability
+// stays above SuffixDraftRule::min_token_prob, and at most max_spec_factor times the match's
+// length: a long match drafts far, a short one little. The tree whose draft scores higher (the
+// sum of the path's probabilities) wins. Drafts are deterministic, so the step's verification
+// keeps the output exactly the target's, under greedy decoding and sampling alike.
+//
+// Here: SuffixDraftRule, SuffixCacheLimits, SuffixCache, SuffixDraftSource (for generate_with,
+// sessions and batches), SuffixDecodingOptions and suffix_generate.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <ostream>
+#include <span>
+#include <stdexcept>
+#include <vector>
+
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/detail/suffix_trie.hpp"
+#include "specdec/draft_source.hpp"
+#include "specdec/io/atomic_file.hpp"
+#include "specdec/io/binary_reader.hpp"
+#include "specdec/io/errors.hpp"
+#include "specdec/logits_processor.hpp"
+#include "specdec/options.hpp"
+#include "specdec/result.hpp"
+#include "specdec/step.hpp"
+
+namespace specdec {
+
+// How a suffix draft is anchored, how far it goes and where it stops.
+struct SuffixDraftRule {
+  int64_t max_depth = 32;         // longest substring the request's tree keeps and matches, in
+                                  // tokens (in [2, 1024]); the cache has its own (SuffixCacheLimits)
+  double max_spec_factor = 1.0;   // a draft is at most floor(factor * match + offset) tokens,
+                                  // match the length of the suffix it was anchored on (>= 0)
+  double max_spec_offset = 0.0;   // (finite; negative: no draft from matches shorter than
+                                  // -offset / factor)
+  double min_token_prob = 0.1;    // drafting stops where the product of the drafted tokens'
+                                  // shares of their contexts' followers falls below this, in
+                                  // [0, 1] (0: off)
+  int64_t min_match = 1;          // shortest suffix of the text a draft is anchored on (>= 1)
+
+  void validate() const {
+    if (max_depth < 2 || max_depth > detail::SuffixTrie::kMaxDepth) {
+      detail::throw_invalid("suffix.max_depth", "be in [2, 1024]", max_depth);
+    }
+    if (!(max_spec_factor >= 0.0) || !std::isfinite(max_spec_factor)) {
+      detail::throw_invalid("suffix.max_spec_factor", "be finite and >= 0", max_spec_factor);
+    }
+    if (!std::isfinite(max_spec_offset)) detail::throw_invalid("suffix.max_spec_offset", "be finite", max_spec_offset);
+    if (!(min_token_prob >= 0.0 && min_token_prob <= 1.0)) {
+      detail::throw_invalid("suffix.min_token_prob", "be in [0, 1]", min_token_prob);
+    }
+    if (min_match < 1) detail::throw_invalid("suffix.min_match", "be >= 1", min_match);
+  }
+  [[nodiscard]] detail::SuffixWalkRule walk() const noexcept {
+    return {.max_spec_factor = max_spec_factor, .max_spec_offset = max_spec_offset,
+            .min_token_prob = min_token_prob, .min_match = min_match};
+  }
+
+  friend std::ostream& operator<<(std::ostream& out, const SuffixDraftRule& rule) {
+    return out << "SuffixDraftRule{max_depth=" << rule.max_depth << ", max_spec_factor=" << rule.max_spec_factor
+               << ", max_spec_offset=" << rule.max_spec_offset << ", min_token_prob=" << rule.min_token_prob
+               << ", min_match=" << rule.min_match << "}";
+  }
+};
+
+// The bounds of a SuffixCache.
+struct SuffixCacheLimits {
+  int64_t max_depth = 32;                     // longest substring its tree keeps (in [2, 1024])
+  int64_t max_responses = 100000;             // responses kept (>= 1)
+  int64_t max_bytes = int64_t{256} << 20;     // memory of the responses and their tree together,
+                                              // between calls (>= 1 MiB)
+
+  void validate() const {
+    if (max_depth < 2 || max_depth > detail::SuffixTrie::kMaxDepth) {
+      detail::throw_invalid("cache.max_depth", "be in [2, 1024]", max_depth);
+    }
+    if (max_responses < 1) detail::throw_invalid("cache.max_responses", "be >= 1", max_responses);
+    if (max_bytes < (int64_t{1} << 20)) detail::throw_invalid("cache.max_bytes", "be >= 1048576 (1 MiB)", max_bytes);
+  }
+  friend std::ostream& operator<<(std::ostream& out, const SuffixCacheLimits& limits) {
+    return out << "SuffixCacheLimits{max_depth=" << limits.max_depth << ", max_responses=" << limits.max_responses
+               << ", max_bytes=" << limits.max_bytes << "}";
+  }
+};
+
+// Earlier requests' responses and the tree of their substrings, shared by the requests that draft
+// from it (borrowed by SuffixDraftSource; not thread-safe: one thread at a time). Past a limit
+// the oldest responses go, down to three quarters of it, and the tree is rebuilt from those that
+// stay: each token added costs at most a few insertions over the cache's life.
+class SuffixCache {
+ public:
+  static constexpr uint32_t kFileVersion = 1;
+
+  // Requires 1 <= vocab_size <= 2^31 and valid limits.
+  explicit SuffixCache(int64_t vocab_size, SuffixCacheLimits limits = {})
+      : vocab_(vocab_size), limits_(limits), trie_((limits.validate(), limits.max_depth)) {
+    if (vocab_size < 1 || vocab_size > (int64_t{1} << 31)) detail::throw_invalid("vocab_size", "be in [1, 2^31]", vocab_size);
+  }
+
+  // Adds a finished response (its tokens in [0, vocab_size)); one longer than the cache can hold
+  // keeps its last tokens. An empty response adds nothing.
+  void add(std::span<const int64_t> response) {
+    detail::check_tokens("response", response, vocab_);
+    if (response.empty()) return;
+    const size_t most = static_cast<size_t>(limits_.max_bytes) / (2 * sizeof(int32_t) + per_token_floor());
+    const auto kept = response.last(std::min(response.size(), std::max<size_t>(most, 1)));
+    responses_.emplace_back(kept.begin(), kept.end());
+    tokens_ += kept.size();
+    learn(responses_.back());
+    ++version_;
+    if (over(1.0)) shrink();
+  }
+
+  void clear() {
+    responses_.clear();
+    tokens_ = 0;
+    trie_.clear();
+    ++version_;
+  }
+
+  [[nodiscard]] int64_t vocab_size() const noexcept { return vocab_; }
+  [[nodiscard]] const SuffixCacheLimits& limits() const noexcept { return limits_; }
+  [[nodiscard]] int64_t responses() const noexcept { return static_cast<int64_t>(responses_.size()); }
+  [[nodiscard]] int64_t tokens() const noexcept { return static_cast<int64_t>(tokens_); }
+  [[nodiscard]] int64_t evicted() const noexcept { return evicted_; }
+  // The bytes the responses (each stored at its length) and the tree (its arrays' capacity) hold.
+  [[nodiscard]] size_t memory_bytes() const noexcept { return trie_.memory_bytes() + tokens_ * sizeof(int32_t); }
+  // Changes with every add, eviction, clear and load: a source re-walks its path when it moved.
+  [[nodiscard]] uint64_t version() const noexcept { return version_; }
+  [[nodiscard]] const detail::SuffixTrie& trie() const noexcept { return trie_; }
+
+  // A versioned binary file with a checksum trailer, written atomically: the limits and the
+  // responses, oldest first (the tree is rebuilt on load).
+  void save(const std::filesystem::path& path) const {
+    io::detail::write_atomically_checksummed(path, [&](std::ofstream& out) {
+      const auto put = [&](const auto& value) { io::detail::put(out, value); };
+      out.write(kMagic, sizeof(kMagic));
+      put(kFileVersion);
+      put(static_cast<uint64_t>(vocab_));
+      put(static_cast<uint32_t>(limits_.max_depth));
+      put(static_cast<uint64_t>(limits_.max_responses));
+      put(static_cast<uint64_t>(limits_.max_bytes));
+      put(static_cast<uint64_t>(responses_.size()));
+      for (const auto& r : responses_) {
+        put(static_cast<uint64_t>(r.size()));
+        out.write(reinterpret_cast<const char*>(r.data()), static_cast<std::streamsize>(r.size() * sizeof(int32_t)));
+      }
+    });
+  }
+  // Reads a file written by save(). `vocab_size`, when given, must equal the file's. Throws
+  // io::FormatError naming the file and the field.
+  [[nodiscard]] static SuffixCache load(const std::filesystem::path& path, std::optional<int64_t> vocab_size = {}) {
+    io::detail::BinaryReader reader(path);
+    char magic[sizeof(kMagic)];
+    reader.read_bytes(magic, sizeof(magic), "magic");
+    if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) io::detail::throw_format(path, "not a suffix cache file (bad magic)");
+    const auto version = reader.read<uint32_t>("version");
+    if (version != kFileVersion) io::detail::throw_format(path, "unsupported suffix cache version ", version);
+    reader.verify_checksum();
+    const auto vocab = reader.read<uint64_t>("vocab_size");
+    if (vocab < 1 || vocab > (uint64_t{1} << 31)) io::detail::throw_format(path, "vocab_size ", vocab, " is out of range");
+    if (vocab_size && static_cast<uint64_t>(*vocab_size) != vocab) {
+      io::detail::throw_format(path, "holds a cache for vocab_size ", vocab, ", expected ", *vocab_size);
+    }
+    SuffixCacheLimits limits;
+    limits.max_depth = reader.read<uint32_t>("max_depth");
+    const auto max_responses = reader.read<uint64_t>("max_responses");
+    const auto max_bytes = reader.read<uint64_t>("max_bytes");
+    if (max_responses > uint64_t{1} << 40 || max_bytes > uint64_t{1} << 50) {
+      io::detail::throw_format(path, "limits max_responses ", max_responses, " or max_bytes ", max_bytes, " out of range");
+    }
+    limits.max_responses = static_cast<int64_t>(max_responses);
+    limits.max_bytes = static_cast<int64_t>(max_bytes);
+    std::optional<SuffixCache> made;
+    try {
+      made.emplace(static_cast<int64_t>(vocab), limits);
+    } catch (const std::invalid_argument& e) {
+      io::detail::throw_format(path, e.what());
+    }
+    const auto count = reader.read<uint64_t>("response count");
+    if (count > reader.remaining() / sizeof(uint64_t)) {
+      io::detail::throw_format(path, count, " responses cannot fit in the ", reader.remaining(), " bytes that follow");
+    }
+    for (uint64_t i = 0; i < count; ++i) {
+      const auto length = reader.read<uint64_t>("response length");
+      if (length == 0 || length > reader.remaining() / sizeof(int32_t)) {
+        io::detail::throw_format(path, "response ", i, " has length ", length, ", with ", reader.remaining(),
+                                 " bytes left");
+      }
+      std::vector<int32_t> tokens(static_cast<size_t>(length));
+      reader.read_bytes(tokens.data(), length * sizeof(int32_t), "response tokens");
+      for (size_t j = 0; j < tokens.size(); ++j) {
+        if (tokens[j] < 0 || static_cast<uint64_t>(tokens[j]) >= vocab) {
+          io::detail::throw_format(path, "response ", i, " token ", j, " is ", tokens[j], ", outside [0, ", vocab, ")");
+        }
+      }
+      made->tokens_ += tokens.size();
+      made->responses_.push_back(std::move(tokens));
+    }
+    if (reader.remaining() != 0) io::detail::throw_format(path, reader.remaining(), " bytes follow the last response");
+    made->rebuild();
+    if (made->over(1.0)) made->shrink();
+    return std::move(*made);
+  }
+
+  friend std::ostream& operator<<(std::ostream& out, const SuffixCache& cache) {
+    return out << "SuffixCache{vocab_size=" << cache.vocab_ << ", responses=" << cache.responses()
+               << ", tokens=" << cache.tokens_ << ", bytes=" << cache.memory_bytes() << ", " << cache.limits_ << "}";
+  }
+
+ private:
+  static constexpr char kMagic[8] = {'S', 'P', 'D', 'S', 'U', 'F', 'F', 'X'};
+
+  // The least tree bytes a token adds (a node and an edge at the table's fullest): only to cut a
+  // response that could never fit.
+  [[nodiscard]] static constexpr size_t per_token_floor() noexcept {
+    return sizeof(detail::SuffixTrie::Node) + sizeof(uint64_t) + sizeof(uint32_t);
+  }
+  [[nodiscard]] bool over(double share) const noexcept {
+    return static_cast<double>(responses_.size()) > share * static_cast<double>(limits_.max_responses) ||
+           static_cast<double>(memory_bytes()) > share * static_cast<double>(limits_.max_bytes);
+  }
+  void learn(const std::vector<int32_t>& response) {
+    detail::SuffixTrie::Path path = detail::SuffixTrie::root_path();
+    for (const int32_t token : response) trie_.extend(path, token);
+  }
+  void rebuild() {
+    trie_.clear();
+    for (const auto& r : responses_) learn(r);
+    trie_.shrink_to_fit();
+  }
+  // Evicts the oldest responses down to three quarters of the limits (bytes estimated from the
+  // tree's bytes per token, then checked after the rebuild).
+  void shrink() {
+    while (!responses_.empty() && over(0.75)) {
+      const double per_token = static_cast<double>(memory_bytes()) / static_cast<double>(std::max<size_t>(tokens_, 1));
+      const double keep_tokens = 0.75 * static_cast<double>(limits_.max_bytes) / per_token;
+      const auto keep_responses = static_cast<size_t>(0.75 * static_cast<double>(limits_.max_responses));
+      bool first = true;  // at least one goes each round, whatever the estimate says
+      while (!responses_.empty() && (first || static_cast<double>(tokens_) > keep_tokens ||
+                                     responses_.size() > keep_responses)) {
+        first = false;
+        tokens_ -= responses_.front().size();
+        responses_.pop_front();
+        ++evicted_;
+      }
+      rebuild();
+    }
+    ++version_;
+  }
+
+  int64_t vocab_;
+  SuffixCacheLimits limits_;
+  detail::SuffixTrie trie_;
+  std::deque<std::vector<int32_t>> responses_;
+  size_t tokens_ = 0;
+  int64_t evicted_ = 0;
+  uint64_t version_ = 0;
+};
+
+// Drafts by suffix decoding for one request (or one session: its turns go on feeding the same
+// tree): its own tree over the sequence, and the borrowed cache of earlier responses, to which
+// finish() adds this generation's output. Host-side work on plain integers.
+class SuffixDraftSource {
+ public:
+  // Without a cache: the request's own tree only.
+  explicit SuffixDraftSource(SuffixDraftRule rule = {}) : rule_((rule.validate(), rule)), trie_(rule.max_depth) {}
+  // With a cache of earlier responses (which must outlive the source).
+  explicit SuffixDraftSource(SuffixCache& cache, SuffixDraftRule rule = {}) : SuffixDraftSource(rule) {
+    cache_ = &cache;
+  }
+
+  [[nodiscard]] const SuffixDraftRule& rule() const noexcept { return rule_; }
+  [[nodiscard]] const detail::SuffixTrie& request_tree() const noexcept { return trie_; }
+  // Drafts taken from the cache, and from the request's own tree, so far.
+  [[nodiscard]] int64_t drafts_from_cache() const noexcept { return from_cache_; }
+  [[nodiscard]] int64_t drafts_from_request() const noexcept { return from_request_; }
+
+  // Learns what of `sequence` it has not seen (all of it the first time; a session's next turn:
+  // the turn's new tokens), and marks where this generation's response begins.
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& /*options*/) {
+    if (cache_ != nullptr) detail::check_tokens("prompt", sequence, cache_->vocab_size());
+    if (sequence.size() < learned_.size() || !std::equal(learned_.begin(), learned_.end(), sequence.begin())) {
+      restart();  // not a continuation of what it learned: another conversation
+    }
+    learn(sequence);
+    response_from_ = sequence.size();
+  }
+
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& request, const P& /*processor*/, at::Generator& /*gen*/) {
+    learn(request.sequence);
+    const int64_t cap = std::min(request.gamma, request.room);
+    detail::walk_suffixes(trie_, path_, rule_.walk(), cap, mine_);
+    int64_t calls = 1;
+    const detail::SuffixWalk* chosen = &mine_;
+    if (cache_ != nullptr && cache_->responses() > 0) {
+      if (cache_version_ != cache_->version()) {
+        cache_path_ = cache_->trie().path_of(request.sequence);
+        cache_version_ = cache_->version();
+      }
+      detail::walk_suffixes(cache_->trie(), cache_path_, rule_.walk(), cap, theirs_);
+      ++calls;
+      if (theirs_.score > mine_.score) chosen = &theirs_;
+    }
+    if (!chosen->tokens.empty()) ++(chosen == &mine_ ? from_request_ : from_cache_);
+    return Drafts::from_host(chosen->tokens, request.device, calls);
+  }
+
+  void verified(const VerifiedDrafts& verified) { learn(verified.sequence); }
+
+  // Adds this generation's response to the cache.
+  void finish(std::span<const int64_t> sequence) {
+    learn(sequence);
+    if (cache_ != nullptr && response_from_ < sequence.size()) cache_->add(sequence.subspan(response_from_));
+    response_from_ = sequence.size();
+  }
+
+ private:
+  void restart() {
+    trie_.clear();
+    learned_.clear();
+    path_ = detail::SuffixTrie::root_path();
+    cache_version_ = std::numeric_limits<uint64_t>::max();
+  }
+  // Feeds the request's tree (and the walk in the cache's) the tokens of `sequence` past those
+  // learned; within a generation the sequence only grows.
+  void learn(std::span<const int64_t> sequence) {
+    for (size_t i = learned_.size(); i < sequence.size(); ++i) {
+      trie_.extend(path_, sequence[i]);
+      if (cache_ != nullptr && cache_version_ == cache_->version()) cache_->trie().follow(cache_path_, sequence[i]);
+      learned_.push_back(sequence[i]);
+    }
+  }
+
+  SuffixDraftRule rule_;
+  detail::SuffixTrie trie_;
+  detail::SuffixTrie::Path path_ = detail::SuffixTrie::root_path();
+  std::vector<int64_t> learned_;
+  SuffixCache* cache_ = nullptr;
+  detail::SuffixTrie::Path cache_path_ = detail::SuffixTrie::root_path();
+  uint64_t cache_version_ = std::numeric_limits<uint64_t>::max();
+  detail::SuffixWalk mine_, theirs_;
+  size_t response_from_ = 0;
+  int64_t from_cache_ = 0, from_request_ = 0;
+};
+static_assert(DraftSource<SuffixDraftSource, GreedyProcessor>);
+static_assert(HasStartHook<SuffixDraftSource> && HasFinishHook<SuffixDraftSource>);
+
+// Options of suffix_generate.
+struct SuffixDecodingOptions {
+  int64_t max_new_tokens = 40;           // most tokens to generate (>= 0)
+  std::vector<int64_t> eos_token_ids{};  // tokens that end generation (kept in the output)
+  std::vector<std::vector<int64_t>> stop_sequences{};  // token sequences that end generation when
+                                         // generated (kept in the output)
+  std::optional<uint64_t> seed{};        // seed of the sampling generator; unset: nondeterministic
+  bool use_cache = true;                 // false recomputes the whole sequence at every forward
+  StepCallback on_step{};                // called after every step (may stop); empty: not called
+  int64_t gamma = 16;                    // most drafts per step (>= 1); the rule's match length
+                                         // sizes each draft below it
+  SuffixDraftRule rule{};                // anchoring, length and confidence of the drafts
+  bool first_target = true;              // the first token comes from the target alone
+};
+
+// Suffix decoding: drafts from the request's own text and from `cache` (earlier responses, to
+// which this generation's output is added at the end), verified by the target in one forward
+// per step with the same rejection sampling as speculative_generate (q one-hot at each draft):
+// the output is distributed exactly as the target's (token for token equal to
+// autoregressive_generate under greedy decoding).
+//
+// Requires: everything autoregressive_generate requires; gamma >= 1; a valid rule;
+//   cache.vocab_size() == target.vocab_size().
+// Returns: as autoregressive_generate; drafter_calls counts tree walks.
+// Throws: std::invalid_argument naming the parameter and value; whatever the model throws.
+template <Target T, LogitsProcessor P = GreedyProcessor>
+[[nodiscard]] GenerationResult suffix_generate(SuffixCache& cache, T& target, std::span<const int64_t> prompt,
+                                               const SuffixDecodingOptions& options = {}, const P& processor = {}) {
+  if (options.gamma < 1) detail::throw_invalid("gamma", "be >= 1", options.gamma);
+  if (cache.vocab_size() != static_cast<int64_t>(target.vocab_size())) {
+    detail::throw_invalid_message("cache.vocab_size() must equal target.vocab_size() = ", target.vocab_size(),
+                                  ", got ", cache.vocab_size());
+  }
+  SuffixDraftSource source(cache, options.rule);
+  return generate_with(source, target, prompt, detail::step_options(options), processor);
+}
+
+}  // namespace specdec

@@ -1,0 +1,397 @@
+// Suffix decoding: the tree's counts against brute-force counting, the walk's anchoring, length
+// and confidence rules, greedy equality with autoregressive decoding (generations, sessions,
+// batches), exact sampled distributions (with a check that the test has power), the cache's
+// bounds, eviction and files.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+
+#include "specdec/batch.hpp"
+#include "specdec/generate.hpp"
+#include "specdec/io/errors.hpp"
+#include "specdec/session.hpp"
+#include "specdec/suffix.hpp"
+#include "support/expect_invalid.hpp"
+#include "support/statistics.hpp"
+#include "support/toy_models.hpp"
+
+namespace {
+
+using namespace specdec;
+using Tokens = std::vector<int64_t>;
+using specdec::detail::SuffixTrie;
+
+// The node of `substring` in `trie`, walked from the root, or kNone.
+uint32_t find(const SuffixTrie& trie, const Tokens& substring) {
+  uint32_t at = 0;
+  for (const int64_t token : substring) {
+    at = trie.child(at, token);
+    if (at == SuffixTrie::kNone) return at;
+  }
+  return at;
+}
+
+Tokens random_text(size_t length, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int64_t> pick(0, vocab - 1);
+  Tokens text(length);
+  for (auto& t : text) t = pick(rng);
+  return text;
+}
+
+// Every substring of up to max_depth tokens: its count, how often a token followed it, and its
+// most frequent follower (smallest token on a tie), against counting by brute force.
+TEST(SuffixTrie, CountsEqualBruteForceCounting) {
+  for (const uint32_t seed : {1u, 2u, 3u}) {
+    const int64_t depth = 5;
+    const Tokens text = random_text(300, 3, seed);
+    SuffixTrie trie(depth);
+    SuffixTrie::Path path = SuffixTrie::root_path();
+    for (const int64_t t : text) trie.extend(path, t);
+    std::map<Tokens, int64_t> counts, continued;
+    std::map<Tokens, std::map<int64_t, int64_t>> followers;
+    for (size_t i = 0; i < text.size(); ++i) {
+      for (size_t length = 1; length <= static_cast<size_t>(depth) && i + length <= text.size(); ++length) {
+        const Tokens s(text.begin() + static_cast<long>(i), text.begin() + static_cast<long>(i + length));
+        ++counts[s];
+        if (i + length < text.size() && length < static_cast<size_t>(depth)) {
+          ++continued[s];
+          ++followers[s][text[i + length]];
+        }
+      }
+    }
+    size_t nodes = 1;
+    for (const auto& [s, count] : counts) {
+      const uint32_t at = find(trie, s);
+      ASSERT_NE(at, SuffixTrie::kNone);
+      ++nodes;
+      EXPECT_EQ(trie.node(at).count, count);
+      EXPECT_EQ(trie.node(at).continued, continued[s]);
+      if (followers[s].empty()) {
+        EXPECT_EQ(trie.node(at).best, SuffixTrie::kNone);
+      } else {
+        int64_t best = -1, most = 0;
+        for (const auto& [token, n] : followers[s]) {
+          if (n > most) best = token, most = n;
+        }
+        EXPECT_EQ(trie.node(trie.node(at).best).token, best);
+      }
+    }
+    EXPECT_EQ(trie.nodes(), nodes);  // nothing else, nothing deeper than max_depth
+    // The path after the text: its suffixes of up to max_depth - 1 tokens, by length.
+    ASSERT_EQ(path.size(), static_cast<size_t>(depth));
+    for (size_t length = 1; length < path.size(); ++length) {
+      EXPECT_EQ(path[length], find(trie, Tokens(text.end() - static_cast<long>(length), text.end())));
+    }
+    EXPECT_EQ(trie.path_of(text), path);
+  }
+}
+
+specdec::detail::SuffixWalk walk(const SuffixTrie& trie, const Tokens& text, const SuffixDraftRule& rule, int64_t cap) {
+  specdec::detail::SuffixWalk out;
+  specdec::detail::walk_suffixes(trie, trie.path_of(text), rule.walk(), cap, out);
+  return out;
+}
+
+SuffixTrie learned(const Tokens& text, int64_t depth) {
+  SuffixTrie trie(depth);
+  SuffixTrie::Path path = SuffixTrie::root_path();
+  for (const int64_t t : text) trie.extend(path, t);
+  return trie;
+}
+
+TEST(SuffixWalk, AnchorsOnTheLongestFollowedSuffixAndSizesTheDraftByIt) {
+  // "5 1 2 3 4" then "9 2 3 7", "9 2 3 7": after "... 1 2 3" the longest followed suffix is
+  // "1 2 3" (followed by 4 once), not "2 3" (followed by 7 twice).
+  const Tokens text{5, 1, 2, 3, 4, 9, 2, 3, 7, 9, 2, 3, 7, 0, 1, 2, 3};
+  const SuffixTrie trie = learned(text, 8);
+  const auto drafted = walk(trie, text, {.max_spec_factor = 1.0, .min_token_prob = 0.0}, 16);
+  EXPECT_EQ(drafted.match, 3);
+  EXPECT_EQ(drafted.tokens, (Tokens{4, 9, 2}));  // at most 1.0 * 3 tokens
+  // Half the match's length, and the cap.
+  EXPECT_EQ(walk(trie, text, {.max_spec_factor = 0.5, .min_token_prob = 0.0}, 16).tokens, (Tokens{4}));
+  EXPECT_EQ(walk(trie, text, {.max_spec_factor = 4.0, .min_token_prob = 0.0}, 2).tokens, (Tokens{4, 9}));
+  // An offset below zero drafts nothing from a short match.
+  EXPECT_TRUE(walk(trie, text, {.max_spec_offset = -3.0, .min_token_prob = 0.0}, 16).tokens.empty());
+  // min_match 4: "1 2 3" is too short, and no longer suffix was followed.
+  EXPECT_TRUE(walk(trie, text, {.min_token_prob = 0.0, .min_match = 4}, 16).tokens.empty());
+}
+
+TEST(SuffixWalk, StopsWhereThePathsProbabilityFallsBelowTheRule) {
+  // After "1": 2 twice and 3 once (2/3); after "1 2": 8 once, 9 once (1/2 each, 8 the smaller).
+  const Tokens text{1, 2, 8, 1, 2, 9, 1, 3, 0, 1};
+  const SuffixTrie trie = learned(text, 4);
+  const auto all = walk(trie, text, {.max_spec_factor = 10.0, .min_token_prob = 0.0}, 3);
+  EXPECT_EQ(all.tokens, (Tokens{2, 8, 1}));
+  EXPECT_NEAR(all.score, 2.0 / 3.0 + 1.0 / 3.0 + 1.0 / 3.0, 1e-12);
+  EXPECT_EQ(walk(trie, text, {.max_spec_factor = 10.0, .min_token_prob = 0.5}, 3).tokens, (Tokens{2}));
+  EXPECT_EQ(walk(trie, text, {.max_spec_factor = 10.0, .min_token_prob = 0.7}, 3).tokens, (Tokens{}));
+}
+
+// A long repeated span drafts on past the tree's depth: the walk re-anchors on shorter suffixes.
+TEST(SuffixWalk, ReanchorsPastTheTreesDepth) {
+  Tokens span;
+  for (int64_t i = 0; i < 20; ++i) span.push_back(10 + i);
+  Tokens text = span;
+  text.push_back(1);
+  text.insert(text.end(), span.begin(), span.begin() + 3);
+  const SuffixTrie trie = learned(text, 4);
+  const auto drafted = walk(trie, text, {.max_spec_factor = 100.0, .min_token_prob = 0.0}, 12);
+  EXPECT_EQ(drafted.match, 3);
+  EXPECT_EQ(drafted.tokens, Tokens(span.begin() + 3, span.begin() + 15));
+}
+
+// (t + 1) mod V with probability 0.7, the rest spread evenly: greedy output is one long cycle.
+at::Tensor pattern_chain(int64_t vocab) {
+  at::Tensor t = at::full({vocab, vocab}, 0.3 / static_cast<double>(vocab - 1), at::kDouble);
+  for (int64_t i = 0; i < vocab; ++i) t[i][(i + 1) % vocab] = 0.7;
+  return t;
+}
+
+TEST(SuffixGenerate, GreedyEqualsAutoregressive) {
+  test::PrefixHashModel target(12, 5);
+  const Tokens prompt{1, 2, 3, 4, 1, 2, 3, 4, 5, 1, 2};
+  const auto reference = autoregressive_generate(target, prompt, {.max_new_tokens = 60});
+  int64_t drafted = 0;
+  for (const int64_t gamma : {1, 3, 8, 16}) {
+    for (const SuffixDraftRule& rule : {SuffixDraftRule{}, SuffixDraftRule{.max_depth = 3, .max_spec_factor = 4.0,
+                                                                            .min_token_prob = 0.0}}) {
+      SuffixCache cache(12);
+      for (int round = 0; round < 2; ++round) {  // the second round also drafts from the first's response
+        const auto result = suffix_generate(cache, target, prompt,
+                                            {.max_new_tokens = 60, .gamma = gamma, .rule = rule,
+                                             .first_target = gamma % 2 == 0});
+        EXPECT_EQ(result.tokens, reference.tokens) << gamma << " " << rule;
+        drafted += result.stats.drafted;
+      }
+      EXPECT_EQ(cache.responses(), 2);
+    }
+  }
+  EXPECT_GT(drafted, 0);
+}
+
+TEST(SuffixGenerate, RepeatedTextCutsTargetCallsAndTheCacheCarriesResponses) {
+  test::MarkovModel target(pattern_chain(8));
+  SuffixCache cache(8);
+  const auto first = suffix_generate(cache, target, Tokens{0, 1, 2, 3}, {.max_new_tokens = 64, .gamma = 8});
+  EXPECT_GT(first.stats.acceptance_rate(), 0.6);
+  EXPECT_GT(first.stats.tokens_per_target_call(), 3.0);
+  EXPECT_EQ(cache.responses(), 1);
+  EXPECT_EQ(cache.tokens(), 64);
+  // A request with only the cache to go on (a prompt of one token) drafts from the response.
+  SuffixDraftSource source(cache);
+  const auto second = generate_with(source, target, Tokens{5}, {.max_new_tokens = 32, .gamma = 8});
+  EXPECT_EQ(second.tokens, autoregressive_generate(target, Tokens{5}, {.max_new_tokens = 32}).tokens);
+  EXPECT_GT(source.drafts_from_cache(), 0);
+  EXPECT_EQ(cache.responses(), 2);
+}
+
+TEST(SuffixGenerate, SessionTurnsAndBatchRowsEqualAutoregressive) {
+  test::PrefixHashModel target(12, 7);
+  SuffixCache cache(12);
+  // A session: each turn's text feeds the same request tree; the output equals one
+  // autoregressive generation per turn over the whole conversation.
+  Session<test::PrefixHashModel> session(target);
+  Session<test::PrefixHashModel> reference(target);
+  SuffixDraftSource source(cache);
+  for (const Tokens& turn : {Tokens{1, 2, 3, 1, 2}, Tokens{4, 1, 2, 3}, Tokens{1, 2, 3, 4, 1}}) {
+    session.append(turn);
+    reference.append(turn);
+    const auto got = session.generate(source, {.max_new_tokens = 20, .gamma = 6});
+    EXPECT_EQ(got.tokens, reference.generate({.max_new_tokens = 20}).tokens);
+  }
+  EXPECT_EQ(cache.responses(), 3);
+  // A batch: one source per row over the same cache.
+  const std::vector<Tokens> prompts{{1, 2, 3, 1, 2}, {7, 7, 7}, {3, 4, 3, 4, 3}};
+  std::vector<SuffixDraftSource> sources;
+  for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(cache);
+  const auto rows = generate_with_batch(std::span<SuffixDraftSource>(sources), target,
+                                        std::span<const Tokens>(prompts), {.max_new_tokens = 24, .gamma = 6});
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    EXPECT_EQ(rows[r].tokens, autoregressive_generate(target, prompts[r], {.max_new_tokens = 24}).tokens) << r;
+  }
+}
+
+TEST(SuffixGenerate, RejectsBadOptionsNamingThem) {
+  test::MarkovModel target(pattern_chain(8));
+  SuffixCache cache(8);
+  const Tokens prompt{1, 2};
+  const auto expect = [&](const SuffixDecodingOptions& options, const std::vector<std::string>& fragments) {
+    test::expect_invalid([&] { (void)suffix_generate(cache, target, prompt, options); }, fragments);
+  };
+  expect({.gamma = 0}, {"gamma", "0"});
+  expect({.rule = {.max_depth = 1}}, {"suffix.max_depth", "1"});
+  expect({.rule = {.max_depth = 4096}}, {"suffix.max_depth", "4096"});
+  expect({.rule = {.max_spec_factor = -1.0}}, {"suffix.max_spec_factor", "-1"});
+  expect({.rule = {.max_spec_offset = std::numeric_limits<double>::infinity()}}, {"suffix.max_spec_offset", "inf"});
+  expect({.rule = {.min_token_prob = 1.5}}, {"suffix.min_token_prob", "1.5"});
+  expect({.rule = {.min_match = 0}}, {"suffix.min_match", "0"});
+  test::expect_invalid([&] { (void)suffix_generate(cache, target, Tokens{9}); }, {"prompt", "9"});
+  SuffixCache other(9);
+  test::expect_invalid([&] { (void)suffix_generate(other, target, prompt); }, {"cache.vocab_size()", "9"});
+  test::expect_invalid([] { SuffixCache bad(8, {.max_depth = 0}); }, {"cache.max_depth", "0"});
+  test::expect_invalid([] { SuffixCache bad(8, {.max_responses = 0}); }, {"cache.max_responses", "0"});
+  test::expect_invalid([] { SuffixCache bad(8, {.max_bytes = 1000}); }, {"cache.max_bytes", "1000"});
+  test::expect_invalid([] { SuffixCache bad(0); }, {"vocab_size", "0"});
+  test::expect_invalid([&] { cache.add(Tokens{1, 8}); }, {"response[1]", "8"});
+  EXPECT_EQ(cache.responses(), 0);  // nothing half added
+}
+
+// Sampling: the output is the target's distribution. The biased sampler (keep the draft when a
+// sample from p equals it, else sample p again: P(draft) = p(2 - p)) must fail the same test.
+const at::Tensor& noisy_chain() {
+  static const at::Tensor t = at::tensor({.1, .5, .2, .2, .15, .15, .5, .2, .2, .2, .1, .5, .5, .2, .2, .1},
+                                         at::kDouble).view({4, 4});
+  return t;
+}
+
+Tokens biased_generate(const at::Tensor& probs, const Tokens& prompt, at::Generator& gen) {
+  Tokens sequence = prompt;
+  while (sequence.size() < prompt.size() + 3) {
+    const SuffixTrie trie = learned(sequence, 8);
+    const auto drafted = walk(trie, sequence, {.min_token_prob = 0.0}, 1);
+    const at::Tensor row = probs[sequence.back()].unsqueeze(0);
+    int64_t x = MultinomialProcessor{1.0}.sample(row, gen).item<int64_t>();
+    if (!drafted.tokens.empty() && x != drafted.tokens[0]) x = MultinomialProcessor{1.0}.sample(row, gen).item<int64_t>();
+    sequence.push_back(x);
+  }
+  return Tokens(sequence.begin() + static_cast<long>(prompt.size()), sequence.end());
+}
+
+test::ChiSquare fit(bool biased, int64_t samples) {
+  test::MarkovModel target(noisy_chain());
+  const Tokens prompt{0, 1, 2, 3, 0, 1, 2, 3, 0};
+  const MultinomialProcessor processor{1.0};
+  const at::Tensor probs = processor(target.logits()).to(at::kDouble);
+  std::map<Tokens, int64_t> observed;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  SuffixCache cache(4);
+  for (int64_t i = 0; i < samples; ++i) {
+    const Tokens tokens =
+        biased ? biased_generate(probs, prompt, gen)
+               : suffix_generate(cache, target, prompt,
+                                 {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 3,
+                                  .rule = {.min_token_prob = 0.0}, .first_target = false},
+                                 processor)
+                     .tokens;
+    ++observed[tokens];
+  }
+  std::map<Tokens, double> expected;
+  for (int64_t a = 0; a < 4; ++a) {
+    for (int64_t b = 0; b < 4; ++b) {
+      for (int64_t c = 0; c < 4; ++c) expected[{a, b, c}] = (probs[0][a] * probs[a][b] * probs[b][c]).item<double>();
+    }
+  }
+  return test::chi_square(observed, expected, samples);
+}
+
+TEST(SuffixDistribution, MultinomialEqualsTargetAndTheTestHasPower) {
+  const auto exact = fit(false, 8000);
+  EXPECT_EQ(exact.outside_support, 0);
+  EXPECT_LT(exact.statistic, test::chi_square_quantile(exact.dof, 4.75));
+  const auto biased = fit(true, 8000);
+  EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, 4.75));
+}
+
+class TempPath {
+ public:
+  explicit TempPath(const std::string& name)
+      : path_(std::filesystem::temp_directory_path() / ("specdec_suffix_" + name + "_" + std::to_string(::getpid()))) {}
+  ~TempPath() { std::filesystem::remove(path_); }
+  [[nodiscard]] const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+TEST(SuffixCache, SavesAndLoadsWhatItHolds) {
+  SuffixCache cache(50, {.max_depth = 6, .max_responses = 10});
+  const Tokens a = random_text(200, 50, 1), b = random_text(100, 50, 2);
+  cache.add(a);
+  cache.add(b);
+  TempPath file("round_trip");
+  cache.save(file.path());
+  const SuffixCache loaded = SuffixCache::load(file.path(), 50);
+  EXPECT_EQ(loaded.responses(), 2);
+  EXPECT_EQ(loaded.tokens(), 300);
+  EXPECT_EQ(loaded.limits().max_depth, 6);
+  EXPECT_EQ(loaded.limits().max_responses, 10);
+  EXPECT_EQ(loaded.trie().nodes(), cache.trie().nodes());
+  const Tokens context(a.begin(), a.begin() + 50);
+  const SuffixDraftRule rule{.max_spec_factor = 8.0, .min_token_prob = 0.0};
+  specdec::detail::SuffixWalk mine, theirs;
+  specdec::detail::walk_suffixes(cache.trie(), cache.trie().path_of(context), rule.walk(), 10, mine);
+  specdec::detail::walk_suffixes(loaded.trie(), loaded.trie().path_of(context), rule.walk(), 10, theirs);
+  EXPECT_EQ(mine.tokens, Tokens(a.begin() + 50, a.begin() + 60));
+  EXPECT_EQ(theirs.tokens, mine.tokens);
+}
+
+TEST(SuffixCache, RefusesCorruptTruncatedAndForeignFilesNamingThem) {
+  SuffixCache cache(50);
+  cache.add(random_text(64, 50, 3));
+  TempPath file("corrupt");
+  cache.save(file.path());
+  std::string bytes;
+  {
+    std::ifstream in(file.path(), std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto rewrite = [&](const std::string& content) {
+    std::ofstream(file.path(), std::ios::binary | std::ios::trunc) << content;
+  };
+  const auto expect_format = [&](const std::string& fragment, std::optional<int64_t> vocab = {}) {
+    try {
+      (void)SuffixCache::load(file.path(), vocab);
+      ADD_FAILURE() << "loaded: " << fragment;
+    } catch (const io::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(file.path().string()), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  std::string flipped = bytes;
+  flipped[40] = static_cast<char>(flipped[40] ^ 1);
+  rewrite(flipped);
+  expect_format("checksum");
+  rewrite(bytes.substr(0, bytes.size() - 9));
+  expect_format("");
+  std::string foreign = bytes;
+  foreign.replace(0, 8, "NOTSUFFX");
+  rewrite(foreign);
+  expect_format("bad magic");
+  rewrite(bytes);
+  expect_format("vocab_size 50, expected 32000", 32000);
+  EXPECT_EQ(SuffixCache::load(file.path(), 50).tokens(), 64);
+}
+
+// A million tokens through a cache of 8 MiB: its memory stays under the bound after every add,
+// the oldest responses go, and the newest still draft.
+TEST(SuffixCache, StaysUnderItsMemoryBoundOverAMillionTokens) {
+  const int64_t bound = int64_t{8} << 20;
+  SuffixCache cache(32000, {.max_depth = 8, .max_bytes = bound});
+  size_t most = 0;
+  Tokens last;
+  for (uint32_t i = 0; i < 1000; ++i) {
+    last = random_text(1000, 32000, 100 + i);
+    cache.add(last);
+    most = std::max(most, cache.memory_bytes());
+    ASSERT_LE(cache.memory_bytes(), static_cast<size_t>(bound)) << "after response " << i;
+  }
+  std::cout << "suffix cache over 1,000,000 tokens, bound " << bound << " bytes: at most " << most
+            << " bytes, " << cache.responses() << " responses (" << cache.tokens() << " tokens) kept, "
+            << cache.evicted() << " evicted\n";
+  EXPECT_GT(cache.evicted(), 0);
+  const Tokens context(last.begin(), last.begin() + 20);
+  specdec::detail::SuffixWalk drafted;
+  specdec::detail::walk_suffixes(cache.trie(), cache.trie().path_of(context),
+                        SuffixDraftRule{.max_spec_factor = 2.0, .min_token_prob = 0.0}.walk(), 8, drafted);
+  EXPECT_EQ(drafted.tokens, Tokens(last.begin() + 20, last.begin() + 28));
+  // The response bound, likewise.
+  SuffixCache few(10, {.max_responses = 4});
+  for (int64_t i = 0; i < 9; ++i) few.add(Tokens{i % 10, (i + 1) % 10});
+  EXPECT_LE(few.responses(), 4);
+}
+
+}  // namespace
