@@ -7,7 +7,7 @@ set(_bundled "${PROJECT_SOURCE_DIR}/models/bundled")
 string(REPEAT "x" 600 _long_prompt)  # the bundled target's context is 512
 
 # Empty prompts in every mode that takes one.
-foreach(_mode speculative autoregressive ngram prompt-lookup stand beam)
+foreach(_mode speculative autoregressive ngram prompt-lookup suffix stand beam)
   specdec_cli_case(empty_prompt_${_mode} 2 "--prompt must not be empty" ${G} --mode ${_mode} --prompt @EMPTY@)
 endforeach()
 
@@ -37,20 +37,26 @@ specdec_cli_case(missing_value 2 "--gamma" ${G} --gamma)
 specdec_cli_case(bad_mode 2 "--mode: .*sideways" ${G} --mode sideways)
 
 # Flags that do not apply to the chosen mode are errors, not silently ignored.
-specdec_cli_case(storage_in_speculative 2 "--storage applies to --mode ngram or stand, not --mode speculative"
+specdec_cli_case(storage_in_speculative 2 "--storage applies to --mode ngram, stand or suffix, not --mode speculative"
   ${G} --storage "${PROJECT_SOURCE_DIR}/README.md")
-specdec_cli_case(save_storage_in_autoregressive 2 "--save-storage applies to --mode ngram or stand" ${G}
+specdec_cli_case(save_storage_in_autoregressive 2 "--save-storage applies to --mode ngram, stand or suffix" ${G}
   --mode autoregressive --save-storage x.bin)
 specdec_cli_case(ngram_order_with_storage 2 "--ngram-order does not apply with --storage" ${G} --mode ngram
   --storage "${PROJECT_SOURCE_DIR}/README.md" --ngram-order 4)
 specdec_cli_case(draft_min_share_above_one 2 "--draft-min-share: 1.5 is outside \\[0, 1\\]" ${G} --mode ngram
   --draft-min-share 1.5)
 specdec_cli_case(draft_rule_in_speculative 2 "--draft-min-share applies to --mode ngram" ${G} --draft-min-share 0.9)
+specdec_cli_case(suffix_factor_negative 2 "--suffix-factor: -1 is outside \\[0, 1024\\]" ${G} --mode suffix
+  --suffix-factor -1)
+specdec_cli_case(suffix_depth_too_small 2 "--suffix-depth: 1 is outside \\[2, 1024\\]" ${G} --mode suffix
+  --suffix-depth 1)
+specdec_cli_case(suffix_depth_in_ngram 2 "--suffix-depth applies to --mode suffix, not --mode ngram" ${G} --mode ngram
+  --suffix-depth 8)
 specdec_cli_case(trace_in_beam 2 "--trace applies to" ${G} --mode beam --trace)
 specdec_cli_case(compare_in_beam 2 "--compare applies to" ${G} --mode beam --compare)
 specdec_cli_case(temperature_in_beam 2 "--temperature applies to" ${G} --mode beam --temperature 0.5)
 foreach(_mode autoregressive beam stand)
-  specdec_cli_case(gamma_in_${_mode} 2 "--gamma applies to --mode speculative, ngram, prompt-lookup, eagle or medusa" ${G}
+  specdec_cli_case(gamma_in_${_mode} 2 "--gamma applies to --mode speculative, ngram, prompt-lookup, suffix, eagle or medusa" ${G}
     --mode ${_mode} --gamma 3)
 endforeach()
 specdec_cli_case(top_p_without_temperature 2 "--top-k and --top-p apply when sampling" ${G} --top-p 0.9)

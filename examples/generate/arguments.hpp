@@ -75,6 +75,8 @@ struct Arguments {
   int64_t filler = 3;
   NGramDraftRule draft_rule;
   std::string storage, save_storage;
+  SuffixDraftRule suffix_rule;
+  int64_t suffix_cache_mib = 256;
   double length_penalty = 1.0;
   int64_t max_new_tokens = 200;
   double temperature = 0.0;
@@ -145,7 +147,7 @@ const std::vector<FlagModes>& flag_modes() {
   static const std::vector<std::string> drafting{"speculative", "ngram", "prompt-lookup"};
   static const std::vector<FlagModes> table{
       {"--drafter", {"speculative", "eagle", "medusa"}},
-      {"--gamma", {"speculative", "ngram", "prompt-lookup", "eagle", "medusa"}},
+      {"--gamma", {"speculative", "ngram", "prompt-lookup", "suffix", "eagle", "medusa"}},
       {"--gamma-policy", {"speculative"}},
       {"--gamma-min", {"speculative"}},
       {"--gamma-max", {"speculative"}},
@@ -163,21 +165,25 @@ const std::vector<FlagModes>& flag_modes() {
       {"--draft-min-count", {"ngram"}},
       {"--draft-min-share", {"ngram"}},
       {"--draft-min-context", {"ngram"}},
-      {"--storage", {"ngram", "stand"}},
-      {"--save-storage", {"ngram", "stand"}},
+      {"--storage", {"ngram", "stand", "suffix"}},
+      {"--save-storage", {"ngram", "stand", "suffix"}},
+      {"--suffix-depth", {"suffix"}},
+      {"--suffix-factor", {"suffix"}},
+      {"--suffix-min-prob", {"suffix"}},
+      {"--suffix-cache-mib", {"suffix"}},
       {"--trajectories", {"stand"}},
       {"--deterministic", {"stand"}},
       {"--tree-nodes", {"stand"}},
       {"--num-beams", {"beam"}},
       {"--length-penalty", {"beam"}},
-      {"--batch-file", {"speculative", "autoregressive", "ngram", "eagle", "medusa"}},
-      {"--temperature", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
-      {"--top-k", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
-      {"--top-p", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
-      {"--seed", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
-      {"--stop", {"speculative", "autoregressive", "ngram", "prompt-lookup", "eagle", "medusa"}},
-      {"--compare", {"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "eagle", "medusa"}},
-      {"--trace", {"speculative", "autoregressive", "ngram", "prompt-lookup", "eagle", "medusa"}},
+      {"--batch-file", {"speculative", "autoregressive", "ngram", "suffix", "eagle", "medusa"}},
+      {"--temperature", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa"}},
+      {"--top-k", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa"}},
+      {"--top-p", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa"}},
+      {"--seed", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa"}},
+      {"--stop", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "eagle", "medusa"}},
+      {"--compare", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa"}},
+      {"--trace", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "eagle", "medusa"}},
   };
   return table;
 }
@@ -233,9 +239,9 @@ Arguments parse(int argc, char** argv) {
 
   const std::string common = "Decoding (every mode)";
   app.add_option("--mode", a.mode,
-                 "speculative (default), autoregressive, ngram, prompt-lookup, stand, beam, eagle (an EAGLE-3 or "
+                 "speculative (default), autoregressive, ngram, prompt-lookup, suffix (suffix decoding), stand, beam, eagle (an EAGLE-3 or "
                  "EAGLE-1 head) or medusa (Medusa heads)")
-      ->check(in({"speculative", "autoregressive", "ngram", "prompt-lookup", "stand", "beam", "eagle", "medusa"}))
+      ->check(in({"speculative", "autoregressive", "ngram", "prompt-lookup", "suffix", "stand", "beam", "eagle", "medusa"}))
       ->group(common);
   app.add_option("--prompt", a.prompt, "the prompt (default: a line of Python)")->group(common);
   app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate (default 200)")
@@ -255,7 +261,7 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--stop", a.stops, "stop when the output contains TEXT's tokens (repeatable; kept in the output)")
       ->group(sampling);
 
-  const std::string speculative = "Speculative decoding (--mode speculative; --gamma also ngram, prompt-lookup)";
+  const std::string speculative = "Speculative decoding (--mode speculative; --gamma also ngram, prompt-lookup, suffix)";
   app.add_option("--gamma", a.gamma, "drafts per step (default 4)")
       ->check(cli::integer<int64_t>(1, 1024))->group(speculative);
   app.add_option("--gamma-policy", a.gamma_policy, "fixed (default), egag (entropy-adaptive) or schedule (+2 / -1)")
@@ -300,6 +306,20 @@ Arguments parse(int argc, char** argv) {
       ->check(cli::integer<int64_t>(1, 128))->group(ngram);
   app.add_option("--storage", a.storage, "start from a storage saved with --save-storage")->group(ngram);
   app.add_option("--save-storage", a.save_storage, "save the storage after generating")->group(ngram);
+
+  const std::string suffix = "Suffix decoding (--mode suffix; --storage and --save-storage hold its cache of responses)";
+  app.add_option("--suffix-depth", a.suffix_rule.max_depth,
+                 "longest substring the request's tree and the cache keep and match, in tokens (default 32)")
+      ->check(cli::integer<int64_t>(2, 1024))->group(suffix);
+  app.add_option("--suffix-factor", a.suffix_rule.max_spec_factor,
+                 "a draft is at most this many times the matched suffix's length (default 1; also at most --gamma)")
+      ->check(cli::real(0.0, 1024.0))->group(suffix);
+  app.add_option("--suffix-min-prob", a.suffix_rule.min_token_prob,
+                 "stop drafting where the path's estimated probability falls below this (default 0.1)")
+      ->check(cli::real(0.0, 1.0))->group(suffix);
+  app.add_option("--suffix-cache-mib", a.suffix_cache_mib,
+                 "memory bound of a new cache of responses, in MiB (default 256)")
+      ->check(cli::integer<int64_t>(1, int64_t{1} << 20))->group(suffix);
 
   const std::string stand = "STAND (--mode stand)";
   app.add_option("--trajectories", a.trajectories, "sample N generations of the prompt sharing one memory")

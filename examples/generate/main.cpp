@@ -163,9 +163,13 @@ int run(const Arguments& a) {
                                   ", the target has " + std::to_string(target.vocab_size()));
     }
   }
+  std::optional<SuffixCache> initial_cache;
+  if (a.mode == "suffix") initial_cache.emplace(load_suffix_cache(a, target.vocab_size()));
   // One run of the chosen mode (`baseline`: autoregressive decoding instead). Each run of the
-  // n-gram mode starts from the same storage (its own copy), so that every run drafts alike.
+  // n-gram and suffix modes starts from the same storage or cache (its own copy), so that every
+  // run drafts alike.
   std::optional<NGramStorage> storage;
+  std::optional<SuffixCache> cache;
   const auto generate = [&](bool baseline, const StepCallback& callback) {
     return std::visit(
         [&](const auto& p) {
@@ -179,6 +183,13 @@ int run(const Arguments& a) {
           if (initial_storage) {
             storage.emplace(*initial_storage);
             return ngram_assisted_generate(*storage, target, prompt, ngram_options, p);
+          }
+          if (initial_cache) {
+            cache.emplace(*initial_cache);
+            return suffix_generate(*cache, target, prompt,
+                                   {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .stop_sequences = stops,
+                                    .seed = a.seed, .on_step = callback, .gamma = a.gamma, .rule = a.suffix_rule},
+                                   p);
           }
           if (a.mode == "prompt-lookup") {
             PromptLookupDrafter lookup;
@@ -246,6 +257,7 @@ int run(const Arguments& a) {
     }
   }
   if (storage && !a.save_storage.empty()) storage->save(a.save_storage);
+  if (cache && !a.save_storage.empty()) cache->save(a.save_storage);
 
   const GenerationStats& s = result.stats;
   if (a.json) {

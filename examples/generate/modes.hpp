@@ -10,6 +10,13 @@ namespace {
 constexpr size_t kMaxPromptFileBytes = size_t{64} << 20;
 
 // Beam search prints its n-best list when it is done (hypotheses are not final before).
+// --mode suffix: the cache of responses from --storage, else a new one of --suffix-depth and
+// --suffix-cache-mib.
+SuffixCache load_suffix_cache(const Arguments& a, int64_t vocab) {
+  if (!a.storage.empty()) return SuffixCache::load(a.storage, vocab);
+  return SuffixCache(vocab, {.max_depth = a.suffix_rule.max_depth, .max_bytes = a.suffix_cache_mib << 20});
+}
+
 int run_beam(const Arguments& a, Model& target, const Text& text, const std::vector<int64_t>& prompt,
              const std::vector<int64_t>& eos) {
   const BeamSearchResult result = beam_search_generate(
@@ -182,6 +189,8 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const mode
   for (const auto& line : lines) prompts.push_back(text.encode(line));
   std::optional<NGramStorage> storage;
   if (a.mode == "ngram") storage.emplace(a.ngram_order, target.vocab_size());
+  std::optional<SuffixCache> cache;
+  if (a.mode == "suffix") cache.emplace(load_suffix_cache(a, target.vocab_size()));
   const auto start = std::chrono::steady_clock::now();
   const std::vector<GenerationResult> results = std::visit(
       [&](const auto& p) {
@@ -195,6 +204,11 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const mode
         const SpeculativeOptions options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
                                          .stop_sequences = stops, .seed = a.seed, .gamma = a.gamma};
         if (drafter != nullptr) return speculative_generate_batch(*drafter, target, prompts, options, p);
+        if (cache) {  // one source per row, all drafting from (and adding their responses to) one cache
+          std::vector<SuffixDraftSource> sources;
+          for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(*cache, a.suffix_rule);
+          return generate_with_batch(std::span(sources), target, prompts, options, p);
+        }
         if (eagle != nullptr) {
           std::vector<models::EagleDraftSource> sources;
           for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(*eagle, target);
@@ -212,6 +226,7 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const mode
       },
       processor);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (cache && !a.save_storage.empty()) cache->save(a.save_storage);
   // --compare: every row against its own autoregressive decoding, one prompt at a time.
   std::optional<bool> identical;
   if (a.compare) {
