@@ -42,93 +42,163 @@ Tokens random_text(size_t length, int64_t vocab, uint32_t seed) {
   return text;
 }
 
-// Every substring of up to max_depth tokens: its count, how often a token followed it, and its
-// most frequent follower (smallest token on a tie), against counting by brute force.
-TEST(SuffixTrie, CountsEqualBruteForceCounting) {
-  for (const uint32_t seed : {1u, 2u, 3u}) {
-    const int64_t depth = 5;
-    const Tokens text = random_text(300, 3, seed);
-    SuffixTrie trie(depth);
-    SuffixTrie::Path path = SuffixTrie::root_path();
-    for (const int64_t t : text) trie.extend(path, t);
-    std::map<Tokens, int64_t> counts, continued;
-    std::map<Tokens, std::map<int64_t, int64_t>> followers;
-    for (size_t i = 0; i < text.size(); ++i) {
-      for (size_t length = 1; length <= static_cast<size_t>(depth) && i + length <= text.size(); ++length) {
-        const Tokens s(text.begin() + static_cast<long>(i), text.begin() + static_cast<long>(i + length));
-        ++counts[s];
-        if (i + length < text.size() && length < static_cast<size_t>(depth)) {
-          ++continued[s];
-          ++followers[s][text[i + length]];
+// Counting by brute force over texts (no substring spans two texts).
+struct BruteCounts {
+  std::map<Tokens, int64_t> counts, continued;
+  std::map<Tokens, std::map<int64_t, int64_t>> followers;
+
+  BruteCounts(const std::vector<Tokens>& texts, int64_t depth) {
+    for (const Tokens& text : texts) {
+      for (size_t i = 0; i < text.size(); ++i) {
+        for (size_t length = 1; length <= static_cast<size_t>(depth) && i + length <= text.size(); ++length) {
+          const Tokens s(text.begin() + static_cast<long>(i), text.begin() + static_cast<long>(i + length));
+          ++counts[s];
+          if (i + length < text.size() && length < static_cast<size_t>(depth)) {
+            ++continued[s];
+            ++followers[s][text[i + length]];
+          }
         }
       }
     }
+  }
+  [[nodiscard]] int64_t count(const Tokens& s) const {
+    const auto it = counts.find(s);
+    return it == counts.end() ? 0 : it->second;
+  }
+};
+
+// The nodes are exactly the substrings of up to max_depth tokens that are one token long or
+// extend a substring seen at least twice. Each counts its occurrences; one seen twice or more
+// also how often a token followed it and its most frequent follower (smallest token on a tie),
+// and one seen once points just past its occurrence in the kept text. All against brute force,
+// over several texts.
+TEST(SuffixTrie, NodesAndCountsEqualBruteForceCounting) {
+  for (const uint32_t seed : {1u, 2u, 3u, 4u}) {
+    const int64_t depth = 5;
+    const std::vector<Tokens> texts{random_text(300, 3, seed), random_text(40, 3, seed + 10),
+                                    Tokens{1, 1, 1, 1, 1, 1, 2, 1, 1, 1}, random_text(200, 2, seed + 20)};
+    SuffixTrie trie(depth);
+    SuffixTrie::Path path;
+    for (const Tokens& text : texts) {
+      trie.begin_text(path);
+      for (const int64_t t : text) trie.extend(path, t);
+      // The path after a text: its suffixes as far as they are nodes, by length.
+      for (size_t length = 1; length < path.size(); ++length) {
+        EXPECT_EQ(path[length], find(trie, Tokens(text.end() - static_cast<long>(length), text.end())));
+      }
+    }
+    const BruteCounts brute(texts, depth);
     size_t nodes = 1;
-    for (const auto& [s, count] : counts) {
+    for (const auto& [s, count] : brute.counts) {
       const uint32_t at = find(trie, s);
-      ASSERT_NE(at, SuffixTrie::kNone);
+      const bool made = s.size() == 1 || brute.count(Tokens(s.begin(), s.end() - 1)) >= 2;
+      ASSERT_EQ(at != SuffixTrie::kNone, made) << ::testing::PrintToString(s) << " seed " << seed;
+      if (!made) continue;
       ++nodes;
-      EXPECT_EQ(trie.node(at).count, count);
-      EXPECT_EQ(trie.node(at).continued, continued[s]);
-      if (followers[s].empty()) {
-        EXPECT_EQ(trie.node(at).best, SuffixTrie::kNone);
+      const auto& node = trie.node(at);
+      EXPECT_EQ(node.count, count);
+      if (count == 1) {  // seen once: just past its occurrence, the kept text goes on as it did
+        ASSERT_GE(node.end, s.size());
+        for (size_t k = 0; k < s.size(); ++k) EXPECT_EQ(trie.token_at(node.end - s.size() + k), s[k]);
+        EXPECT_EQ(node.best, SuffixTrie::kNone);
+        continue;
+      }
+      EXPECT_EQ(node.continued, brute.continued.count(s) ? brute.continued.at(s) : 0) << ::testing::PrintToString(s);
+      if (!brute.followers.count(s)) {
+        EXPECT_EQ(node.best, SuffixTrie::kNone);
       } else {
         int64_t best = -1, most = 0;
-        for (const auto& [token, n] : followers[s]) {
+        for (const auto& [token, n] : brute.followers.at(s)) {
           if (n > most) best = token, most = n;
         }
-        EXPECT_EQ(trie.node(trie.node(at).best).token, best);
+        ASSERT_NE(node.best, SuffixTrie::kNone);
+        EXPECT_EQ(trie.node(node.best).token, best);
       }
     }
     EXPECT_EQ(trie.nodes(), nodes);  // nothing else, nothing deeper than max_depth
-    // The path after the text: its suffixes of up to max_depth - 1 tokens, by length.
-    ASSERT_EQ(path.size(), static_cast<size_t>(depth));
-    for (size_t length = 1; length < path.size(); ++length) {
-      EXPECT_EQ(path[length], find(trie, Tokens(text.end() - static_cast<long>(length), text.end())));
-    }
-    EXPECT_EQ(trie.path_of(text), path);
   }
 }
 
-specdec::detail::SuffixWalk walk(const SuffixTrie& trie, const Tokens& text, const SuffixDraftRule& rule, int64_t cap) {
-  specdec::detail::SuffixWalk out;
-  specdec::detail::walk_suffixes(trie, trie.path_of(text), rule.walk(), cap, out);
+// A text the tree does not hold: its position is its suffixes that are nodes, and the longest
+// suffix found in the kept text past them.
+TEST(SuffixTrie, PositionMatchesTheLongestSuffixFoundInTheKeptText) {
+  const int64_t depth = 8;
+  const std::vector<Tokens> texts{random_text(400, 4, 5), random_text(100, 4, 6)};
+  SuffixTrie trie(depth);
+  SuffixTrie::Path path;
+  for (const Tokens& text : texts) {
+    trie.begin_text(path);
+    for (const int64_t t : text) trie.extend(path, t);
+  }
+  const BruteCounts brute(texts, depth);
+  const Tokens query = random_text(300, 4, 7);
+  SuffixTrie::Position position;
+  for (size_t i = 0; i < query.size(); ++i) {
+    trie.follow(position, query[i]);
+    // The longest suffix of the query (up to depth - 1 tokens) found in the texts.
+    int64_t longest = 0;
+    for (int64_t length = 1; length < depth && static_cast<size_t>(length) <= i + 1; ++length) {
+      if (brute.count(Tokens(query.begin() + static_cast<long>(i + 1) - length, query.begin() + static_cast<long>(i + 1))) == 0) break;
+      longest = length;
+    }
+    const int64_t found = std::max<int64_t>(static_cast<int64_t>(position.path.size()) - 1,
+                                            position.end == SuffixTrie::kNone ? 0 : position.length);
+    EXPECT_LE(found, longest) << i;
+    for (size_t length = 1; length < position.path.size(); ++length) {
+      EXPECT_EQ(position.path[length], find(trie, Tokens(query.begin() + static_cast<long>(i + 1 - length),
+                                                         query.begin() + static_cast<long>(i + 1))));
+    }
+    if (position.end != SuffixTrie::kNone) {  // the matched text is really there
+      for (int64_t k = 1; k <= position.length; ++k) {
+        EXPECT_EQ(trie.token_at(position.end - static_cast<uint32_t>(k)), query[i + 1 - static_cast<size_t>(k)]);
+      }
+    }
+  }
+}
+
+struct Learned {
+  SuffixTrie trie;
+  SuffixTrie::Position position;  // of the text itself
+};
+
+Learned learned(const Tokens& text, int64_t depth) {
+  Learned out{SuffixTrie(depth), {}};
+  for (const int64_t t : text) out.trie.extend(out.position.path, t);
   return out;
 }
 
-SuffixTrie learned(const Tokens& text, int64_t depth) {
-  SuffixTrie trie(depth);
-  SuffixTrie::Path path = SuffixTrie::root_path();
-  for (const int64_t t : text) trie.extend(path, t);
-  return trie;
+specdec::detail::SuffixWalk walk(const Learned& l, const SuffixDraftRule& rule, int64_t cap) {
+  specdec::detail::SuffixWalk out;
+  specdec::detail::walk_suffixes(l.trie, l.position, rule.walk(), cap, out);
+  return out;
 }
 
 TEST(SuffixWalk, AnchorsOnTheLongestFollowedSuffixAndSizesTheDraftByIt) {
   // "5 1 2 3 4" then "9 2 3 7", "9 2 3 7": after "... 1 2 3" the longest followed suffix is
   // "1 2 3" (followed by 4 once), not "2 3" (followed by 7 twice).
   const Tokens text{5, 1, 2, 3, 4, 9, 2, 3, 7, 9, 2, 3, 7, 0, 1, 2, 3};
-  const SuffixTrie trie = learned(text, 8);
-  const auto drafted = walk(trie, text, {.max_spec_factor = 1.0, .min_token_prob = 0.0}, 16);
+  const Learned trie = learned(text, 8);
+  const auto drafted = walk(trie, {.max_spec_factor = 1.0, .min_token_prob = 0.0}, 16);
   EXPECT_EQ(drafted.match, 3);
   EXPECT_EQ(drafted.tokens, (Tokens{4, 9, 2}));  // at most 1.0 * 3 tokens
   // Half the match's length, and the cap.
-  EXPECT_EQ(walk(trie, text, {.max_spec_factor = 0.5, .min_token_prob = 0.0}, 16).tokens, (Tokens{4}));
-  EXPECT_EQ(walk(trie, text, {.max_spec_factor = 4.0, .min_token_prob = 0.0}, 2).tokens, (Tokens{4, 9}));
+  EXPECT_EQ(walk(trie, {.max_spec_factor = 0.5, .min_token_prob = 0.0}, 16).tokens, (Tokens{4}));
+  EXPECT_EQ(walk(trie, {.max_spec_factor = 4.0, .min_token_prob = 0.0}, 2).tokens, (Tokens{4, 9}));
   // An offset below zero drafts nothing from a short match.
-  EXPECT_TRUE(walk(trie, text, {.max_spec_offset = -3.0, .min_token_prob = 0.0}, 16).tokens.empty());
+  EXPECT_TRUE(walk(trie, {.max_spec_offset = -3.0, .min_token_prob = 0.0}, 16).tokens.empty());
   // min_match 4: "1 2 3" is too short, and no longer suffix was followed.
-  EXPECT_TRUE(walk(trie, text, {.min_token_prob = 0.0, .min_match = 4}, 16).tokens.empty());
+  EXPECT_TRUE(walk(trie, {.min_token_prob = 0.0, .min_match = 4}, 16).tokens.empty());
 }
 
 TEST(SuffixWalk, StopsWhereThePathsProbabilityFallsBelowTheRule) {
   // After "1": 2 twice and 3 once (2/3); after "1 2": 8 once, 9 once (1/2 each, 8 the smaller).
   const Tokens text{1, 2, 8, 1, 2, 9, 1, 3, 0, 1};
-  const SuffixTrie trie = learned(text, 4);
-  const auto all = walk(trie, text, {.max_spec_factor = 10.0, .min_token_prob = 0.0}, 3);
+  const Learned trie = learned(text, 4);
+  const auto all = walk(trie, {.max_spec_factor = 10.0, .min_token_prob = 0.0}, 3);
   EXPECT_EQ(all.tokens, (Tokens{2, 8, 1}));
   EXPECT_NEAR(all.score, 2.0 / 3.0 + 1.0 / 3.0 + 1.0 / 3.0, 1e-12);
-  EXPECT_EQ(walk(trie, text, {.max_spec_factor = 10.0, .min_token_prob = 0.5}, 3).tokens, (Tokens{2}));
-  EXPECT_EQ(walk(trie, text, {.max_spec_factor = 10.0, .min_token_prob = 0.7}, 3).tokens, (Tokens{}));
+  EXPECT_EQ(walk(trie, {.max_spec_factor = 10.0, .min_token_prob = 0.5}, 3).tokens, (Tokens{2}));
+  EXPECT_EQ(walk(trie, {.max_spec_factor = 10.0, .min_token_prob = 0.7}, 3).tokens, (Tokens{}));
 }
 
 // A long repeated span drafts on past the tree's depth: the walk re-anchors on shorter suffixes.
@@ -138,8 +208,8 @@ TEST(SuffixWalk, ReanchorsPastTheTreesDepth) {
   Tokens text = span;
   text.push_back(1);
   text.insert(text.end(), span.begin(), span.begin() + 3);
-  const SuffixTrie trie = learned(text, 4);
-  const auto drafted = walk(trie, text, {.max_spec_factor = 100.0, .min_token_prob = 0.0}, 12);
+  const Learned trie = learned(text, 4);
+  const auto drafted = walk(trie, {.max_spec_factor = 100.0, .min_token_prob = 0.0}, 12);
   EXPECT_EQ(drafted.match, 3);
   EXPECT_EQ(drafted.tokens, Tokens(span.begin() + 3, span.begin() + 15));
 }
@@ -251,8 +321,7 @@ const at::Tensor& noisy_chain() {
 Tokens biased_generate(const at::Tensor& probs, const Tokens& prompt, at::Generator& gen) {
   Tokens sequence = prompt;
   while (sequence.size() < prompt.size() + 3) {
-    const SuffixTrie trie = learned(sequence, 8);
-    const auto drafted = walk(trie, sequence, {.min_token_prob = 0.0}, 1);
+    const auto drafted = walk(learned(sequence, 8), {.min_token_prob = 0.0}, 1);
     const at::Tensor row = probs[sequence.back()].unsqueeze(0);
     int64_t x = MultinomialProcessor{1.0}.sample(row, gen).item<int64_t>();
     if (!drafted.tokens.empty() && x != drafted.tokens[0]) x = MultinomialProcessor{1.0}.sample(row, gen).item<int64_t>();
@@ -323,8 +392,8 @@ TEST(SuffixCache, SavesAndLoadsWhatItHolds) {
   const Tokens context(a.begin(), a.begin() + 50);
   const SuffixDraftRule rule{.max_spec_factor = 8.0, .min_token_prob = 0.0};
   specdec::detail::SuffixWalk mine, theirs;
-  specdec::detail::walk_suffixes(cache.trie(), cache.trie().path_of(context), rule.walk(), 10, mine);
-  specdec::detail::walk_suffixes(loaded.trie(), loaded.trie().path_of(context), rule.walk(), 10, theirs);
+  specdec::detail::walk_suffixes(cache.trie(), cache.trie().position_of(context), rule.walk(), 10, mine);
+  specdec::detail::walk_suffixes(loaded.trie(), loaded.trie().position_of(context), rule.walk(), 10, theirs);
   EXPECT_EQ(mine.tokens, Tokens(a.begin() + 50, a.begin() + 60));
   EXPECT_EQ(theirs.tokens, mine.tokens);
 }
@@ -385,7 +454,7 @@ TEST(SuffixCache, StaysUnderItsMemoryBoundOverAMillionTokens) {
   EXPECT_GT(cache.evicted(), 0);
   const Tokens context(last.begin(), last.begin() + 20);
   specdec::detail::SuffixWalk drafted;
-  specdec::detail::walk_suffixes(cache.trie(), cache.trie().path_of(context),
+  specdec::detail::walk_suffixes(cache.trie(), cache.trie().position_of(context),
                         SuffixDraftRule{.max_spec_factor = 2.0, .min_token_prob = 0.0}.walk(), 8, drafted);
   EXPECT_EQ(drafted.tokens, Tokens(last.begin() + 20, last.begin() + 28));
   // The response bound, likewise.

@@ -241,7 +241,9 @@ class SuffixCache {
            static_cast<double>(memory_bytes()) > share * static_cast<double>(limits_.max_bytes);
   }
   void learn(const std::vector<int32_t>& response) {
-    detail::SuffixTrie::Path path = detail::SuffixTrie::root_path();
+    detail::SuffixTrie::Path path;
+    trie_.begin_text(path);
+    trie_.reserve_for(response.size());
     for (const int32_t token : response) trie_.extend(path, token);
   }
   void rebuild() {
@@ -292,6 +294,7 @@ class SuffixDraftSource {
 
   [[nodiscard]] const SuffixDraftRule& rule() const noexcept { return rule_; }
   [[nodiscard]] const detail::SuffixTrie& request_tree() const noexcept { return trie_; }
+  [[nodiscard]] size_t memory_bytes() const noexcept { return trie_.memory_bytes() + learned_.capacity() * sizeof(int64_t); }
   // Drafts taken from the cache, and from the request's own tree, so far.
   [[nodiscard]] int64_t drafts_from_cache() const noexcept { return from_cache_; }
   [[nodiscard]] int64_t drafts_from_request() const noexcept { return from_request_; }
@@ -303,31 +306,36 @@ class SuffixDraftSource {
     if (sequence.size() < learned_.size() || !std::equal(learned_.begin(), learned_.end(), sequence.begin())) {
       restart();  // not a continuation of what it learned: another conversation
     }
+    trie_.reserve_for(sequence.size() - learned_.size());
     learn(sequence);
     response_from_ = sequence.size();
   }
 
   template <LogitsProcessor P>
   Drafts draft(const DraftRequest& request, const P& /*processor*/, at::Generator& /*gen*/) {
-    learn(request.sequence);
-    const int64_t cap = std::min(request.gamma, request.room);
-    detail::walk_suffixes(trie_, path_, rule_.walk(), cap, mine_);
-    int64_t calls = 1;
-    const detail::SuffixWalk* chosen = &mine_;
-    if (cache_ != nullptr && cache_->responses() > 0) {
-      if (cache_version_ != cache_->version()) {
-        cache_path_ = cache_->trie().path_of(request.sequence);
-        cache_version_ = cache_->version();
-      }
-      detail::walk_suffixes(cache_->trie(), cache_path_, rule_.walk(), cap, theirs_);
-      ++calls;
-      if (theirs_.score > mine_.score) chosen = &theirs_;
-    }
-    if (!chosen->tokens.empty()) ++(chosen == &mine_ ? from_request_ : from_cache_);
-    return Drafts::from_host(chosen->tokens, request.device, calls);
+    const int64_t walks = cache_ != nullptr && cache_->responses() > 0 ? 2 : 1;
+    return Drafts::from_host(propose(request.sequence, std::min(request.gamma, request.room)), request.device, walks);
   }
 
   void verified(const VerifiedDrafts& verified) { learn(verified.sequence); }
+
+  // The drafting itself, on the host: at most `cap` tokens to follow `sequence` (which extends
+  // what the source learned), valid until the next call. draft() is this, copied to the device.
+  [[nodiscard]] std::span<const int64_t> propose(std::span<const int64_t> sequence, int64_t cap) {
+    learn(sequence);
+    detail::walk_suffixes(trie_, position_, rule_.walk(), cap, mine_);
+    const detail::SuffixWalk* chosen = &mine_;
+    if (cache_ != nullptr && cache_->responses() > 0) {
+      if (cache_version_ != cache_->version()) {
+        cache_position_ = cache_->trie().position_of(sequence);
+        cache_version_ = cache_->version();
+      }
+      detail::walk_suffixes(cache_->trie(), cache_position_, rule_.walk(), cap, theirs_);
+      if (theirs_.score > mine_.score) chosen = &theirs_;
+    }
+    if (!chosen->tokens.empty()) ++(chosen == &mine_ ? from_request_ : from_cache_);
+    return chosen->tokens;
+  }
 
   // Adds this generation's response to the cache.
   void finish(std::span<const int64_t> sequence) {
@@ -340,25 +348,25 @@ class SuffixDraftSource {
   void restart() {
     trie_.clear();
     learned_.clear();
-    path_ = detail::SuffixTrie::root_path();
+    position_ = {};
     cache_version_ = std::numeric_limits<uint64_t>::max();
   }
   // Feeds the request's tree (and the walk in the cache's) the tokens of `sequence` past those
   // learned; within a generation the sequence only grows.
   void learn(std::span<const int64_t> sequence) {
     for (size_t i = learned_.size(); i < sequence.size(); ++i) {
-      trie_.extend(path_, sequence[i]);
-      if (cache_ != nullptr && cache_version_ == cache_->version()) cache_->trie().follow(cache_path_, sequence[i]);
+      trie_.extend(position_.path, sequence[i]);
+      if (cache_ != nullptr && cache_version_ == cache_->version()) cache_->trie().follow(cache_position_, sequence[i]);
       learned_.push_back(sequence[i]);
     }
   }
 
   SuffixDraftRule rule_;
   detail::SuffixTrie trie_;
-  detail::SuffixTrie::Path path_ = detail::SuffixTrie::root_path();
+  detail::SuffixTrie::Position position_;  // of the request's text in its own tree (its path)
   std::vector<int64_t> learned_;
   SuffixCache* cache_ = nullptr;
-  detail::SuffixTrie::Path cache_path_ = detail::SuffixTrie::root_path();
+  detail::SuffixTrie::Position cache_position_;
   uint64_t cache_version_ = std::numeric_limits<uint64_t>::max();
   detail::SuffixWalk mine_, theirs_;
   size_t response_from_ = 0;

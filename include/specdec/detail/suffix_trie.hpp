@@ -1,16 +1,24 @@
-// The tree behind suffix decoding (suffix.hpp): every substring of a text up to max_depth tokens,
-// as paths from a root, each node counting how often its substring occurs and how often it
-// was followed by another token, and keeping its most frequent follower (ties: the smallest
-// token id), so a greedy walk reads one node per drafted token.
+// The tree behind suffix decoding (suffix.hpp): the substrings of texts up to max_depth tokens,
+// each counting how often it occurs and how often a token followed it, with its most frequent
+// follower (ties: the smallest token id), so a greedy walk reads one node per drafted token.
+//
+// Substrings seen once are not stored token by token: a node is made for a substring only when
+// what it extends (the substring less its last token) was seen at least twice, or when it is one
+// token long. A substring seen once is its node (its first tokens' node, seen once) followed by
+// the text after that node's one occurrence, which the tree keeps (every text it learned, each
+// ended by kSeparator). So new text costs a node or two per token, not one per suffix; a
+// repeated span costs one node per suffix it repeats, up to max_depth. When a substring seen once
+// is seen again, the node of its earlier occurrence's next token is made from the kept text.
 //
 // A text is read token by token through a Path: the nodes of its suffixes by length (the root,
-// length 0, first), at most max_depth - 1 long. extend() learns a token after the text (one
-// node per suffix, one hash look-up each); follow() only walks, for a text the tree does not
-// hold (the current request against the cache of earlier responses). The edges are one
-// detail::FlatTable keyed by (node, token); nodes are never removed (the cache rebuilds).
+// length 0, first), as far as they are nodes. extend() learns a token after the text; a Position
+// (a Path, and the longest suffix matched past it as an offset into the kept text) walks a text
+// the tree does not hold (the current request against the cache of earlier responses). The edges
+// are one detail::FlatTable keyed by (node, token); nodes are never removed (the cache rebuilds).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <span>
@@ -24,16 +32,26 @@ class SuffixTrie {
  public:
   static constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   static constexpr int64_t kMaxDepth = 1024;
+  static constexpr int32_t kSeparator = -1;
 
   struct Node {
     uint32_t count = 0;      // occurrences of the node's substring
-    uint32_t continued = 0;  // of those, how many a token followed (the children's counts' sum)
-    uint32_t best = kNone;   // the child with the highest count (ties: smallest token); kNone: leaf
+    uint32_t continued = 0;  // of those, how many a token followed (the children's counts' sum),
+                             // kept from the second occurrence on (a node seen once has no children)
+    uint32_t best = kNone;   // the child with the highest count (ties: smallest token); kNone: none
     int32_t token = -1;      // the last token of the substring (-1 at the root)
-    uint32_t depth = 0;      // the substring's length
+    uint32_t end = 0;        // offset in text() just past its latest occurrence
   };
   // The nodes of a text's suffixes, by length: [0] the root, [i] the last i tokens.
   using Path = std::vector<uint32_t>;
+  // Where a text this tree does not hold stands in it: its suffixes that are nodes, and the
+  // longest suffix matched beyond them (a substring seen once: `length` tokens ending just before
+  // text()[end]; end kNone: none).
+  struct Position {
+    Path path{0};
+    uint32_t end = kNone;
+    int64_t length = 0;
+  };
 
   // Requires 2 <= max_depth <= kMaxDepth (checked by the callers, which name their option).
   explicit SuffixTrie(int64_t max_depth) : max_depth_(static_cast<uint32_t>(max_depth)) { clear(); }
@@ -41,51 +59,102 @@ class SuffixTrie {
   [[nodiscard]] int64_t max_depth() const noexcept { return max_depth_; }
   [[nodiscard]] const Node& node(uint32_t id) const noexcept { return nodes_[id]; }
   [[nodiscard]] size_t nodes() const noexcept { return nodes_.size(); }
-  // The bytes the nodes and edges hold (their arrays' capacity).
+  [[nodiscard]] std::span<const int32_t> text() const noexcept { return text_; }
+  // The bytes the nodes, edges and kept text hold (their arrays' capacity).
   [[nodiscard]] size_t memory_bytes() const noexcept {
-    return nodes_.capacity() * sizeof(Node) + edges_.memory_bytes();
+    return nodes_.capacity() * sizeof(Node) + edges_.memory_bytes() + text_.capacity() * sizeof(int32_t);
   }
-  [[nodiscard]] static Path root_path() { return Path{0}; }
+  // The token at `offset` of the kept text, or -1 past a text's end.
+  [[nodiscard]] int64_t token_at(uint32_t offset) const noexcept {
+    return offset < text_.size() ? text_[offset] : kSeparator;
+  }
 
   void clear() {
     nodes_.assign(1, Node{});
     nodes_.shrink_to_fit();
     edges_ = FlatTable<uint64_t, uint32_t>();
+    text_.clear();
+    text_.shrink_to_fit();
   }
-  // Gives the node array's spare capacity back (after a rebuild).
-  void shrink_to_fit() { nodes_.shrink_to_fit(); }
+  // Room for `tokens` more tokens of text, and nodes for about two each, without growing.
+  void reserve_for(size_t tokens) {
+    text_.reserve(text_.size() + tokens + 1);
+    nodes_.reserve(nodes_.size() + 2 * tokens);
+    edges_.reserve(nodes_.size() + 2 * tokens);
+  }
+  // Gives the arrays' spare capacity back (after a rebuild).
+  void shrink_to_fit() {
+    nodes_.shrink_to_fit();
+    text_.shrink_to_fit();
+  }
 
   [[nodiscard]] uint32_t child(uint32_t parent, int64_t token) const noexcept {
     const uint32_t* found = edges_.find(key(parent, token));
     return found == nullptr ? kNone : *found;
   }
 
-  // Learns `token` after the text whose suffixes are `path`, and moves `path` to text + token.
+  // Starts a new text (ending the last one): `path` becomes the root's.
+  void begin_text(Path& path) {
+    if (!text_.empty() && text_.back() != kSeparator) text_.push_back(kSeparator);
+    path.assign(1, 0);
+  }
+  // Learns `token` after the text whose suffixes are `path` (the last text begun), and moves
+  // `path` to text + token.
   void extend(Path& path, int64_t token) {
+    const auto at = static_cast<uint32_t>(text_.size());
+    text_.push_back(static_cast<int32_t>(token));
+    for (const uint32_t parent : path) edges_.prefetch(key(parent, token));
     scratch_.assign(1, 0);
-    for (const uint32_t parent : path) {
+    for (size_t length = 0; length < path.size(); ++length) {
+      const uint32_t parent = path[length];
+      if (length > 0 && nodes_[parent].count < 2) break;  // seen once: what follows it is its text
       const uint32_t made = add(parent, token);
-      if (nodes_[made].depth < max_depth_) scratch_.push_back(made);
+      const uint32_t earlier = nodes_[made].end;
+      nodes_[made].end = at + 1;
+      // Seen a second time: the earlier occurrence's next token becomes a node. (Where that is
+      // this very token, the next suffix's step below counts it.)
+      if (nodes_[made].count == 2 && length + 2 <= max_depth_ && earlier < at && text_[earlier] != kSeparator) {
+        const uint32_t next = add(made, text_[earlier]);
+        nodes_[next].end = earlier + 1;
+      }
+      if (length + 1 < max_depth_) scratch_.push_back(made);
     }
     path.swap(scratch_);
   }
-  // Moves `path` (this tree's nodes of a text's suffixes) to those of text + token, learning
-  // nothing: the suffixes of text + token that this tree holds.
-  void follow(Path& path, int64_t token) const {
-    Path next{0};
-    for (const uint32_t parent : path) {
-      const uint32_t found = child(parent, token);
+
+  // Moves `position` (a text's place in this tree) to that of text + token, learning nothing.
+  void follow(Position& position, int64_t token) const {
+    Path& path = position.path;
+    for (const uint32_t parent : path) edges_.prefetch(key(parent, token));
+    scratch_.assign(1, 0);
+    for (size_t length = 0; length < path.size(); ++length) {
+      if (length > 0 && nodes_[path[length]].count < 2) break;
+      const uint32_t found = child(path[length], token);
       if (found == kNone) break;  // a longer suffix is absent when a shorter one is
-      if (nodes_[found].depth < max_depth_) next.push_back(found);
+      if (length + 1 < max_depth_) scratch_.push_back(found);
     }
-    path.swap(next);
+    path.swap(scratch_);
+    // The match past the nodes goes on while the kept text does; else the deepest node seen once
+    // starts one (its one occurrence is where the text continues).
+    if (position.end != kNone && token_at(position.end) == token) {
+      ++position.end;
+      position.length = std::min<int64_t>(position.length + 1, max_depth_ - 1);
+    } else {
+      position.end = kNone;
+      position.length = 0;
+    }
+    const auto deepest = static_cast<int64_t>(path.size()) - 1;
+    if (deepest > position.length && nodes_[path.back()].count == 1) {
+      position.end = nodes_[path.back()].end;
+      position.length = deepest;
+    }
   }
-  // The path of the last max_depth - 1 tokens of `text`, walked from the root.
-  [[nodiscard]] Path path_of(std::span<const int64_t> text) const {
+  // The position of the last max_depth - 1 tokens of `text`, walked from the root.
+  [[nodiscard]] Position position_of(std::span<const int64_t> text) const {
     const size_t keep = std::min(text.size(), static_cast<size_t>(max_depth_ - 1));
-    Path path = root_path();
-    for (const int64_t token : text.last(keep)) follow(path, token);
-    return path;
+    Position position;
+    for (const int64_t token : text.last(keep)) follow(position, token);
+    return position;
   }
 
  private:
@@ -97,7 +166,7 @@ class SuffixTrie {
     auto [slot, inserted] = edges_.insert(key(parent, token));
     if (inserted) {
       *slot = static_cast<uint32_t>(nodes_.size());
-      nodes_.push_back(Node{.token = static_cast<int32_t>(token), .depth = nodes_[parent].depth + 1});
+      nodes_.push_back(Node{.token = static_cast<int32_t>(token)});
     }
     const uint32_t made = *slot;
     Node& child_node = nodes_[made];
@@ -118,7 +187,8 @@ class SuffixTrie {
   uint32_t max_depth_;
   std::vector<Node> nodes_;
   FlatTable<uint64_t, uint32_t> edges_;
-  Path scratch_;
+  std::vector<int32_t> text_;
+  mutable Path scratch_;
 };
 
 // What a walk of one tree proposes: the tokens, and their score (the sum over drafted tokens of
@@ -137,47 +207,81 @@ struct SuffixWalkRule {
   int64_t min_match = 1;
 };
 
-// Drafts from `trie` after a text whose suffixes in it are `path`: anchored on the longest suffix
-// of at least rule.min_match tokens that was followed before, then greedy along the most
-// frequent followers while the product of their shares stays at least rule.min_token_prob, at
-// most min(cap, floor(factor * match + offset)) tokens. Where the walk reaches a node that was
-// never followed (a leaf, or the tree's depth), it re-anchors on the longest followed suffix of
-// the text and the drafts so far.
-inline void walk_suffixes(const SuffixTrie& trie, const SuffixTrie::Path& path, const SuffixWalkRule& rule,
+// Drafts from `trie` after a text standing at `position` in it: anchored on the longest suffix of
+// at least rule.min_match tokens that was followed before, then along the most frequent
+// followers while the product of their shares stays at least rule.min_token_prob (a substring
+// seen once is followed by its one occurrence's text, each token a share of 1), at most
+// min(cap, floor(factor * match + offset)) tokens. Where a walk stops short (a node at the tree's
+// depth, the end of a kept text), it re-anchors on the longest followed suffix of the text and
+// the drafts so far.
+inline void walk_suffixes(const SuffixTrie& trie, const SuffixTrie::Position& position, const SuffixWalkRule& rule,
                           int64_t cap, SuffixWalk& out) {
   out.tokens.clear();
   out.score = 0.0;
   out.match = 0;
-  const auto anchor = [&](const SuffixTrie::Path& suffixes) -> uint32_t {
-    for (auto length = static_cast<int64_t>(suffixes.size()) - 1; length >= rule.min_match; --length) {
-      if (trie.node(suffixes[static_cast<size_t>(length)]).best != SuffixTrie::kNone) {
-        return suffixes[static_cast<size_t>(length)];
+  // An anchor: a node with a follower, or an offset into the kept text (node kNone).
+  struct Anchor {
+    uint32_t node = SuffixTrie::kNone;
+    uint32_t end = SuffixTrie::kNone;
+    int64_t length = 0;
+  };
+  const auto anchor = [&](const SuffixTrie::Position& at) {
+    Anchor found;
+    for (auto length = static_cast<int64_t>(at.path.size()) - 1; length >= rule.min_match; --length) {
+      const uint32_t id = at.path[static_cast<size_t>(length)];
+      const SuffixTrie::Node& n = trie.node(id);
+      if (n.best != SuffixTrie::kNone) {
+        found = {.node = id, .length = length};
+        break;
+      }
+      if (n.count == 1 && trie.token_at(n.end) != SuffixTrie::kSeparator) {
+        found = {.end = n.end, .length = length};
+        break;
       }
     }
-    return SuffixTrie::kNone;
+    if (at.end != SuffixTrie::kNone && at.length > found.length && at.length >= rule.min_match &&
+        trie.token_at(at.end) != SuffixTrie::kSeparator) {
+      found = {.end = at.end, .length = at.length};
+    }
+    return found;
   };
-  uint32_t at = anchor(path);
-  if (at == SuffixTrie::kNone) return;
-  out.match = trie.node(at).depth;
+  Anchor at = anchor(position);
+  if (at.length == 0) return;
+  out.match = at.length;
   const double by_match = std::floor(rule.max_spec_factor * static_cast<double>(out.match) + rule.max_spec_offset);
   const int64_t limit = std::min(cap, by_match < 0.0 ? int64_t{0} : static_cast<int64_t>(std::min(by_match, 1e9)));
-  SuffixTrie::Path walked;  // the path of text + drafts, made only to re-anchor
-  size_t walked_to = 0;     // drafts `walked` has followed
+  SuffixTrie::Position walked;  // the position of text + drafts, made only to re-anchor
+  size_t walked_to = 0;         // drafts `walked` has followed
+  bool walking = false;
   double probability = 1.0;
   while (static_cast<int64_t>(out.tokens.size()) < limit) {
-    if (trie.node(at).best == SuffixTrie::kNone) {
-      if (walked_to == 0) walked = path;
+    int64_t token = SuffixTrie::kSeparator;
+    if (at.node == SuffixTrie::kNone) {  // in the kept text
+      token = trie.token_at(at.end);
+      ++at.end;
+    } else if (const SuffixTrie::Node& parent = trie.node(at.node); parent.best != SuffixTrie::kNone) {
+      const SuffixTrie::Node& next = trie.node(parent.best);
+      probability *= static_cast<double>(next.count) / static_cast<double>(parent.continued);
+      if (probability < rule.min_token_prob) break;
+      token = next.token;
+      at.node = parent.best;
+      if (next.count == 1) at = {.end = next.end};  // seen once: its text goes on
+    } else if (parent.count == 1) {
+      at = {.end = parent.end};
+      continue;
+    }
+    if (token == SuffixTrie::kSeparator) {  // stopped short: re-anchor
+      if (!walking) walked = position, walking = true;
       for (; walked_to < out.tokens.size(); ++walked_to) trie.follow(walked, out.tokens[walked_to]);
       at = anchor(walked);
-      if (at == SuffixTrie::kNone) break;
+      if (at.length == 0) break;
+      // The same anchor again would stop at the same place.
+      if (at.node != SuffixTrie::kNone && trie.node(at.node).best == SuffixTrie::kNone) break;
+      if (at.node == SuffixTrie::kNone && trie.token_at(at.end) == SuffixTrie::kSeparator) break;
+      continue;
     }
-    const SuffixTrie::Node& parent = trie.node(at);
-    const SuffixTrie::Node& next = trie.node(parent.best);
-    probability *= static_cast<double>(next.count) / static_cast<double>(parent.continued);
-    if (probability < rule.min_token_prob) break;
-    out.tokens.push_back(next.token);
+    out.tokens.push_back(token);
     out.score += probability;
-    at = parent.best;
   }
 }
 
