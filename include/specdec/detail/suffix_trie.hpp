@@ -76,11 +76,15 @@ class SuffixTrie {
     text_.clear();
     text_.shrink_to_fit();
   }
-  // Room for `tokens` more tokens of text, and nodes for about two each, without growing.
+  // Room for `tokens` more tokens of text, and nodes for about two each, growing at least by
+  // doubling (so a cache that learns answer after answer does not copy its arrays every time).
   void reserve_for(size_t tokens) {
-    text_.reserve(text_.size() + tokens + 1);
-    nodes_.reserve(nodes_.size() + 2 * tokens);
-    edges_.reserve(nodes_.size() + 2 * tokens);
+    const auto room = [](auto& array, size_t needed) {
+      if (needed > array.capacity()) array.reserve(std::max(needed, 2 * array.capacity()));
+    };
+    room(text_, text_.size() + tokens + 1);
+    room(nodes_, nodes_.size() + 2 * tokens);
+    if ((edges_.size() + 2 * tokens) * 5 > edges_.capacity() * 4) edges_.reserve(2 * edges_.size() + 2 * tokens);
   }
   // Gives the arrays' spare capacity back (after a rebuild).
   void shrink_to_fit() {
@@ -103,6 +107,9 @@ class SuffixTrie {
   void extend(Path& path, int64_t token) {
     const auto at = static_cast<uint32_t>(text_.size());
     text_.push_back(static_cast<int32_t>(token));
+    // Grow the edges by doubling, ahead of this token's at most 2 * path.size() new ones: a
+    // repeated span adds a node per suffix, and growing by halves would rehash them twice as often.
+    if ((edges_.size() + 2 * path.size()) * 5 > edges_.capacity() * 4) edges_.reserve(2 * edges_.size() + 2 * path.size());
     for (const uint32_t parent : path) edges_.prefetch(key(parent, token));
     scratch_.assign(1, 0);
     for (size_t length = 0; length < path.size(); ++length) {
