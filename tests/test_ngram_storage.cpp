@@ -9,6 +9,7 @@
 
 #include "specdec/generate.hpp"
 #include "specdec/text/token_stream.hpp"
+#include "support/markov_fixtures.hpp"
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
@@ -427,13 +428,6 @@ TEST(PromptLookupDrafter, ProposesWhatFollowedTheLatestMatch) {
 }
 
 // A target that follows a pattern most of the time: a Markov chain whose successor of t is
-// (t + 1) mod V with probability 0.7, the rest spread evenly.
-at::Tensor pattern_chain(int64_t vocab) {
-  at::Tensor t = at::full({vocab, vocab}, 0.3 / static_cast<double>(vocab - 1), at::kDouble);
-  for (int64_t i = 0; i < vocab; ++i) t[i][(i + 1) % vocab] = 0.7;
-  return t;
-}
-
 // A pattern target whose greedy continuation is not a single cycle: a prefix-hash model mixed in.
 TEST(NGramAssistedGenerate, GreedyEqualsAutoregressive) {
   test::PrefixHashModel target(12, 5);
@@ -493,7 +487,7 @@ TEST(NGramAssistedGenerate, ConfidentDraftingStaysExactAndDraftsLess) {
 }
 
 TEST(NGramAssistedGenerate, LearnsRepeatedTextAndCutsTargetCalls) {
-  test::MarkovModel target(pattern_chain(8));
+  test::MarkovModel target(test::pattern_chain(8));
   NGramStorage storage(3, 8);
   const auto result = ngram_assisted_generate(storage, target, Tokens{0, 1, 2, 3}, {.max_new_tokens = 64, .gamma = 6});
   EXPECT_GT(result.stats.acceptance_rate(), 0.6);
@@ -502,7 +496,7 @@ TEST(NGramAssistedGenerate, LearnsRepeatedTextAndCutsTargetCalls) {
 }
 
 TEST(NGramAssistedGenerate, RejectsBadInput) {
-  test::MarkovModel target(pattern_chain(8));
+  test::MarkovModel target(test::pattern_chain(8));
   NGramStorage storage(3, 8);
   EXPECT_THROW((void)ngram_assisted_generate(storage, target, Tokens{1}, {.gamma = 0}), std::invalid_argument);
   EXPECT_THROW((void)ngram_assisted_generate(storage, target, Tokens{1}, {.filler_top_k = 0}), std::invalid_argument);

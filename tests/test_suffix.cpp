@@ -15,6 +15,7 @@
 #include "specdec/session.hpp"
 #include "specdec/suffix.hpp"
 #include "support/expect_invalid.hpp"
+#include "support/markov_fixtures.hpp"
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
@@ -214,13 +215,6 @@ TEST(SuffixWalk, ReanchorsPastTheTreesDepth) {
   EXPECT_EQ(drafted.tokens, Tokens(span.begin() + 3, span.begin() + 15));
 }
 
-// (t + 1) mod V with probability 0.7, the rest spread evenly: greedy output is one long cycle.
-at::Tensor pattern_chain(int64_t vocab) {
-  at::Tensor t = at::full({vocab, vocab}, 0.3 / static_cast<double>(vocab - 1), at::kDouble);
-  for (int64_t i = 0; i < vocab; ++i) t[i][(i + 1) % vocab] = 0.7;
-  return t;
-}
-
 TEST(SuffixGenerate, GreedyEqualsAutoregressive) {
   test::PrefixHashModel target(12, 5);
   const Tokens prompt{1, 2, 3, 4, 1, 2, 3, 4, 5, 1, 2};
@@ -244,7 +238,7 @@ TEST(SuffixGenerate, GreedyEqualsAutoregressive) {
 }
 
 TEST(SuffixGenerate, RepeatedTextCutsTargetCallsAndTheCacheCarriesResponses) {
-  test::MarkovModel target(pattern_chain(8));
+  test::MarkovModel target(test::pattern_chain(8));
   SuffixCache cache(8);
   const auto first = suffix_generate(cache, target, Tokens{0, 1, 2, 3}, {.max_new_tokens = 64, .gamma = 8});
   EXPECT_GT(first.stats.acceptance_rate(), 0.6);
@@ -286,7 +280,7 @@ TEST(SuffixGenerate, SessionTurnsAndBatchRowsEqualAutoregressive) {
 }
 
 TEST(SuffixGenerate, RejectsBadOptionsNamingThem) {
-  test::MarkovModel target(pattern_chain(8));
+  test::MarkovModel target(test::pattern_chain(8));
   SuffixCache cache(8);
   const Tokens prompt{1, 2};
   const auto expect = [&](const SuffixDecodingOptions& options, const std::vector<std::string>& fragments) {

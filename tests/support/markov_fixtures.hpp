@@ -1,9 +1,11 @@
 // The Markov chains of the distribution tests: a target and a drafter over 4 tokens whose rows
-// differ in entropy and top probability, so that acceptances, rejections and residuals all occur.
+// differ in entropy and top probability, so that acceptances, rejections and residuals all occur;
+// and a repetitive chain for the model-free drafters.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace specdec::test {
@@ -22,6 +24,14 @@ inline const at::Tensor& markov_target_rows() {
 
 inline const at::Tensor& markov_drafter_rows() {
   static const at::Tensor t = rows_of({{.4, .3, .2, .1}, {.1, .1, .4, .4}, {.7, .1, .1, .1}, {.25, .25, .25, .25}});
+  return t;
+}
+
+// A [vocab, vocab] chain whose rows put 0.7 on (t + 1) mod vocab and spread the rest evenly: its
+// greedy output is one long cycle, which model-free drafters learn.
+inline at::Tensor pattern_chain(int64_t vocab) {
+  at::Tensor t = at::full({vocab, vocab}, 0.3 / static_cast<double>(vocab - 1), at::kDouble);
+  for (int64_t i = 0; i < vocab; ++i) t[i][(i + 1) % vocab] = 0.7;
   return t;
 }
 
