@@ -268,6 +268,15 @@ TEST(SuffixGenerate, SessionTurnsAndBatchRowsEqualAutoregressive) {
     EXPECT_EQ(got.tokens, reference.generate({.max_new_tokens = 20}).tokens);
   }
   EXPECT_EQ(cache.responses(), 3);
+  // A rollback and another turn: what the source learned is no longer the conversation's start,
+  // so it starts its tree afresh, and stays exact.
+  session.rollback(7);
+  reference.rollback(7);
+  session.append(Tokens{2, 3, 1, 2});
+  reference.append(Tokens{2, 3, 1, 2});
+  EXPECT_EQ(session.generate(source, {.max_new_tokens = 20, .gamma = 6}).tokens,
+            reference.generate({.max_new_tokens = 20}).tokens);
+  EXPECT_EQ(source.request_tree().text().size(), static_cast<size_t>(session.length()));
   // A batch: one source per row over the same cache.
   const std::vector<Tokens> prompts{{1, 2, 3, 1, 2}, {7, 7, 7}, {3, 4, 3, 4, 3}};
   std::vector<SuffixDraftSource> sources;
