@@ -39,9 +39,12 @@
 // Counters of BM_Replay, per implementation (specdec_*, arctic_*): accepted tokens per draft call
 // (accepted_per_draft), the accepted share of drafted tokens (accepted_share), draft calls per
 // second of drafting and updating together (drafts_per_s), nanoseconds of drafting and updating
-// per stream token (ns_per_token), and bytes per cached token at the end (bytes_per_token:
-// memory_bytes() of specdec's cache and request tree; Arctic's estimate_memory() of its trees
-// and sequences); speed_ratio is Arctic's ns_per_token over specdec's.
+// per stream token (ns_per_token), and of each apart (draft_ns_per_call per speculate call,
+// update_ns_per_token per answer token learned, each call timed on its own; a request's start
+// from its prompt and its answer joining the cache count in ns_per_token only), and bytes per
+// cached token at the end (bytes_per_token: memory_bytes() of specdec's cache and request tree;
+// Arctic's estimate_memory() of its trees and sequences); speed_ratio is Arctic's ns_per_token
+// over specdec's.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -142,6 +145,7 @@ const std::vector<Request>& stream(int64_t which) {
 struct Tally {
   int64_t drafts = 0, drafted = 0, accepted = 0, tokens = 0;
   double seconds = 0.0;
+  double draft_seconds = 0.0, learn_seconds = 0.0;  // inside the replay, each call timed
   size_t bytes = 0;
   int64_t cached_tokens = 0;
 };
@@ -158,7 +162,9 @@ Tally replay(const std::vector<Request>& requests) {
     drafter.start(text);
     size_t at = 0;
     while (at < r.response.size()) {
+      const auto drafting = std::chrono::steady_clock::now();
       const std::span<const int64_t> draft = drafter.propose(text, kMaxSpec);
+      tally.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - drafting).count();
       size_t accepted = 0;
       while (accepted < draft.size() && at + accepted < r.response.size() && draft[accepted] == r.response[at + accepted]) {
         ++accepted;
@@ -169,7 +175,9 @@ Tally replay(const std::vector<Request>& requests) {
       const size_t step = std::min(accepted + 1, r.response.size() - at);
       const std::span<const int64_t> passed(r.response.data() + at, step);
       text.insert(text.end(), passed.begin(), passed.end());
+      const auto learning = std::chrono::steady_clock::now();
       drafter.learn(text, passed);
+      tally.learn_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - learning).count();
       at += step;
     }
     drafter.stop(text, r.response);
@@ -188,7 +196,8 @@ class SpecdecDrafter {
     source_->start(prompt, {});
   }
   std::span<const int64_t> propose(const Tokens& text, int64_t cap) { return source_->propose(text, cap); }
-  void learn(const Tokens& /*text*/, std::span<const int64_t> /*passed*/) {}  // propose() learns the new tokens
+  // As the step core tells it; propose() then finds nothing new to learn.
+  void learn(const Tokens& text, std::span<const int64_t> /*passed*/) { source_->verified({.sequence = text}); }
   void stop(const Tokens& text, const Tokens& /*response*/) {
     source_->finish(text);
     request_bytes_ = source_->memory_bytes();
@@ -244,6 +253,8 @@ void report(benchmark::State& state, const std::string& name, const Tally& t, in
   state.counters[name + "_accepted_share"] = per(static_cast<double>(t.accepted), static_cast<double>(t.drafted));
   state.counters[name + "_drafts_per_s"] = per(static_cast<double>(t.drafts * iterations), t.seconds);
   state.counters[name + "_ns_per_token"] = per(t.seconds * 1e9, static_cast<double>(t.tokens * iterations));
+  state.counters[name + "_draft_ns_per_call"] = per(t.draft_seconds * 1e9, static_cast<double>(t.drafts * iterations));
+  state.counters[name + "_update_ns_per_token"] = per(t.learn_seconds * 1e9, static_cast<double>(t.tokens * iterations));
   state.counters[name + "_bytes_per_token"] = per(static_cast<double>(t.bytes), static_cast<double>(t.cached_tokens));
 }
 
