@@ -122,17 +122,14 @@ class SuffixCache {
   void add(std::span<const int64_t> response) {
     detail::check_tokens("response", response, vocab_);
     if (response.empty()) return;
-    const size_t most = static_cast<size_t>(limits_.max_bytes) / (2 * sizeof(int32_t) + per_token_floor());
-    const auto kept = response.last(std::min(response.size(), std::max<size_t>(most, 1)));
-    responses_.emplace_back(kept.begin(), kept.end());
-    tokens_ += kept.size();
-    learn(responses_.back());
+    const size_t most = static_cast<size_t>(limits_.max_bytes) / per_token_floor();
+    learn(response.last(std::min(response.size(), std::max<size_t>(most, 1))));
     ++version_;
     if (over(1.0)) shrink();
   }
 
   void clear() {
-    responses_.clear();
+    lengths_.clear();
     tokens_ = 0;
     trie_.clear();
     ++version_;
@@ -140,11 +137,11 @@ class SuffixCache {
 
   [[nodiscard]] int64_t vocab_size() const noexcept { return vocab_; }
   [[nodiscard]] const SuffixCacheLimits& limits() const noexcept { return limits_; }
-  [[nodiscard]] int64_t responses() const noexcept { return static_cast<int64_t>(responses_.size()); }
+  [[nodiscard]] int64_t responses() const noexcept { return static_cast<int64_t>(lengths_.size()); }
   [[nodiscard]] int64_t tokens() const noexcept { return static_cast<int64_t>(tokens_); }
   [[nodiscard]] int64_t evicted() const noexcept { return evicted_; }
-  // The bytes the responses (each stored at its length) and the tree (its arrays' capacity) hold.
-  [[nodiscard]] size_t memory_bytes() const noexcept { return trie_.memory_bytes() + tokens_ * sizeof(int32_t); }
+  // The bytes the tree holds (its arrays' capacity), the responses' text among them.
+  [[nodiscard]] size_t memory_bytes() const noexcept { return trie_.memory_bytes(); }
   // Changes with every add, eviction, clear and load: a source re-walks its path when it moved.
   [[nodiscard]] uint64_t version() const noexcept { return version_; }
   [[nodiscard]] const detail::SuffixTrie& trie() const noexcept { return trie_; }
@@ -160,10 +157,13 @@ class SuffixCache {
       put(static_cast<uint32_t>(limits_.max_depth));
       put(static_cast<uint64_t>(limits_.max_responses));
       put(static_cast<uint64_t>(limits_.max_bytes));
-      put(static_cast<uint64_t>(responses_.size()));
-      for (const auto& r : responses_) {
-        put(static_cast<uint64_t>(r.size()));
-        out.write(reinterpret_cast<const char*>(r.data()), static_cast<std::streamsize>(r.size() * sizeof(int32_t)));
+      put(static_cast<uint64_t>(lengths_.size()));
+      const std::span<const int32_t> text = trie_.text();  // the responses, each ended by a separator
+      size_t offset = 0;
+      for (const size_t length : lengths_) {
+        put(static_cast<uint64_t>(length));
+        out.write(reinterpret_cast<const char*>(text.data() + offset), static_cast<std::streamsize>(length * sizeof(int32_t)));
+        offset += length + 1;
       }
     });
   }
@@ -214,11 +214,9 @@ class SuffixCache {
           io::detail::throw_format(path, "response ", i, " token ", j, " is ", tokens[j], ", outside [0, ", vocab, ")");
         }
       }
-      made->tokens_ += tokens.size();
-      made->responses_.push_back(std::move(tokens));
+      made->learn(std::span<const int32_t>(tokens));
     }
     if (reader.remaining() != 0) io::detail::throw_format(path, reader.remaining(), " bytes follow the last response");
-    made->rebuild();
     if (made->over(1.0)) made->shrink();
     return std::move(*made);
   }
@@ -231,42 +229,55 @@ class SuffixCache {
  private:
   static constexpr char kMagic[8] = {'S', 'P', 'D', 'S', 'U', 'F', 'F', 'X'};
 
-  // The least tree bytes a token adds (a node and an edge at the table's fullest): only to cut a
-  // response that could never fit.
+  // The least tree bytes a token adds (its text, a node and an edge at the table's fullest): only
+  // to cut a response that could never fit.
   [[nodiscard]] static constexpr size_t per_token_floor() noexcept {
-    return sizeof(detail::SuffixTrie::Node) + sizeof(uint64_t) + sizeof(uint32_t);
+    return sizeof(int32_t) + sizeof(detail::SuffixTrie::Node) + sizeof(uint64_t) + sizeof(uint32_t);
   }
   [[nodiscard]] bool over(double share) const noexcept {
-    return static_cast<double>(responses_.size()) > share * static_cast<double>(limits_.max_responses) ||
+    return static_cast<double>(lengths_.size()) > share * static_cast<double>(limits_.max_responses) ||
            static_cast<double>(memory_bytes()) > share * static_cast<double>(limits_.max_bytes);
   }
-  void learn(const std::vector<int32_t>& response) {
+  // Learns a response as a text of its own.
+  template <class Token>
+  void learn(std::span<const Token> response) {
     detail::SuffixTrie::Path path;
     trie_.begin_text(path);
     trie_.reserve_for(response.size());
-    for (const int32_t token : response) trie_.extend(path, token);
-  }
-  void rebuild() {
-    trie_.clear();
-    for (const auto& r : responses_) learn(r);
-    trie_.shrink_to_fit();
+    for (const Token token : response) trie_.extend(path, token);
+    lengths_.push_back(response.size());
+    tokens_ += response.size();
   }
   // Evicts the oldest responses down to three quarters of the limits (bytes estimated from the
   // tree's bytes per token, then checked after the rebuild).
   void shrink() {
-    while (!responses_.empty() && over(0.75)) {
+    while (!lengths_.empty() && over(0.75)) {
       const double per_token = static_cast<double>(memory_bytes()) / static_cast<double>(std::max<size_t>(tokens_, 1));
       const double keep_tokens = 0.75 * static_cast<double>(limits_.max_bytes) / per_token;
       const auto keep_responses = static_cast<size_t>(0.75 * static_cast<double>(limits_.max_responses));
+      size_t from = 0;  // offset in the kept text of the first response that stays
       bool first = true;  // at least one goes each round, whatever the estimate says
-      while (!responses_.empty() && (first || static_cast<double>(tokens_) > keep_tokens ||
-                                     responses_.size() > keep_responses)) {
+      while (!lengths_.empty() && (first || static_cast<double>(tokens_) > keep_tokens ||
+                                   lengths_.size() > keep_responses)) {
         first = false;
-        tokens_ -= responses_.front().size();
-        responses_.pop_front();
+        from += lengths_.front() + 1;
+        tokens_ -= lengths_.front();
+        lengths_.pop_front();
         ++evicted_;
       }
-      rebuild();
+      // The tree is rebuilt from the responses that stay, read from its own kept text.
+      const std::span<const int32_t> text = trie_.text();
+      const std::vector<int32_t> staying(text.begin() + static_cast<std::ptrdiff_t>(std::min(from, text.size())), text.end());
+      const std::deque<size_t> lengths = std::move(lengths_);
+      lengths_.clear();
+      tokens_ = 0;
+      trie_.clear();
+      size_t offset = 0;
+      for (const size_t length : lengths) {
+        learn(std::span<const int32_t>(staying).subspan(offset, length));
+        offset += length + 1;
+      }
+      trie_.shrink_to_fit();
     }
     ++version_;
   }
@@ -274,7 +285,7 @@ class SuffixCache {
   int64_t vocab_;
   SuffixCacheLimits limits_;
   detail::SuffixTrie trie_;
-  std::deque<std::vector<int32_t>> responses_;
+  std::deque<size_t> lengths_;  // of the responses kept, oldest first (their text is the tree's)
   size_t tokens_ = 0;
   int64_t evicted_ = 0;
   uint64_t version_ = 0;
@@ -294,7 +305,7 @@ class SuffixDraftSource {
 
   [[nodiscard]] const SuffixDraftRule& rule() const noexcept { return rule_; }
   [[nodiscard]] const detail::SuffixTrie& request_tree() const noexcept { return trie_; }
-  [[nodiscard]] size_t memory_bytes() const noexcept { return trie_.memory_bytes() + learned_.capacity() * sizeof(int64_t); }
+  [[nodiscard]] size_t memory_bytes() const noexcept { return trie_.memory_bytes(); }
   // Drafts taken from the cache, and from the request's own tree, so far.
   [[nodiscard]] int64_t drafts_from_cache() const noexcept { return from_cache_; }
   [[nodiscard]] int64_t drafts_from_request() const noexcept { return from_request_; }
@@ -303,10 +314,11 @@ class SuffixDraftSource {
   // the turn's new tokens), and marks where this generation's response begins.
   void start(std::span<const int64_t> sequence, const SpeculativeOptions& /*options*/) {
     if (cache_ != nullptr) detail::check_tokens("prompt", sequence, cache_->vocab_size());
-    if (sequence.size() < learned_.size() || !std::equal(learned_.begin(), learned_.end(), sequence.begin())) {
+    const auto learned = trie_.text();  // what it learned: the request's tree keeps one text
+    if (sequence.size() < learned.size() || !std::equal(learned.begin(), learned.end(), sequence.begin())) {
       restart();  // not a continuation of what it learned: another conversation
     }
-    trie_.reserve_for(sequence.size() - learned_.size());
+    trie_.reserve_for(sequence.size() - trie_.text().size());
     learn(sequence);
     response_from_ = sequence.size();
   }
@@ -347,24 +359,21 @@ class SuffixDraftSource {
  private:
   void restart() {
     trie_.clear();
-    learned_.clear();
     position_ = {};
     cache_version_ = std::numeric_limits<uint64_t>::max();
   }
   // Feeds the request's tree (and the walk in the cache's) the tokens of `sequence` past those
   // learned; within a generation the sequence only grows.
   void learn(std::span<const int64_t> sequence) {
-    for (size_t i = learned_.size(); i < sequence.size(); ++i) {
+    for (size_t i = trie_.text().size(); i < sequence.size(); ++i) {
       trie_.extend(position_.path, sequence[i]);
       if (cache_ != nullptr && cache_version_ == cache_->version()) cache_->trie().follow(cache_position_, sequence[i]);
-      learned_.push_back(sequence[i]);
     }
   }
 
   SuffixDraftRule rule_;
   detail::SuffixTrie trie_;
   detail::SuffixTrie::Position position_;  // of the request's text in its own tree (its path)
-  std::vector<int64_t> learned_;
   SuffixCache* cache_ = nullptr;
   detail::SuffixTrie::Position cache_position_;
   uint64_t cache_version_ = std::numeric_limits<uint64_t>::max();
