@@ -52,6 +52,8 @@ specdec_cli_case(suffix_depth_too_small 2 "--suffix-depth: 1 is outside \\[2, 10
   --suffix-depth 1)
 specdec_cli_case(suffix_depth_in_ngram 2 "--suffix-depth applies to --mode suffix, not --mode ngram" ${G} --mode ngram
   --suffix-depth 8)
+specdec_cli_case(suffix_tree_in_batch 2 "--suffix-tree does not apply to --batch-file" ${G} --mode suffix
+  --suffix-tree --batch-file "${PROJECT_SOURCE_DIR}/README.md")
 specdec_cli_case(trace_in_beam 2 "--trace applies to" ${G} --mode beam --trace)
 specdec_cli_case(compare_in_beam 2 "--compare applies to" ${G} --mode beam --compare)
 specdec_cli_case(temperature_in_beam 2 "--temperature applies to" ${G} --mode beam --temperature 0.5)

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <random>
@@ -15,6 +16,7 @@
 #include "specdec/session.hpp"
 #include "specdec/suffix.hpp"
 #include "support/expect_invalid.hpp"
+#include "support/llama_fixtures.hpp"
 #include "support/markov_fixtures.hpp"
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
@@ -309,6 +311,8 @@ TEST(SuffixGenerate, RejectsBadOptionsNamingThem) {
   test::expect_invalid([] { SuffixCache bad(8, {.max_responses = 0}); }, {"cache.max_responses", "0"});
   test::expect_invalid([] { SuffixCache bad(8, {.max_bytes = 1000}); }, {"cache.max_bytes", "1000"});
   test::expect_invalid([] { SuffixCache bad(0); }, {"vocab_size", "0"});
+  test::PrefixHashModel no_trees(8, 3);  // not a TreeTarget
+  test::expect_invalid([&] { (void)suffix_generate(cache, no_trees, prompt, {.tree = true}); }, {"tree", "TreeTarget"});
   test::expect_invalid([&] { cache.add(Tokens{1, 8}); }, {"response[1]", "8"});
   EXPECT_EQ(cache.responses(), 0);  // nothing half added
 }
@@ -365,6 +369,215 @@ TEST(SuffixDistribution, MultinomialEqualsTargetAndTheTestHasPower) {
   EXPECT_EQ(exact.outside_support, 0);
   EXPECT_LT(exact.statistic, test::chi_square_quantile(exact.dof, 4.75));
   const auto biased = fit(true, 8000);
+  EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, 4.75));
+}
+
+// --- Trees ----------------------------------------------------------------------------------
+
+// A tree grows best first: its nodes are the most probable paths below the anchor, a path's
+// probability the product of its tokens' shares of their contexts' followers. Against brute
+// force over random texts of small vocabularies (much branching), with a trie deeper than the
+// text (no depth cap) and no re-anchoring.
+TEST(SuffixTree, HoldsTheMostProbablePathsBelowTheAnchorAgainstBruteForce) {
+  using specdec::detail::SuffixTreeDraft;
+  int64_t branched = 0;
+  for (uint32_t seed = 0; seed < 40; ++seed) {
+    const Tokens text = random_text(60 + seed, 2 + seed % 3, seed);
+    const int64_t depth = 128;
+    const Learned l = learned(text, depth);
+    const BruteCounts brute({text}, depth);
+    const double min_prob = seed % 2 == 0 ? 0.0 : 0.08;
+    const int64_t nodes = 1 + seed % 14, max_depth = 1 + seed % 5;
+    const SuffixDraftRule rule{.max_spec_factor = 100.0, .min_token_prob = min_prob};
+    specdec::detail::SuffixTreeGrower grower(/*max_reanchors=*/0);
+    SuffixTreeDraft tree;
+    grower.grow(l.trie, l.position, rule.walk(), nodes, max_depth, tree);
+    // The anchor: the text's longest suffix that was followed before.
+    Tokens anchor;
+    for (size_t length = text.size() - 1; length >= 1; --length) {
+      const Tokens suffix(text.end() - static_cast<long>(length), text.end());
+      if (brute.continued.contains(suffix)) {
+        anchor = suffix;
+        break;
+      }
+    }
+    ASSERT_FALSE(anchor.empty()) << seed;
+    EXPECT_EQ(tree.match, static_cast<int64_t>(anchor.size())) << seed;
+    // Every path below the anchor, by brute force, with its probability.
+    std::vector<double> all;
+    const std::function<void(const Tokens&, double, int64_t)> expand = [&](const Tokens& context, double p, int64_t d) {
+      if (d == max_depth || !brute.followers.contains(context)) return;
+      for (const auto& [token, count] : brute.followers.at(context)) {
+        const double q = p * static_cast<double>(count) / static_cast<double>(brute.continued.at(context));
+        if (q < min_prob) continue;
+        all.push_back(q);
+        Tokens next = context;
+        next.push_back(token);
+        expand(next, q, d + 1);
+      }
+    };
+    expand(anchor, 1.0, 0);
+    std::sort(all.rbegin(), all.rend());
+    // The tree's nodes: a valid layout whose paths' brute-force probabilities are the top ones.
+    ASSERT_EQ(tree.size(), std::min<int64_t>(nodes, static_cast<int64_t>(all.size()))) << seed;
+    std::vector<double> mine;
+    std::map<int64_t, int64_t> children;
+    double score = 0.0;
+    for (int64_t i = 0; i < tree.size(); ++i) {
+      const int64_t parent = tree.parents[static_cast<size_t>(i)];
+      ASSERT_LT(parent, i);
+      EXPECT_EQ(tree.ranks[static_cast<size_t>(i)], children[parent]++) << seed << " node " << i;
+      Tokens path;
+      for (int64_t j = i; j >= 0; j = tree.parents[static_cast<size_t>(j)]) path.insert(path.begin(), tree.tokens[static_cast<size_t>(j)]);
+      EXPECT_LE(static_cast<int64_t>(path.size()), tree.depth);
+      Tokens context = anchor;
+      double p = 1.0;
+      for (const int64_t token : path) {
+        ASSERT_TRUE(brute.followers.contains(context) && brute.followers.at(context).contains(token)) << seed;
+        p *= static_cast<double>(brute.followers.at(context).at(token)) / static_cast<double>(brute.continued.at(context));
+        context.push_back(token);
+      }
+      mine.push_back(p);
+      score += p;
+    }
+    EXPECT_LE(tree.depth, max_depth);
+    std::sort(mine.rbegin(), mine.rend());
+    for (size_t i = 0; i < mine.size(); ++i) EXPECT_NEAR(mine[i], all[i], 1e-12) << seed << " node " << i;
+    EXPECT_NEAR(tree.score, score, 1e-9) << seed;
+    branched += std::any_of(children.begin(), children.end(), [](const auto& c) { return c.second > 1; }) ? 1 : 0;
+  }
+  EXPECT_GT(branched, 5);  // the trees did branch
+}
+
+// A span seen twice grows on past the trie's depth (where its nodes have no children), re-anchoring
+// as the chain walk does; its one branch is the chain's draft.
+TEST(SuffixTree, ReanchorsPastTheTriesDepthLikeTheChain) {
+  Tokens span;
+  for (int64_t i = 0; i < 20; ++i) span.push_back(10 + i);
+  Tokens text = span;
+  text.push_back(1);
+  text.insert(text.end(), span.begin(), span.end());
+  text.push_back(2);
+  text.insert(text.end(), span.begin(), span.begin() + 3);
+  const Learned trie = learned(text, 4);
+  EXPECT_EQ(walk(trie, {.max_spec_factor = 100.0, .min_token_prob = 0.0}, 12).tokens,
+            Tokens(span.begin() + 3, span.begin() + 15));
+  specdec::detail::SuffixTreeDraft tree;
+  specdec::detail::SuffixTreeGrower().grow(trie.trie, trie.position, {.max_spec_factor = 100.0, .min_token_prob = 0.0},
+                                          12, 12, tree);
+  EXPECT_EQ(tree.tokens, Tokens(span.begin() + 3, span.begin() + 15));
+  EXPECT_EQ(tree.depth, 12);
+  specdec::detail::SuffixTreeDraft capped;
+  specdec::detail::SuffixTreeGrower(0).grow(trie.trie, trie.position, {.max_spec_factor = 100.0, .min_token_prob = 0.0},
+                                           12, 12, capped);
+  EXPECT_LT(capped.size(), 12);  // without re-anchoring it stops at the trie's depth
+}
+
+TEST(SuffixTreeGenerate, GreedyEqualsAutoregressiveOnATransformerAndInSessions) {
+  const models::LlamaConfig config = test::small_llama_config();
+  models::LlamaModel<StaticKVCache> target(config, models::LlamaWeights::random(config, 33, at::kDouble));
+  const Tokens prompt{1, 7, 3, 22, 5, 1, 7, 3, 9, 1, 7};
+  const auto reference = autoregressive_generate(target, prompt, {.max_new_tokens = 48});
+  int64_t accepted = 0;
+  for (const int64_t gamma : {1, 4, 16}) {
+    SuffixCache cache(config.vocab_size);
+    for (int round = 0; round < 2; ++round) {  // the second round also drafts from the first's response
+      const auto result = suffix_generate(cache, target, prompt,
+                                          {.max_new_tokens = 48, .gamma = gamma, .rule = {.min_token_prob = 0.0},
+                                           .first_target = round == 0, .tree = true});
+      EXPECT_EQ(result.tokens, reference.tokens) << gamma << " round " << round;
+      accepted += result.stats.accepted;
+    }
+  }
+  EXPECT_GT(accepted, 20);
+  // A session whose turns feed one tree source.
+  SuffixCache cache(config.vocab_size);
+  SuffixTreeSource source(cache);
+  Session<models::LlamaModel<StaticKVCache>> session(target);
+  Session<models::LlamaModel<StaticKVCache>> plain(target);
+  for (const Tokens& turn : {Tokens{1, 7, 3}, Tokens{22, 5, 1, 7}, Tokens{3, 9, 1}}) {
+    session.append(turn);
+    plain.append(turn);
+    EXPECT_EQ(session.generate(source, {.max_new_tokens = 16, .gamma = 8}).tokens,
+              plain.generate({.max_new_tokens = 16}).tokens);
+  }
+  EXPECT_EQ(cache.responses(), 3);
+}
+
+// Where the cache says a context went one way twice and another way once, and the target takes
+// the rarer way, the chain drafts the common one and is cut at once; the tree holds both.
+TEST(SuffixTreeGenerate, ABranchTheChainMissesIsAccepted) {
+  // The target: 0 -> 1 -> 2 -> 3 -> 7 -> 8 -> 9 -> 0 (first order, greedy).
+  at::Tensor rows = at::full({12, 12}, 1e-4, at::kFloat);
+  const std::vector<std::pair<int64_t, int64_t>> next{{0, 1}, {1, 2}, {2, 3}, {3, 7}, {7, 8}, {8, 9}, {9, 0},
+                                                      {4, 5}, {5, 6}, {6, 0}, {10, 0}, {11, 0}};
+  for (const auto& [from, to] : next) rows[from][to] = 1.0;
+  test::MarkovModel target(rows);
+  const auto run = [&](bool tree) {
+    SuffixCache cache(12);
+    cache.add(Tokens{1, 2, 3, 4, 5, 6});
+    cache.add(Tokens{1, 2, 3, 4, 5, 6});
+    cache.add(Tokens{1, 2, 3, 7, 8, 9});
+    return suffix_generate(cache, target, Tokens{11, 1, 2},
+                           {.max_new_tokens = 8, .gamma = 8, .rule = {.max_spec_factor = 4.0}, .first_target = false,
+                            .tree = tree});
+  };
+  const auto chain = run(false);
+  const auto tree = run(true);
+  EXPECT_EQ(tree.tokens, chain.tokens);
+  EXPECT_EQ(tree.tokens, (Tokens{3, 7, 8, 9, 0, 1, 2, 3}));
+  EXPECT_LT(tree.stats.target_calls, chain.stats.target_calls);
+  EXPECT_GT(tree.stats.accepted, chain.stats.accepted);
+}
+
+// Sampling through trees: the output is the target's distribution, and the same harness catches
+// a verification that leaves a rejected child in the residual.
+class RuledSuffixTree : public SuffixTreeSource {
+ public:
+  RuledSuffixTree(SuffixCache& cache, specdec::detail::ModelTreeRule rule)
+      : SuffixTreeSource(cache, {.min_token_prob = 0.0}), rule_(rule) {}
+  template <LogitsProcessor P>
+  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
+    return score(logits, uncached, processor, gen, rule_);
+  }
+
+ private:
+  specdec::detail::ModelTreeRule rule_;
+};
+
+test::ChiSquare tree_fit(specdec::detail::ModelTreeRule rule, int64_t samples, int64_t* accepted) {
+  test::MarkovModel target(noisy_chain());
+  // After 0 came 1, 2 and 3: the first position's tree has three children.
+  const Tokens prompt{0, 1, 0, 2, 0, 3, 0, 1, 2, 0};
+  const MultinomialProcessor processor{1.0};
+  const at::Tensor probs = processor(target.logits()).to(at::kDouble);
+  std::map<Tokens, int64_t> observed;
+  SuffixCache cache(4, {.max_responses = 1});
+  for (int64_t i = 0; i < samples; ++i) {
+    RuledSuffixTree source(cache, rule);
+    const auto result = generate_with(source, target, prompt,
+                                      {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 6,
+                                       .first_target = false}, processor);
+    ++observed[result.tokens];
+    *accepted += result.stats.accepted;
+  }
+  std::map<Tokens, double> expected;
+  for (int64_t a = 0; a < 4; ++a) {
+    for (int64_t b = 0; b < 4; ++b) {
+      for (int64_t c = 0; c < 4; ++c) expected[{a, b, c}] = (probs[0][a] * probs[a][b] * probs[b][c]).item<double>();
+    }
+  }
+  return test::chi_square(observed, expected, samples);
+}
+
+TEST(SuffixTreeDistribution, MultinomialEqualsTargetAndTheTestHasPower) {
+  int64_t accepted = 0;
+  const auto exact = tree_fit(specdec::detail::ModelTreeRule::exact, 8000, &accepted);
+  EXPECT_EQ(exact.outside_support, 0);
+  EXPECT_LT(exact.statistic, test::chi_square_quantile(exact.dof, 4.75));
+  EXPECT_GT(accepted, 4000);  // trees were accepted into, not just sampled past
+  int64_t ignored = 0;
+  const auto biased = tree_fit(specdec::detail::ModelTreeRule::no_residual, 8000, &ignored);
   EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, 4.75));
 }
 

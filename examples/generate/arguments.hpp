@@ -77,6 +77,7 @@ struct Arguments {
   std::string storage, save_storage;
   SuffixDraftRule suffix_rule;
   int64_t suffix_cache_mib = 256;
+  bool suffix_tree = false;
   double length_penalty = 1.0;
   int64_t max_new_tokens = 200;
   double temperature = 0.0;
@@ -171,6 +172,7 @@ const std::vector<FlagModes>& flag_modes() {
       {"--suffix-factor", {"suffix"}},
       {"--suffix-min-prob", {"suffix"}},
       {"--suffix-cache-mib", {"suffix"}},
+      {"--suffix-tree", {"suffix"}},
       {"--trajectories", {"stand"}},
       {"--deterministic", {"stand"}},
       {"--tree-nodes", {"stand"}},
@@ -320,6 +322,10 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--suffix-cache-mib", a.suffix_cache_mib,
                  "memory bound of a new cache of responses, in MiB (default 256)")
       ->check(cli::integer<int64_t>(1, int64_t{1} << 20))->group(suffix);
+  app.add_flag("--suffix-tree", a.suffix_tree,
+               "draft trees of at most --gamma nodes, every follower of a matched context a branch, most "
+               "probable first, instead of chains (not with --batch-file)")
+      ->group(suffix);
 
   const std::string stand = "STAND (--mode stand)";
   app.add_option("--trajectories", a.trajectories, "sample N generations of the prompt sharing one memory")
@@ -437,6 +443,9 @@ Arguments parse(int argc, char** argv) {
   }
   if (!a.batch_file.empty() && a.trace) {
     throw std::invalid_argument("--trace does not apply to --batch-file");
+  }
+  if (!a.batch_file.empty() && a.suffix_tree) {
+    throw std::invalid_argument("--suffix-tree does not apply to --batch-file: batches draft chains");
   }
   if (!a.dev_file.empty()) require_file("--dev-file", a.dev_file);
   if (!a.batch_file.empty()) require_file("--batch-file", a.batch_file);

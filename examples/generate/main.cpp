@@ -188,7 +188,8 @@ int run(const Arguments& a) {
             cache.emplace(*initial_cache);
             return suffix_generate(*cache, target, prompt,
                                    {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .stop_sequences = stops,
-                                    .seed = a.seed, .on_step = callback, .gamma = a.gamma, .rule = a.suffix_rule},
+                                    .seed = a.seed, .on_step = callback, .gamma = a.gamma, .rule = a.suffix_rule,
+                                    .tree = a.suffix_tree},
                                    p);
           }
           if (a.mode == "prompt-lookup") {

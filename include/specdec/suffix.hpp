@@ -35,6 +35,7 @@
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/suffix_trie.hpp"
 #include "specdec/draft_source.hpp"
+#include "specdec/dynamic_tree.hpp"
 #include "specdec/io/atomic_file.hpp"
 #include "specdec/io/binary_reader.hpp"
 #include "specdec/io/errors.hpp"
@@ -291,29 +292,27 @@ class SuffixCache {
   uint64_t version_ = 0;
 };
 
-// Drafts by suffix decoding for one request (or one session: its turns go on feeding the same
-// tree): its own tree over the sequence, and the borrowed cache of earlier responses, to which
-// finish() adds this generation's output. Host-side work on plain integers.
-class SuffixDraftSource {
+namespace detail {
+
+// What both suffix sources share: the request's own tree over its text (one session's turns feed
+// the same tree), its place in the borrowed cache's tree, and the cache's new responses.
+class SuffixMatcher {
  public:
-  // Without a cache: the request's own tree only.
-  explicit SuffixDraftSource(SuffixDraftRule rule = {}) : rule_((rule.validate(), rule)), trie_(rule.max_depth) {}
-  // With a cache of earlier responses (which must outlive the source).
-  explicit SuffixDraftSource(SuffixCache& cache, SuffixDraftRule rule = {}) : SuffixDraftSource(rule) {
-    cache_ = &cache;
-  }
+  SuffixMatcher(const SuffixDraftRule& rule, SuffixCache* cache)
+      : rule_((rule.validate(), rule)), trie_(rule.max_depth), cache_(cache) {}
 
   [[nodiscard]] const SuffixDraftRule& rule() const noexcept { return rule_; }
-  [[nodiscard]] const detail::SuffixTrie& request_tree() const noexcept { return trie_; }
+  [[nodiscard]] const SuffixTrie& request_tree() const noexcept { return trie_; }
   [[nodiscard]] size_t memory_bytes() const noexcept { return trie_.memory_bytes(); }
-  // Drafts taken from the cache, and from the request's own tree, so far.
   [[nodiscard]] int64_t drafts_from_cache() const noexcept { return from_cache_; }
   [[nodiscard]] int64_t drafts_from_request() const noexcept { return from_request_; }
+  // Trees a draft reads: the request's, and the cache's when it holds a response.
+  [[nodiscard]] int64_t trees() const noexcept { return cache_ != nullptr && cache_->responses() > 0 ? 2 : 1; }
 
   // Learns what of `sequence` it has not seen (all of it the first time; a session's next turn:
   // the turn's new tokens), and marks where this generation's response begins.
-  void start(std::span<const int64_t> sequence, const SpeculativeOptions& /*options*/) {
-    if (cache_ != nullptr) detail::check_tokens("prompt", sequence, cache_->vocab_size());
+  void start(std::span<const int64_t> sequence) {
+    if (cache_ != nullptr) check_tokens("prompt", sequence, cache_->vocab_size());
     const auto learned = trie_.text();  // what it learned: the request's tree keeps one text
     if (sequence.size() < learned.size() || !std::equal(learned.begin(), learned.end(), sequence.begin())) {
       restart();  // not a continuation of what it learned: another conversation
@@ -323,30 +322,23 @@ class SuffixDraftSource {
     response_from_ = sequence.size();
   }
 
-  template <LogitsProcessor P>
-  Drafts draft(const DraftRequest& request, const P& /*processor*/, at::Generator& /*gen*/) {
-    const int64_t walks = cache_ != nullptr && cache_->responses() > 0 ? 2 : 1;
-    return Drafts::from_host(propose(request.sequence, std::min(request.gamma, request.room)), request.device, walks);
-  }
-
-  void verified(const VerifiedDrafts& verified) { learn(verified.sequence); }
-
-  // The drafting itself, on the host: at most `cap` tokens to follow `sequence` (which extends
-  // what the source learned), valid until the next call. draft() is this, copied to the device.
-  [[nodiscard]] std::span<const int64_t> propose(std::span<const int64_t> sequence, int64_t cap) {
+  // Learns `sequence`, then fills `mine` and `theirs` by grow(trie, position, draft) from the
+  // request's tree and the cache's, and returns the one of higher score (the request's on a tie).
+  template <class Draft, class Grow>
+  const Draft& choose(std::span<const int64_t> sequence, Draft& mine, Draft& theirs, Grow grow) {
     learn(sequence);
-    detail::walk_suffixes(trie_, position_, rule_.walk(), cap, mine_);
-    const detail::SuffixWalk* chosen = &mine_;
+    grow(trie_, position_, mine);
+    const Draft* chosen = &mine;
     if (cache_ != nullptr && cache_->responses() > 0) {
       if (cache_version_ != cache_->version()) {
         cache_position_ = cache_->trie().position_of(sequence);
         cache_version_ = cache_->version();
       }
-      detail::walk_suffixes(cache_->trie(), cache_position_, rule_.walk(), cap, theirs_);
-      if (theirs_.score > mine_.score) chosen = &theirs_;
+      grow(cache_->trie(), cache_position_, theirs);
+      if (theirs.score > mine.score) chosen = &theirs;
     }
-    if (!chosen->tokens.empty()) ++(chosen == &mine_ ? from_request_ : from_cache_);
-    return chosen->tokens;
+    if (!chosen->tokens.empty()) ++(chosen == &mine ? from_request_ : from_cache_);
+    return *chosen;
   }
 
   // Adds this generation's response to the cache.
@@ -356,12 +348,6 @@ class SuffixDraftSource {
     response_from_ = sequence.size();
   }
 
- private:
-  void restart() {
-    trie_.clear();
-    position_ = {};
-    cache_version_ = std::numeric_limits<uint64_t>::max();
-  }
   // Feeds the request's tree (and the walk in the cache's) the tokens of `sequence` past those
   // learned; within a generation the sequence only grows.
   void learn(std::span<const int64_t> sequence) {
@@ -371,18 +357,125 @@ class SuffixDraftSource {
     }
   }
 
+ private:
+  void restart() {
+    trie_.clear();
+    position_ = {};
+    cache_version_ = std::numeric_limits<uint64_t>::max();
+  }
+
   SuffixDraftRule rule_;
-  detail::SuffixTrie trie_;
-  detail::SuffixTrie::Position position_;  // of the request's text in its own tree (its path)
+  SuffixTrie trie_;
+  SuffixTrie::Position position_;  // of the request's text in its own tree (its path)
   SuffixCache* cache_ = nullptr;
-  detail::SuffixTrie::Position cache_position_;
+  SuffixTrie::Position cache_position_;
   uint64_t cache_version_ = std::numeric_limits<uint64_t>::max();
-  detail::SuffixWalk mine_, theirs_;
   size_t response_from_ = 0;
   int64_t from_cache_ = 0, from_request_ = 0;
 };
+
+}  // namespace detail
+
+// Drafts a chain by suffix decoding for one request (or one session: its turns go on feeding the
+// same tree): from its own tree over the sequence and from the borrowed cache of earlier
+// responses, to which finish() adds this generation's output. Host-side work on plain integers.
+class SuffixDraftSource {
+ public:
+  // Without a cache: the request's own tree only.
+  explicit SuffixDraftSource(SuffixDraftRule rule = {}) : matcher_(rule, nullptr) {}
+  // With a cache of earlier responses (which must outlive the source).
+  explicit SuffixDraftSource(SuffixCache& cache, SuffixDraftRule rule = {}) : matcher_(rule, &cache) {}
+
+  [[nodiscard]] const SuffixDraftRule& rule() const noexcept { return matcher_.rule(); }
+  [[nodiscard]] const detail::SuffixTrie& request_tree() const noexcept { return matcher_.request_tree(); }
+  [[nodiscard]] size_t memory_bytes() const noexcept { return matcher_.memory_bytes(); }
+  // Drafts taken from the cache, and from the request's own tree, so far.
+  [[nodiscard]] int64_t drafts_from_cache() const noexcept { return matcher_.drafts_from_cache(); }
+  [[nodiscard]] int64_t drafts_from_request() const noexcept { return matcher_.drafts_from_request(); }
+
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& /*options*/) { matcher_.start(sequence); }
+
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& request, const P& /*processor*/, at::Generator& /*gen*/) {
+    const int64_t walks = matcher_.trees();
+    return Drafts::from_host(propose(request.sequence, std::min(request.gamma, request.room)), request.device, walks);
+  }
+
+  void verified(const VerifiedDrafts& verified) { matcher_.learn(verified.sequence); }
+
+  // The drafting itself, on the host: at most `cap` tokens to follow `sequence` (which extends
+  // what the source learned), valid until the next call. draft() is this, copied to the device.
+  [[nodiscard]] std::span<const int64_t> propose(std::span<const int64_t> sequence, int64_t cap) {
+    const detail::SuffixWalkRule walk = matcher_.rule().walk();
+    return matcher_
+        .choose(sequence, mine_, theirs_,
+                [&](const detail::SuffixTrie& trie, const detail::SuffixTrie::Position& position,
+                    detail::SuffixWalk& out) { detail::walk_suffixes(trie, position, walk, cap, out); })
+        .tokens;
+  }
+
+  // Adds this generation's response to the cache.
+  void finish(std::span<const int64_t> sequence) { matcher_.finish(sequence); }
+
+ private:
+  detail::SuffixMatcher matcher_;
+  detail::SuffixWalk mine_, theirs_;
+};
 static_assert(DraftSource<SuffixDraftSource, GreedyProcessor>);
 static_assert(HasStartHook<SuffixDraftSource> && HasFinishHook<SuffixDraftSource>);
+
+// Drafts a tree by suffix decoding (SuffixDecoding's tree speculation): the same trees and rule as
+// SuffixDraftSource, but where a context was followed by several tokens, each of them may open a
+// branch, most probable first (detail::SuffixTreeGrower), so a draft survives the target taking
+// the second most frequent continuation. The step's gamma bounds the nodes, its room the depth.
+// The tree is a deterministic function of the text, verified by the deterministic rule of
+// model_tree.hpp: the output is the target's distribution under any sampling, and under greedy
+// decoding autoregressive decoding token for token. A TreeDraftSource for generate_with and
+// sessions (the target models TreeTarget); batches take SuffixDraftSource.
+class SuffixTreeSource : public detail::DeviceTreeVerifier {
+ public:
+  explicit SuffixTreeSource(SuffixDraftRule rule = {}) : matcher_(rule, nullptr) {}
+  explicit SuffixTreeSource(SuffixCache& cache, SuffixDraftRule rule = {}) : matcher_(rule, &cache) {}
+
+  [[nodiscard]] const SuffixDraftRule& rule() const noexcept { return matcher_.rule(); }
+  [[nodiscard]] const detail::SuffixTrie& request_tree() const noexcept { return matcher_.request_tree(); }
+  [[nodiscard]] size_t memory_bytes() const noexcept { return matcher_.memory_bytes(); }
+  [[nodiscard]] int64_t drafts_from_cache() const noexcept { return matcher_.drafts_from_cache(); }
+  [[nodiscard]] int64_t drafts_from_request() const noexcept { return matcher_.drafts_from_request(); }
+
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& /*options*/) { matcher_.start(sequence); }
+
+  TreeDrafts draft_tree(const DraftRequest& request) {
+    const detail::SuffixTreeDraft& tree =
+        propose(request.sequence, std::min(request.gamma, request.capacity), request.room);
+    const at::Tensor ids = detail::to_device<int64_t>(tree.tokens, {tree.size()}, request.device);
+    tree_.assign(ids, tree.parents, tree.ranks, tree.depth);
+    return TreeDrafts{.parents = tree.parents, .calls = matcher_.trees(), .ids = ids};
+  }
+
+  void verified_tree(std::span<const int64_t> sequence, int64_t /*position*/) { matcher_.learn(sequence); }
+
+  // The drafting itself, on the host: a tree of at most `max_nodes` nodes, `max_depth` deep, to
+  // follow `sequence` (which extends what the source learned), valid until the next call.
+  [[nodiscard]] const detail::SuffixTreeDraft& propose(std::span<const int64_t> sequence, int64_t max_nodes,
+                                                       int64_t max_depth) {
+    const detail::SuffixWalkRule walk = matcher_.rule().walk();
+    return matcher_.choose(sequence, mine_, theirs_,
+                           [&](const detail::SuffixTrie& trie, const detail::SuffixTrie::Position& position,
+                               detail::SuffixTreeDraft& out) {
+                             grower_.grow(trie, position, walk, max_nodes, max_depth, out);
+                           });
+  }
+
+  void finish(std::span<const int64_t> sequence) { matcher_.finish(sequence); }
+
+ private:
+  detail::SuffixMatcher matcher_;
+  detail::SuffixTreeGrower grower_;
+  detail::SuffixTreeDraft mine_, theirs_;
+};
+static_assert(TreeDraftSource<SuffixTreeSource, GreedyProcessor>);
+static_assert(HasStartHook<SuffixTreeSource> && HasFinishHook<SuffixTreeSource>);
 
 // Options of suffix_generate.
 struct SuffixDecodingOptions {
@@ -397,16 +490,18 @@ struct SuffixDecodingOptions {
                                          // sizes each draft below it
   SuffixDraftRule rule{};                // anchoring, length and confidence of the drafts
   bool first_target = true;              // the first token comes from the target alone
+  bool tree = false;                     // draft trees of at most gamma nodes (SuffixTreeSource)
+                                         // instead of chains; the target must model TreeTarget
 };
 
 // Suffix decoding: drafts from the request's own text and from `cache` (earlier responses, to
 // which this generation's output is added at the end), verified by the target in one forward
-// per step with the same rejection sampling as speculative_generate (q one-hot at each draft):
-// the output is distributed exactly as the target's (token for token equal to
-// autoregressive_generate under greedy decoding).
+// per step with the same rejection sampling as speculative_generate (q one-hot at each draft), or
+// with options.tree by the deterministic tree rule: the output is distributed exactly as the
+// target's (token for token equal to autoregressive_generate under greedy decoding).
 //
 // Requires: everything autoregressive_generate requires; gamma >= 1; a valid rule;
-//   cache.vocab_size() == target.vocab_size().
+//   cache.vocab_size() == target.vocab_size(); with options.tree, a target that models TreeTarget.
 // Returns: as autoregressive_generate; drafter_calls counts tree walks.
 // Throws: std::invalid_argument naming the parameter and value; whatever the model throws.
 template <Target T, LogitsProcessor P = GreedyProcessor>
@@ -416,6 +511,14 @@ template <Target T, LogitsProcessor P = GreedyProcessor>
   if (cache.vocab_size() != static_cast<int64_t>(target.vocab_size())) {
     detail::throw_invalid_message("cache.vocab_size() must equal target.vocab_size() = ", target.vocab_size(),
                                   ", got ", cache.vocab_size());
+  }
+  if (options.tree) {
+    if constexpr (TreeTarget<T>) {
+      SuffixTreeSource source(cache, options.rule);
+      return generate_with(source, target, prompt, detail::step_options(options), processor);
+    } else {
+      throw std::invalid_argument("tree: suffix trees need a target that models TreeTarget (forward_tree)");
+    }
   }
   SuffixDraftSource source(cache, options.rule);
   return generate_with(source, target, prompt, detail::step_options(options), processor);

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "specdec/detail/flat_table.hpp"
@@ -41,6 +42,8 @@ class SuffixTrie {
     uint32_t best = kNone;   // the child with the highest count (ties: smallest token); kNone: none
     int32_t token = -1;      // the last token of the substring (-1 at the root)
     uint32_t end = 0;        // offset in text() just past its latest occurrence
+    uint32_t sibling = kNone;  // the next child of the same parent, in a circle through them all
+                               // (entered at the parent's `best`)
   };
   // The nodes of a text's suffixes, by length: [0] the root, [i] the last i tokens.
   using Path = std::vector<uint32_t>;
@@ -90,6 +93,18 @@ class SuffixTrie {
   void shrink_to_fit() {
     nodes_.shrink_to_fit();
     text_.shrink_to_fit();
+  }
+
+  // Calls visit(id) for each child of `parent` (none for a node seen once: its text goes on).
+  template <class Visit>
+  void for_each_child(uint32_t parent, Visit visit) const {
+    const uint32_t first = nodes_[parent].best;
+    if (first == kNone) return;
+    uint32_t id = first;
+    do {
+      visit(id);
+      id = nodes_[id].sibling;
+    } while (id != first);
   }
 
   [[nodiscard]] uint32_t child(uint32_t parent, int64_t token) const noexcept {
@@ -172,8 +187,12 @@ class SuffixTrie {
   uint32_t add(uint32_t parent, int64_t token) {
     auto [slot, inserted] = edges_.insert(key(parent, token));
     if (inserted) {
-      *slot = static_cast<uint32_t>(nodes_.size());
+      const auto id = static_cast<uint32_t>(nodes_.size());
+      *slot = id;
       nodes_.push_back(Node{.token = static_cast<int32_t>(token)});
+      // Into the circle of the parent's children, after the entry (the best child).
+      const uint32_t entry = nodes_[parent].best;
+      nodes_[id].sibling = entry == kNone ? id : std::exchange(nodes_[entry].sibling, id);
     }
     const uint32_t made = *slot;
     Node& child_node = nodes_[made];
@@ -214,6 +233,43 @@ struct SuffixWalkRule {
   int64_t min_match = 1;
 };
 
+// Where a draft starts: a node with a follower, or an offset into the kept text (node kNone), and
+// the length of the text's suffix it matched (0: none).
+struct SuffixAnchor {
+  uint32_t node = SuffixTrie::kNone;
+  uint32_t end = SuffixTrie::kNone;
+  int64_t length = 0;
+};
+
+// The longest suffix (at least rule.min_match tokens) of a text standing at `at` that was followed
+// before.
+inline SuffixAnchor suffix_anchor(const SuffixTrie& trie, const SuffixTrie::Position& at, const SuffixWalkRule& rule) {
+  SuffixAnchor found;
+  for (auto length = static_cast<int64_t>(at.path.size()) - 1; length >= rule.min_match; --length) {
+    const uint32_t id = at.path[static_cast<size_t>(length)];
+    const SuffixTrie::Node& n = trie.node(id);
+    if (n.best != SuffixTrie::kNone) {
+      found = {.node = id, .length = length};
+      break;
+    }
+    if (n.count == 1 && trie.token_at(n.end) != SuffixTrie::kSeparator) {
+      found = {.end = n.end, .length = length};
+      break;
+    }
+  }
+  if (at.end != SuffixTrie::kNone && at.length > found.length && at.length >= rule.min_match &&
+      trie.token_at(at.end) != SuffixTrie::kSeparator) {
+    found = {.end = at.end, .length = at.length};
+  }
+  return found;
+}
+
+// The most drafts a match of `match` tokens allows: min(cap, floor(factor * match + offset)).
+inline int64_t suffix_draft_limit(const SuffixWalkRule& rule, int64_t match, int64_t cap) {
+  const double by_match = std::floor(rule.max_spec_factor * static_cast<double>(match) + rule.max_spec_offset);
+  return std::min(cap, by_match < 0.0 ? int64_t{0} : static_cast<int64_t>(std::min(by_match, 1e9)));
+}
+
 // Drafts from `trie` after a text standing at `position` in it: anchored on the longest suffix of
 // at least rule.min_match tokens that was followed before, then along the most frequent
 // followers while the product of their shares stays at least rule.min_token_prob (a substring
@@ -226,37 +282,11 @@ inline void walk_suffixes(const SuffixTrie& trie, const SuffixTrie::Position& po
   out.tokens.clear();
   out.score = 0.0;
   out.match = 0;
-  // An anchor: a node with a follower, or an offset into the kept text (node kNone).
-  struct Anchor {
-    uint32_t node = SuffixTrie::kNone;
-    uint32_t end = SuffixTrie::kNone;
-    int64_t length = 0;
-  };
-  const auto anchor = [&](const SuffixTrie::Position& at) {
-    Anchor found;
-    for (auto length = static_cast<int64_t>(at.path.size()) - 1; length >= rule.min_match; --length) {
-      const uint32_t id = at.path[static_cast<size_t>(length)];
-      const SuffixTrie::Node& n = trie.node(id);
-      if (n.best != SuffixTrie::kNone) {
-        found = {.node = id, .length = length};
-        break;
-      }
-      if (n.count == 1 && trie.token_at(n.end) != SuffixTrie::kSeparator) {
-        found = {.end = n.end, .length = length};
-        break;
-      }
-    }
-    if (at.end != SuffixTrie::kNone && at.length > found.length && at.length >= rule.min_match &&
-        trie.token_at(at.end) != SuffixTrie::kSeparator) {
-      found = {.end = at.end, .length = at.length};
-    }
-    return found;
-  };
-  Anchor at = anchor(position);
+  const auto anchor = [&](const SuffixTrie::Position& at) { return suffix_anchor(trie, at, rule); };
+  SuffixAnchor at = anchor(position);
   if (at.length == 0) return;
   out.match = at.length;
-  const double by_match = std::floor(rule.max_spec_factor * static_cast<double>(out.match) + rule.max_spec_offset);
-  const int64_t limit = std::min(cap, by_match < 0.0 ? int64_t{0} : static_cast<int64_t>(std::min(by_match, 1e9)));
+  const int64_t limit = suffix_draft_limit(rule, out.match, cap);
   SuffixTrie::Position walked;  // the position of text + drafts, made only to re-anchor
   size_t walked_to = 0;         // drafts `walked` has followed
   bool walking = false;
@@ -291,5 +321,153 @@ inline void walk_suffixes(const SuffixTrie& trie, const SuffixTrie::Position& po
     out.score += probability;
   }
 }
+
+// What a tree grown from one trie proposes: node i is tokens[i], below node parents[i] (-1: below
+// the text's last token), the ranks[i]-th child of its parent chosen; no node deeper than depth.
+// score is the sum of the nodes' estimated path probabilities (the expected number accepted if
+// the counts are right); match the length of the suffix the tree was anchored on (0: no tree).
+struct SuffixTreeDraft {
+  std::vector<int64_t> tokens, parents, ranks;
+  int64_t depth = 0;
+  double score = 0.0;
+  int64_t match = 0;
+
+  [[nodiscard]] int64_t size() const noexcept { return static_cast<int64_t>(tokens.size()); }
+};
+
+// Grows a draft tree from `trie` after a text standing at `position` in it, best first: from the
+// anchor of walk_suffixes, a node's children are its substring's followers, each with its path's
+// probability (the product of the shares of their contexts' followers; a substring seen once is
+// followed by its one occurrence's text, a share of 1). The most probable candidate joins next,
+// while it is at least rule.min_token_prob, until the tree has min(max_nodes, floor(factor *
+// match + offset)) nodes; no node deeper than max_depth. Where a branch stops short (a node at
+// the trie's depth, the end of a kept text) it re-anchors as walk_suffixes does. Ties go to the candidate offered first (siblings by count order, then token).
+// Deterministic: the same text, trie and rule give the same tree.
+class SuffixTreeGrower {
+ public:
+  // At most `max_reanchors` re-anchored branches per tree (0: a branch that stops short ends;
+  // each drafted node re-anchors at most once, so the tree's size bounds them anyway).
+  explicit SuffixTreeGrower(int64_t max_reanchors = std::numeric_limits<int64_t>::max())
+      : max_reanchors_(max_reanchors) {}
+
+  void grow(const SuffixTrie& trie, const SuffixTrie::Position& position, const SuffixWalkRule& rule,
+            int64_t max_nodes, int64_t max_depth, SuffixTreeDraft& out) {
+    out.tokens.clear();
+    out.parents.clear();
+    out.ranks.clear();
+    out.depth = 0;
+    out.score = 0.0;
+    out.match = 0;
+    heap_.clear();
+    children_.clear();
+    offered_ = 0;
+    reanchors_ = 0;
+    root_children_ = 0;
+    walked_node_ = -1;
+    walked_ = position;
+    const SuffixAnchor anchor = suffix_anchor(trie, position, rule);
+    if (anchor.length == 0 || max_depth < 1) return;
+    out.match = anchor.length;
+    const int64_t limit = suffix_draft_limit(rule, out.match, max_nodes);
+    offer(trie, rule, {.node = anchor.node, .end = anchor.end}, 1.0, -1, 0);
+    while (out.size() < limit && !heap_.empty()) {
+      std::pop_heap(heap_.begin(), heap_.end());
+      const Candidate c = heap_.back();
+      heap_.pop_back();
+      const auto index = out.size();
+      out.tokens.push_back(c.token);
+      out.parents.push_back(c.parent);
+      out.ranks.push_back(c.parent < 0 ? root_children_++ : children_[static_cast<size_t>(c.parent)]++);
+      children_.push_back(0);
+      out.depth = std::max(out.depth, c.depth);
+      out.score += c.probability;
+      if (c.depth < max_depth) offer(trie, rule, c.cursor, c.probability, index, c.depth, &position, &out);
+    }
+  }
+
+ private:
+  struct Cursor {  // where a drafted token stands: a node, or an offset into the kept text
+    uint32_t node = SuffixTrie::kNone;
+    uint32_t end = SuffixTrie::kNone;
+  };
+  struct Candidate {
+    double probability = 0.0;
+    int64_t order = 0;  // offered order: earlier wins a tie
+    int64_t token = 0;
+    int64_t parent = -1;
+    int64_t depth = 0;
+    Cursor cursor;
+    bool operator<(const Candidate& other) const {  // a max-heap: most probable, then first offered
+      return probability != other.probability ? probability < other.probability : order > other.order;
+    }
+  };
+  // Offers the followers of a drafted token (node `parent`, -1: the anchor) at `cursor`.
+  void offer(const SuffixTrie& trie, const SuffixWalkRule& rule, Cursor cursor, double probability, int64_t parent,
+             int64_t depth, const SuffixTrie::Position* position = nullptr, const SuffixTreeDraft* out = nullptr) {
+    const auto push = [&](double p, int64_t token, Cursor next) {
+      if (p < rule.min_token_prob) return;
+      heap_.push_back({.probability = p, .order = offered_++, .token = token, .parent = parent, .depth = depth + 1,
+                       .cursor = next});
+      std::push_heap(heap_.begin(), heap_.end());
+    };
+    if (cursor.node != SuffixTrie::kNone) {
+      const SuffixTrie::Node& n = trie.node(cursor.node);
+      if (n.best != SuffixTrie::kNone) {
+        // The circle starts at the best child; the others follow in no order: sort them.
+        siblings_.clear();
+        trie.for_each_child(cursor.node, [&](uint32_t id) { siblings_.push_back(id); });
+        std::sort(siblings_.begin(), siblings_.end(), [&](uint32_t a, uint32_t b) {
+          const SuffixTrie::Node& x = trie.node(a);
+          const SuffixTrie::Node& y = trie.node(b);
+          return x.count != y.count ? x.count > y.count : x.token < y.token;
+        });
+        for (const uint32_t id : siblings_) {
+          const SuffixTrie::Node& c = trie.node(id);
+          const Cursor next = c.count == 1 ? Cursor{.end = c.end} : Cursor{.node = id};
+          push(probability * static_cast<double>(c.count) / static_cast<double>(n.continued), c.token, next);
+        }
+        return;
+      }
+      if (n.count == 1) cursor = {.end = n.end};  // seen once: its text goes on
+    }
+    if (cursor.node == SuffixTrie::kNone && cursor.end != SuffixTrie::kNone) {
+      const int64_t token = trie.token_at(cursor.end);
+      if (token != SuffixTrie::kSeparator) {
+        push(probability, token, {.end = cursor.end + 1});
+        return;
+      }
+    }
+    // Stopped short: re-anchor on the text and this branch's drafts.
+    if (position == nullptr || out == nullptr || parent < 0 || reanchors_ >= max_reanchors_) return;
+    ++reanchors_;
+    // The position of the text and this branch: followed on from the last re-anchored node when
+    // that is an ancestor (a long repeat re-anchors node after node along one branch), else from
+    // the text's.
+    branch_.clear();
+    int64_t from = parent;
+    for (; from >= 0 && from != walked_node_; from = out->parents[static_cast<size_t>(from)]) {
+      branch_.push_back(out->tokens[static_cast<size_t>(from)]);
+    }
+    if (from != walked_node_) walked_ = *position;  // not below the last one: branch_ is the whole branch
+    for (auto token = branch_.rbegin(); token != branch_.rend(); ++token) trie.follow(walked_, *token);
+    walked_node_ = parent;
+    const SuffixAnchor again = suffix_anchor(trie, walked_, rule);
+    if (again.length == 0) return;
+    const Cursor next{.node = again.node, .end = again.end};
+    // The same place again would stop at once.
+    if (next.node != SuffixTrie::kNone && trie.node(next.node).best == SuffixTrie::kNone) return;
+    if (next.node == SuffixTrie::kNone && trie.token_at(next.end) == SuffixTrie::kSeparator) return;
+    offer(trie, rule, next, probability, parent, depth);
+  }
+
+  std::vector<Candidate> heap_;
+  std::vector<int64_t> children_;  // per drafted node: children chosen so far
+  std::vector<uint32_t> siblings_;
+  std::vector<int64_t> branch_;
+  SuffixTrie::Position walked_;  // of the text and the branch down to walked_node_ (-1: the text)
+  int64_t walked_node_ = -1;
+  int64_t max_reanchors_;
+  int64_t root_children_ = 0, offered_ = 0, reanchors_ = 0;
+};
 
 }  // namespace specdec::detail
