@@ -13,7 +13,10 @@
 // (sequence 0), one global tree with each response as a sequence (extended as it is generated),
 // speculate() on both with the context cut to the tree's depth, the higher score wins (ties:
 // the request's). Same rule on both sides: depth kDepth, at most kMaxSpec tokens,
-// max_spec_factor 1, offset 0, min_token_prob 0.1; no eviction.
+// max_spec_factor 1, offset 0, min_token_prob 0.1; no eviction. BM_Replay/stream/tree:1 drafts
+// trees of at most kMaxSpec nodes on both sides (specdec's SuffixTreeSource, Arctic's
+// use_tree_spec); a tree's accepted tokens are its longest path from the root that the response
+// follows.
 //
 // Streams:
 //   synthetic  text/token_stream.hpp's stream (the n-gram benchmarks'), cut into 64 requests of
@@ -29,9 +32,10 @@
 // pair, 1: stories260K with SPECDEC_MODELS_DIR): turn 1 is a prompt of the pair; every later turn
 // sends back the previous answer edited (its middle eighth cut out), wrapped in the first tokens
 // of the pair's next prompt, and the model answers 40 tokens greedily, while the session's
-// context allows. Autoregressive decoding, suffix decoding (a cache shared across turns' answers),
-// the n-gram storage (n 3, its default rule) and prompt lookup, each with gamma 8, run the same
-// turns in one session each, the modes' order rotating every iteration; counters give each
+// context allows. Autoregressive decoding, suffix decoding (a cache shared across turns' answers;
+// chains, and trees of at most 8 nodes), the n-gram storage (n 3, its default rule) and prompt
+// lookup, each with gamma 8, run the same turns in one session each, the modes' order rotating
+// every iteration; counters give each
 // mode's tokens/s and tokens per target call, and `identical` whether every mode's answers equal
 // autoregressive decoding's. These targets are tiny: the figures measure the library's overhead
 // per step against what a step saves, not a memory-bound target's time.
@@ -54,6 +58,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bench_pairs.hpp"
@@ -150,7 +155,28 @@ struct Tally {
   int64_t cached_tokens = 0;
 };
 
-// Replays `requests` through a drafter with start(prompt), propose(text, cap) -> tokens,
+// A drafter's proposal: node i is tokens[i] below node parents[i] (-1: the text's last token).
+// A chain's parents are i - 1.
+struct Proposal {
+  std::span<const int64_t> tokens, parents;
+};
+
+// How many tokens of `response` from `at` on a path of the proposal matches, root down.
+size_t accepted_length(const Proposal& p, const Tokens& response, size_t at) {
+  size_t accepted = 0;
+  for (int64_t node = -1; at + accepted < response.size();) {
+    int64_t next = -1;
+    for (size_t i = 0; i < p.tokens.size() && next < 0; ++i) {
+      if (p.parents[i] == node && p.tokens[i] == response[at + accepted]) next = static_cast<int64_t>(i);
+    }
+    if (next < 0) break;
+    node = next;
+    ++accepted;
+  }
+  return accepted;
+}
+
+// Replays `requests` through a drafter with start(prompt), propose(text, cap) -> Proposal,
 // learn(tokens) and stop(), counting acceptance and timing all of it.
 template <class Drafter>
 Tally replay(const std::vector<Request>& requests) {
@@ -163,14 +189,11 @@ Tally replay(const std::vector<Request>& requests) {
     size_t at = 0;
     while (at < r.response.size()) {
       const auto drafting = std::chrono::steady_clock::now();
-      const std::span<const int64_t> draft = drafter.propose(text, kMaxSpec);
+      const Proposal draft = drafter.propose(text, kMaxSpec);
       tally.draft_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - drafting).count();
-      size_t accepted = 0;
-      while (accepted < draft.size() && at + accepted < r.response.size() && draft[accepted] == r.response[at + accepted]) {
-        ++accepted;
-      }
+      const size_t accepted = accepted_length(draft, r.response, at);
       ++tally.drafts;
-      tally.drafted += static_cast<int64_t>(draft.size());
+      tally.drafted += static_cast<int64_t>(draft.tokens.size());
       tally.accepted += static_cast<int64_t>(accepted);
       const size_t step = std::min(accepted + 1, r.response.size() - at);
       const std::span<const int64_t> passed(r.response.data() + at, step);
@@ -189,15 +212,42 @@ Tally replay(const std::vector<Request>& requests) {
   return tally;
 }
 
+// The parents of a chain of n tokens.
+std::span<const int64_t> chain_parents(size_t n) {
+  static const Tokens parents = [] {
+    Tokens p(static_cast<size_t>(kMaxSpec));
+    for (size_t i = 0; i < p.size(); ++i) p[i] = static_cast<int64_t>(i) - 1;
+    return p;
+  }();
+  return std::span<const int64_t>(parents).first(n);
+}
+
+// specdec's chain (SuffixDraftSource) or tree (SuffixTreeSource, at most cap nodes and cap deep).
+template <bool Tree>
 class SpecdecDrafter {
  public:
+  using Source = std::conditional_t<Tree, specdec::SuffixTreeSource, specdec::SuffixDraftSource>;
   void start(const Tokens& prompt) {
-    source_ = std::make_unique<specdec::SuffixDraftSource>(cache_, rule_);
+    source_ = std::make_unique<Source>(cache_, rule_);
     source_->start(prompt, {});
   }
-  std::span<const int64_t> propose(const Tokens& text, int64_t cap) { return source_->propose(text, cap); }
+  Proposal propose(const Tokens& text, int64_t cap) {
+    if constexpr (Tree) {
+      const auto& tree = source_->propose(text, cap, cap);
+      return {tree.tokens, tree.parents};
+    } else {
+      const std::span<const int64_t> chain = source_->propose(text, cap);
+      return {chain, chain_parents(chain.size())};
+    }
+  }
   // As the step core tells it; propose() then finds nothing new to learn.
-  void learn(const Tokens& text, std::span<const int64_t> /*passed*/) { source_->verified({.sequence = text}); }
+  void learn(const Tokens& text, std::span<const int64_t> /*passed*/) {
+    if constexpr (Tree) {
+      source_->verified_tree(text, 0);
+    } else {
+      source_->verified({.sequence = text});
+    }
+  }
   void stop(const Tokens& text, const Tokens& /*response*/) {
     source_->finish(text);
     request_bytes_ = source_->memory_bytes();
@@ -207,11 +257,13 @@ class SpecdecDrafter {
  private:
   specdec::SuffixCache cache_{kVocab, {.max_depth = kDepth, .max_bytes = int64_t{1} << 32}};
   specdec::SuffixDraftRule rule_{.max_depth = kDepth, .max_spec_factor = 1.0, .min_token_prob = 0.1};
-  std::unique_ptr<specdec::SuffixDraftSource> source_;
+  std::unique_ptr<Source> source_;
   size_t request_bytes_ = 0;
 };
 
 #ifdef SPECDEC_BENCH_ARCTIC
+// Arctic's chain or tree (use_tree_spec).
+template <bool Tree>
 class ArcticDrafter {
  public:
   void start(const Tokens& prompt) {
@@ -219,14 +271,15 @@ class ArcticDrafter {
     local_->extend(0, to_int32(prompt));
     ++seq_id_;
   }
-  std::span<const int64_t> propose(const Tokens& text, int64_t cap) {
+  Proposal propose(const Tokens& text, int64_t cap) {
     const size_t keep = std::min(text.size(), static_cast<size_t>(kDepth));
     context_.assign(text.end() - static_cast<std::ptrdiff_t>(keep), text.end());
-    const Draft mine = local_->speculate(context_, static_cast<int>(cap), 1.0F, 0.0F, 0.1F, false);
-    const Draft theirs = global_.speculate(context_, static_cast<int>(cap), 1.0F, 0.0F, 0.1F, false);
+    const Draft mine = local_->speculate(context_, static_cast<int>(cap), 1.0F, 0.0F, 0.1F, Tree);
+    const Draft theirs = global_.speculate(context_, static_cast<int>(cap), 1.0F, 0.0F, 0.1F, Tree);
     const Draft& chosen = mine.score >= theirs.score ? mine : theirs;
     draft_.assign(chosen.token_ids.begin(), chosen.token_ids.end());
-    return draft_;
+    parents_.assign(chosen.parents.begin(), chosen.parents.end());
+    return {draft_, parents_};
   }
   void learn(const Tokens& /*text*/, std::span<const int64_t> passed) {
     const std::vector<int32_t> tokens = to_int32(passed);
@@ -241,7 +294,7 @@ class ArcticDrafter {
   SuffixTree global_{static_cast<int>(kDepth)};
   std::unique_ptr<SuffixTree> local_;
   std::vector<int32_t> context_;
-  Tokens draft_;
+  Tokens draft_, parents_;
   int seq_id_ = -1;
   size_t local_bytes_ = 0;
 };
@@ -258,25 +311,27 @@ void report(benchmark::State& state, const std::string& name, const Tally& t, in
   state.counters[name + "_bytes_per_token"] = per(static_cast<double>(t.bytes), static_cast<double>(t.cached_tokens));
 }
 
-// BM_Replay/stream: 0 synthetic, 1 agentic. Each iteration replays the stream through both
-// implementations, in alternating order; the fastest iteration of each is reported.
-void BM_Replay(benchmark::State& state) {
+// BM_Replay/stream/tree: stream 0 synthetic, 1 agentic; tree 0 chains, 1 trees (both sides). Each
+// iteration replays the stream through both implementations, in alternating order; the fastest
+// iteration of each is reported.
+template <bool Tree>
+void replay_both(benchmark::State& state) {
   const auto& requests = stream(state.range(0));
-  (void)replay<SpecdecDrafter>(requests);  // warm-up: page faults, the allocator, caches
+  (void)replay<SpecdecDrafter<Tree>>(requests);  // warm-up: page faults, the allocator, caches
   Tally ours, best_ours;
 #ifdef SPECDEC_BENCH_ARCTIC
-  (void)replay<ArcticDrafter>(requests);
+  (void)replay<ArcticDrafter<Tree>>(requests);
   Tally theirs, best_theirs;
 #endif
   int64_t iteration = 0;
   for (auto _ : state) {
     const auto run_ours = [&] {
-      ours = replay<SpecdecDrafter>(requests);
+      ours = replay<SpecdecDrafter<Tree>>(requests);
       if (best_ours.seconds == 0 || ours.seconds < best_ours.seconds) best_ours = ours;
     };
 #ifdef SPECDEC_BENCH_ARCTIC
     const auto run_theirs = [&] {
-      theirs = replay<ArcticDrafter>(requests);
+      theirs = replay<ArcticDrafter<Tree>>(requests);
       if (best_theirs.seconds == 0 || theirs.seconds < best_theirs.seconds) best_theirs = theirs;
     };
     if (iteration % 2 == 0) {
@@ -301,7 +356,15 @@ void BM_Replay(benchmark::State& state) {
   state.counters["requests"] = static_cast<double>(requests.size());
   state.counters["response_tokens"] = static_cast<double>(ours.tokens);
 }
-BENCHMARK(BM_Replay)->ArgName("stream")->Arg(0)->Arg(1)->Iterations(6)->Unit(benchmark::kMillisecond);
+
+void BM_Replay(benchmark::State& state) {
+  if (state.range(1) != 0) {
+    replay_both<true>(state);
+  } else {
+    replay_both<false>(state);
+  }
+}
+BENCHMARK(BM_Replay)->ArgNames({"stream", "tree"})->ArgsProduct({{0, 1}, {0, 1}})->Iterations(6)->Unit(benchmark::kMillisecond);
 
 // The turns of a session on `pair`: each the tokens a turn appends, built from autoregressive
 // answers (every exact mode answers the same).
@@ -333,7 +396,7 @@ void BM_Session(benchmark::State& state) {
   }
   constexpr int64_t kNewTokens = 40;
   const std::vector<Tokens> turns = session_turns(pair, kNewTokens);
-  const std::vector<std::string> names{"autoregressive", "suffix", "ngram", "prompt_lookup"};
+  const std::vector<std::string> names{"autoregressive", "suffix", "suffix_tree", "ngram", "prompt_lookup"};
   struct Totals {
     double seconds = 0;
     int64_t tokens = 0, target_calls = 0;
@@ -345,6 +408,7 @@ void BM_Session(benchmark::State& state) {
     specdec::Session<Model> session(*pair.target);
     specdec::SuffixCache cache(pair.target->vocab_size());
     specdec::SuffixDraftSource suffix(cache);
+    specdec::SuffixTreeSource suffix_tree(cache);
     specdec::NGramStorage storage(3, pair.target->vocab_size());
     specdec::NGramDraftSource<specdec::NGramStorage> ngram(storage);
     specdec::PromptLookupDrafter lookup_storage;
@@ -355,7 +419,8 @@ void BM_Session(benchmark::State& state) {
       session.append(turn);
       const specdec::GenerationResult r = mode == 0   ? session.generate({.max_new_tokens = kNewTokens})
                                           : mode == 1 ? session.generate(suffix, options)
-                                          : mode == 2 ? session.generate(ngram, options)
+                                          : mode == 2 ? session.generate(suffix_tree, options)
+                                          : mode == 3 ? session.generate(ngram, options)
                                                       : session.generate(lookup, options);
       t.tokens += r.stats.generated;
       t.target_calls += r.stats.target_calls;

@@ -364,7 +364,7 @@ class SuffixTreeGrower {
     reanchors_ = 0;
     root_children_ = 0;
     walked_node_ = -1;
-    walked_ = position;
+    walked_set_ = false;
     const SuffixAnchor anchor = suffix_anchor(trie, position, rule);
     if (anchor.length == 0 || max_depth < 1) return;
     out.match = anchor.length;
@@ -413,9 +413,21 @@ class SuffixTreeGrower {
     if (cursor.node != SuffixTrie::kNone) {
       const SuffixTrie::Node& n = trie.node(cursor.node);
       if (n.best != SuffixTrie::kNone) {
-        // The circle starts at the best child; the others follow in no order: sort them.
+        // Only children whose probability passes the rule are offered. The others than the best
+        // share what the best leaves: where that cannot pass, none of them can, and a context
+        // with many followers is not listed at all.
+        const auto chance = [&](uint32_t count) {
+          return probability * static_cast<double>(count) / static_cast<double>(n.continued);
+        };
         siblings_.clear();
-        trie.for_each_child(cursor.node, [&](uint32_t id) { siblings_.push_back(id); });
+        if (chance(n.continued - trie.node(n.best).count) >= rule.min_token_prob) {
+          trie.for_each_child(cursor.node, [&](uint32_t id) {
+            if (chance(trie.node(id).count) >= rule.min_token_prob) siblings_.push_back(id);
+          });
+        } else {
+          siblings_.push_back(n.best);
+        }
+        // The circle lists them in no order: by count, then token.
         std::sort(siblings_.begin(), siblings_.end(), [&](uint32_t a, uint32_t b) {
           const SuffixTrie::Node& x = trie.node(a);
           const SuffixTrie::Node& y = trie.node(b);
@@ -424,7 +436,7 @@ class SuffixTreeGrower {
         for (const uint32_t id : siblings_) {
           const SuffixTrie::Node& c = trie.node(id);
           const Cursor next = c.count == 1 ? Cursor{.end = c.end} : Cursor{.node = id};
-          push(probability * static_cast<double>(c.count) / static_cast<double>(n.continued), c.token, next);
+          push(chance(c.count), c.token, next);
         }
         return;
       }
@@ -448,7 +460,10 @@ class SuffixTreeGrower {
     for (; from >= 0 && from != walked_node_; from = out->parents[static_cast<size_t>(from)]) {
       branch_.push_back(out->tokens[static_cast<size_t>(from)]);
     }
-    if (from != walked_node_) walked_ = *position;  // not below the last one: branch_ is the whole branch
+    if (from != walked_node_ || !walked_set_) {  // not below the last one: branch_ is the whole branch
+      walked_ = *position;
+      walked_set_ = true;
+    }
     for (auto token = branch_.rbegin(); token != branch_.rend(); ++token) trie.follow(walked_, *token);
     walked_node_ = parent;
     const SuffixAnchor again = suffix_anchor(trie, walked_, rule);
@@ -466,6 +481,7 @@ class SuffixTreeGrower {
   std::vector<int64_t> branch_;
   SuffixTrie::Position walked_;  // of the text and the branch down to walked_node_ (-1: the text)
   int64_t walked_node_ = -1;
+  bool walked_set_ = false;
   int64_t max_reanchors_;
   int64_t root_children_ = 0, offered_ = 0, reanchors_ = 0;
 };
