@@ -35,20 +35,20 @@
 // context allows. Autoregressive decoding, suffix decoding (a cache shared across turns' answers;
 // chains, and trees of at most 8 nodes), the n-gram storage (n 3, its default rule) and prompt
 // lookup, each with gamma 8, run the same turns in one session each, the modes' order rotating
-// every iteration; counters give each
-// mode's tokens/s and tokens per target call, and `identical` whether every mode's answers equal
-// autoregressive decoding's. These targets are tiny: the figures measure the library's overhead
+// every iteration; counters give each mode's tokens/s and tokens per target call, and
+// `identical` whether every mode's answers equal autoregressive decoding's. These targets are tiny: the figures measure the library's overhead
 // per step against what a step saves, not a memory-bound target's time.
 //
 // Counters of BM_Replay, per implementation (specdec_*, arctic_*): accepted tokens per draft call
 // (accepted_per_draft), the accepted share of drafted tokens (accepted_share), draft calls per
 // second of drafting and updating together (drafts_per_s), nanoseconds of drafting and updating
-// per stream token (ns_per_token), and of each apart (draft_ns_per_call per speculate call,
-// update_ns_per_token per answer token learned, each call timed on its own; a request's start
-// from its prompt and its answer joining the cache count in ns_per_token only), and bytes per
-// cached token at the end (bytes_per_token: memory_bytes() of specdec's cache and request tree;
-// Arctic's estimate_memory() of its trees and sequences); speed_ratio is Arctic's ns_per_token
-// over specdec's.
+// per stream token (ns_per_token), and of each apart (draft_ns_per_call per speculate call;
+// update_ns_per_token per answer token learned; start_ns_per_token, a request's start from its
+// prompt, and stop_ns_per_token, its answer joining the cache, per answer token; each call timed
+// on its own), and bytes per cached token at the end (bytes_per_token: memory_bytes() of
+// specdec's cache and request tree; Arctic's estimate_memory() of its trees and sequences);
+// speed_ratio is Arctic's ns_per_token over specdec's. A request gets a new drafter on both sides
+// (specdec: a new source, which takes the arrays the last request's left in the cache).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -150,7 +150,7 @@ const std::vector<Request>& stream(int64_t which) {
 struct Tally {
   int64_t drafts = 0, drafted = 0, accepted = 0, tokens = 0;
   double seconds = 0.0;
-  double draft_seconds = 0.0, learn_seconds = 0.0;  // inside the replay, each call timed
+  double draft_seconds = 0.0, learn_seconds = 0.0, start_seconds = 0.0, stop_seconds = 0.0;  // inside the replay, each call timed
   size_t bytes = 0;
   int64_t cached_tokens = 0;
 };
@@ -185,7 +185,9 @@ Tally replay(const std::vector<Request>& requests) {
   const auto start = std::chrono::steady_clock::now();
   for (const Request& r : requests) {
     Tokens text = r.prompt;
+    const auto t0 = std::chrono::steady_clock::now();
     drafter.start(text);
+    tally.start_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     size_t at = 0;
     while (at < r.response.size()) {
       const auto drafting = std::chrono::steady_clock::now();
@@ -203,7 +205,9 @@ Tally replay(const std::vector<Request>& requests) {
       tally.learn_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - learning).count();
       at += step;
     }
+    const auto t1 = std::chrono::steady_clock::now();
     drafter.stop(text, r.response);
+    tally.stop_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
     tally.tokens += static_cast<int64_t>(r.response.size());
     tally.cached_tokens += static_cast<int64_t>(r.response.size());
   }
@@ -228,7 +232,7 @@ class SpecdecDrafter {
  public:
   using Source = std::conditional_t<Tree, specdec::SuffixTreeSource, specdec::SuffixDraftSource>;
   void start(const Tokens& prompt) {
-    source_ = std::make_unique<Source>(cache_, rule_);
+    source_ = std::make_unique<Source>(cache_, rule_);  // a source per request, as Arctic's tree
     source_->start(prompt, {});
   }
   Proposal propose(const Tokens& text, int64_t cap) {
@@ -308,6 +312,8 @@ void report(benchmark::State& state, const std::string& name, const Tally& t, in
   state.counters[name + "_ns_per_token"] = per(t.seconds * 1e9, static_cast<double>(t.tokens * iterations));
   state.counters[name + "_draft_ns_per_call"] = per(t.draft_seconds * 1e9, static_cast<double>(t.drafts * iterations));
   state.counters[name + "_update_ns_per_token"] = per(t.learn_seconds * 1e9, static_cast<double>(t.tokens * iterations));
+  state.counters[name + "_start_ns_per_token"] = per(t.start_seconds * 1e9, static_cast<double>(t.tokens * iterations));
+  state.counters[name + "_stop_ns_per_token"] = per(t.stop_seconds * 1e9, static_cast<double>(t.tokens * iterations));
   state.counters[name + "_bytes_per_token"] = per(static_cast<double>(t.bytes), static_cast<double>(t.cached_tokens));
 }
 

@@ -71,10 +71,10 @@ struct BruteCounts {
 };
 
 // The nodes are exactly the substrings of up to max_depth tokens that are one token long or
-// extend a substring seen at least twice. Each counts its occurrences; one seen twice or more
-// also how often a token followed it and its most frequent follower (smallest token on a tie),
-// and one seen once points just past its occurrence in the kept text. All against brute force,
-// over several texts.
+// extend a substring seen at least twice, each linked to its substring less the first token.
+// Each counts its occurrences; one seen twice or more also how often a token followed it and its
+// most frequent follower (smallest token on a tie), and one seen once points just past its
+// occurrence in the kept text. All against brute force, over several texts.
 TEST(SuffixTrie, NodesAndCountsEqualBruteForceCounting) {
   for (const uint32_t seed : {1u, 2u, 3u, 4u}) {
     const int64_t depth = 5;
@@ -100,6 +100,7 @@ TEST(SuffixTrie, NodesAndCountsEqualBruteForceCounting) {
       ++nodes;
       const auto& node = trie.node(at);
       EXPECT_EQ(node.count, count);
+      EXPECT_EQ(node.link, s.size() == 1 ? 0u : find(trie, Tokens(s.begin() + 1, s.end()))) << ::testing::PrintToString(s);
       if (count == 1) {  // seen once: just past its occurrence, the kept text goes on as it did
         ASSERT_GE(node.end, s.size());
         for (size_t k = 0; k < s.size(); ++k) EXPECT_EQ(trie.token_at(node.end - s.size() + k), s[k]);
@@ -122,8 +123,8 @@ TEST(SuffixTrie, NodesAndCountsEqualBruteForceCounting) {
   }
 }
 
-// A text the tree does not hold: its position is its suffixes that are nodes, and the longest
-// suffix found in the kept text past them.
+// A text the tree does not hold: its position is its longest suffix that is a node (the shorter
+// ones down the links), and the longest suffix found in the kept text past it.
 TEST(SuffixTrie, PositionMatchesTheLongestSuffixFoundInTheKeptText) {
   const int64_t depth = 8;
   const std::vector<Tokens> texts{random_text(400, 4, 5), random_text(100, 4, 6)};
@@ -144,13 +145,24 @@ TEST(SuffixTrie, PositionMatchesTheLongestSuffixFoundInTheKeptText) {
       if (brute.count(Tokens(query.begin() + static_cast<long>(i + 1) - length, query.begin() + static_cast<long>(i + 1))) == 0) break;
       longest = length;
     }
-    const int64_t found = std::max<int64_t>(static_cast<int64_t>(position.path.size()) - 1,
-                                            position.end == SuffixTrie::kNone ? 0 : position.length);
+    const int64_t found = std::max<int64_t>(position.depth, position.end == SuffixTrie::kNone ? 0 : position.length);
     EXPECT_LE(found, longest) << i;
-    for (size_t length = 1; length < position.path.size(); ++length) {
-      EXPECT_EQ(position.path[length], find(trie, Tokens(query.begin() + static_cast<long>(i + 1 - length),
-                                                         query.begin() + static_cast<long>(i + 1))));
+    // The node: the longest suffix (up to depth - 1 tokens) that is one; down its links, the
+    // shorter suffixes.
+    const auto suffix = [&](int64_t length) {
+      return Tokens(query.begin() + static_cast<long>(i + 1) - length, query.begin() + static_cast<long>(i + 1));
+    };
+    int64_t deepest = 0;
+    while (deepest + 1 < depth && static_cast<size_t>(deepest + 1) <= i + 1 &&
+           find(trie, suffix(deepest + 1)) != SuffixTrie::kNone) {
+      ++deepest;
     }
+    ASSERT_EQ(position.depth, deepest) << i;
+    uint32_t at = position.node;
+    for (int64_t length = deepest; length >= 1; --length, at = trie.node(at).link) {
+      EXPECT_EQ(at, find(trie, suffix(length))) << i << " length " << length;
+    }
+    EXPECT_EQ(at, 0u);
     if (position.end != SuffixTrie::kNone) {  // the matched text is really there
       for (int64_t k = 1; k <= position.length; ++k) {
         EXPECT_EQ(trie.token_at(position.end - static_cast<uint32_t>(k)), query[i + 1 - static_cast<size_t>(k)]);
@@ -166,7 +178,9 @@ struct Learned {
 
 Learned learned(const Tokens& text, int64_t depth) {
   Learned out{SuffixTrie(depth), {}};
-  for (const int64_t t : text) out.trie.extend(out.position.path, t);
+  SuffixTrie::Path path{0};
+  for (const int64_t t : text) out.trie.extend(path, t);
+  out.position = SuffixTrie::position_at(path);
   return out;
 }
 
@@ -653,6 +667,40 @@ TEST(SuffixCache, RefusesCorruptTruncatedAndForeignFilesNamingThem) {
 
 // A million tokens through a cache of 8 MiB: its memory stays under the bound after every add,
 // the oldest responses go, and the newest still draft.
+// A source made per request takes the arrays the last one left in the cache, forgets that one's
+// text, and drafts as a new tree would; a source may outlive its cache.
+TEST(SuffixCache, ASourceMadePerRequestTakesTheArraysTheLastOneLeft) {
+  SuffixCache cache(6);
+  cache.add(random_text(80, 3, 3));
+  const Tokens first = random_text(400, 3, 4);
+  size_t left = 0;
+  {
+    SuffixDraftSource a(cache);
+    a.start(first, {});
+    left = a.memory_bytes();
+  }
+  SuffixDraftSource reused(cache);
+  SuffixCache same = cache;  // the spare is taken: a source of the copy starts a new tree
+  SuffixDraftSource fresh(same);
+  const Tokens text = random_text(200, 3, 5);
+  reused.start(Tokens(text.begin(), text.begin() + 3), {});
+  fresh.start(Tokens(text.begin(), text.begin() + 3), {});
+  EXPECT_EQ(reused.memory_bytes(), left);
+  EXPECT_LT(fresh.memory_bytes(), left);
+  EXPECT_EQ(reused.request_tree().text().size(), 3u);
+  for (size_t end = 3; end <= text.size(); end += 7) {
+    const std::span<const int64_t> so_far(text.data(), end);
+    const Tokens mine(reused.propose(so_far, 8).begin(), reused.propose(so_far, 8).end());
+    const std::span<const int64_t> theirs = fresh.propose(so_far, 8);
+    EXPECT_EQ(mine, Tokens(theirs.begin(), theirs.end())) << end;
+  }
+  auto short_lived = std::make_unique<SuffixCache>(6);
+  auto source = std::make_unique<SuffixDraftSource>(*short_lived);
+  source->start(first, {});
+  short_lived.reset();
+  source.reset();  // gives its arrays to the spare slot, not to the cache that is gone
+}
+
 TEST(SuffixCache, StaysUnderItsMemoryBoundOverAMillionTokens) {
   const int64_t bound = int64_t{8} << 20;
   SuffixCache cache(32000, {.max_depth = 8, .max_bytes = bound});

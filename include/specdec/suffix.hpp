@@ -13,8 +13,9 @@
 // sum of the path's probabilities) wins. Drafts are deterministic, so the step's verification
 // keeps the output exactly the target's, under greedy decoding and sampling alike.
 //
-// Here: SuffixDraftRule, SuffixCacheLimits, SuffixCache, SuffixDraftSource (for generate_with,
-// sessions and batches), SuffixDecodingOptions and suffix_generate.
+// Here: SuffixDraftRule, SuffixCacheLimits, SuffixCache, SuffixDraftSource (chains, for
+// generate_with, sessions and batches), SuffixTreeSource (trees, for generate_with and sessions),
+// SuffixDecodingOptions and suffix_generate.
 #pragma once
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <span>
@@ -103,6 +105,19 @@ struct SuffixCacheLimits {
                << ", max_bytes=" << limits.max_bytes << "}";
   }
 };
+
+namespace detail {
+
+class SuffixMatcher;
+
+// The arrays of a finished request's tree, kept for the next request drawing from the same cache
+// (its source refills memory already grown and touched, instead of growing new arrays token by
+// token). Shared by the cache and its sources, so a source may outlive its cache.
+struct SpareSuffixTrie {
+  std::optional<SuffixTrie> trie;
+};
+
+}  // namespace detail
 
 // Earlier requests' responses and the tree of their substrings, shared by the requests that draft
 // from it (borrowed by SuffixDraftSource; not thread-safe: one thread at a time). Past a limit
@@ -245,7 +260,9 @@ class SuffixCache {
     detail::SuffixTrie::Path path;
     trie_.begin_text(path);
     trie_.reserve_for(response.size());
-    for (const Token token : response) trie_.extend(path, token);
+    for (size_t i = 0; i < response.size(); ++i) {
+      trie_.extend(path, response[i], i + 1 < response.size() ? int64_t{response[i + 1]} : detail::SuffixTrie::kUnknown);
+    }
     lengths_.push_back(response.size());
     tokens_ += response.size();
   }
@@ -283,6 +300,8 @@ class SuffixCache {
     ++version_;
   }
 
+  friend class detail::SuffixMatcher;
+
   int64_t vocab_;
   SuffixCacheLimits limits_;
   detail::SuffixTrie trie_;
@@ -290,6 +309,8 @@ class SuffixCache {
   size_t tokens_ = 0;
   int64_t evicted_ = 0;
   uint64_t version_ = 0;
+  // One request tree's arrays between requests, outside memory_bytes() (at most max_bytes).
+  std::shared_ptr<detail::SpareSuffixTrie> spare_ = std::make_shared<detail::SpareSuffixTrie>();
 };
 
 namespace detail {
@@ -299,7 +320,22 @@ namespace detail {
 class SuffixMatcher {
  public:
   SuffixMatcher(const SuffixDraftRule& rule, SuffixCache* cache)
-      : rule_((rule.validate(), rule)), trie_(rule.max_depth), cache_(cache) {}
+      : rule_((rule.validate(), rule)), trie_(rule.max_depth), cache_(cache),
+        spare_(cache != nullptr ? cache->spare_ : nullptr) {}
+  SuffixMatcher(const SuffixMatcher&) = default;
+  SuffixMatcher(SuffixMatcher&&) noexcept = default;
+  SuffixMatcher& operator=(const SuffixMatcher&) = default;
+  SuffixMatcher& operator=(SuffixMatcher&&) noexcept = default;
+  // Leaves the request tree's arrays to the next request drawing from the same cache (the
+  // largest one, within the cache's byte bound).
+  ~SuffixMatcher() {
+    if (spare_ == nullptr || cache_ == nullptr) return;
+    const size_t bytes = trie_.memory_bytes();
+    if (bytes == 0 || bytes > static_cast<size_t>(cache_limit_bytes_)) return;
+    if (spare_->trie && spare_->trie->memory_bytes() >= bytes) return;
+    trie_.clear_keeping_capacity();
+    spare_->trie.emplace(std::move(trie_));
+  }
 
   [[nodiscard]] const SuffixDraftRule& rule() const noexcept { return rule_; }
   [[nodiscard]] const SuffixTrie& request_tree() const noexcept { return trie_; }
@@ -312,10 +348,19 @@ class SuffixMatcher {
   // Learns what of `sequence` it has not seen (all of it the first time; a session's next turn:
   // the turn's new tokens), and marks where this generation's response begins.
   void start(std::span<const int64_t> sequence) {
-    if (cache_ != nullptr) check_tokens("prompt", sequence, cache_->vocab_size());
+    if (cache_ != nullptr) {
+      check_tokens("prompt", sequence, cache_->vocab_size());
+      cache_limit_bytes_ = cache_->limits().max_bytes;
+    }
     const auto learned = trie_.text();  // what it learned: the request's tree keeps one text
     if (sequence.size() < learned.size() || !std::equal(learned.begin(), learned.end(), sequence.begin())) {
       restart();  // not a continuation of what it learned: another conversation
+    }
+    // A new tree takes the arrays an earlier request left.
+    if (trie_.text().empty() && spare_ != nullptr && spare_->trie && spare_->trie->max_depth() == trie_.max_depth() &&
+        spare_->trie->memory_bytes() > trie_.memory_bytes()) {
+      trie_ = std::move(*spare_->trie);
+      spare_->trie.reset();
     }
     trie_.reserve_for(sequence.size() - trie_.text().size());
     learn(sequence);
@@ -327,7 +372,7 @@ class SuffixMatcher {
   template <class Draft, class Grow>
   const Draft& choose(std::span<const int64_t> sequence, Draft& mine, Draft& theirs, Grow grow) {
     learn(sequence);
-    grow(trie_, position_, mine);
+    grow(trie_, SuffixTrie::position_at(path_), mine);
     const Draft* chosen = &mine;
     if (cache_ != nullptr && cache_->responses() > 0) {
       if (cache_version_ != cache_->version()) {
@@ -352,22 +397,24 @@ class SuffixMatcher {
   // learned; within a generation the sequence only grows.
   void learn(std::span<const int64_t> sequence) {
     for (size_t i = trie_.text().size(); i < sequence.size(); ++i) {
-      trie_.extend(position_.path, sequence[i]);
+      trie_.extend(path_, sequence[i], i + 1 < sequence.size() ? sequence[i + 1] : SuffixTrie::kUnknown);
       if (cache_ != nullptr && cache_version_ == cache_->version()) cache_->trie().follow(cache_position_, sequence[i]);
     }
   }
 
  private:
   void restart() {
-    trie_.clear();
-    position_ = {};
+    trie_.clear_keeping_capacity();  // a source reused for another request refills it
+    path_.assign(1, 0);
     cache_version_ = std::numeric_limits<uint64_t>::max();
   }
 
   SuffixDraftRule rule_;
   SuffixTrie trie_;
-  SuffixTrie::Position position_;  // of the request's text in its own tree (its path)
+  SuffixTrie::Path path_{0};  // of the request's text in its own tree
   SuffixCache* cache_ = nullptr;
+  std::shared_ptr<SpareSuffixTrie> spare_;  // the cache's (null without one)
+  int64_t cache_limit_bytes_ = 0;           // the cache's max_bytes, read while it is there
   SuffixTrie::Position cache_position_;
   uint64_t cache_version_ = std::numeric_limits<uint64_t>::max();
   size_t response_from_ = 0;

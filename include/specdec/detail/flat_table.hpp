@@ -131,6 +131,11 @@ class FlatTable {
     slots_.reset();
     capacity_ = size_ = 0;
   }
+  // Removes every entry and keeps the slots (for a table refilled to about its old size).
+  void clear_keeping_capacity() noexcept {
+    if (capacity_ > 0) std::memset(static_cast<void*>(slots_.get()), 0, capacity_ * sizeof(Slot));
+    size_ = 0;
+  }
 
   // Calls f(key, value) for every entry, in slot order.
   template <class F>

@@ -10,11 +10,15 @@
 // repeated span costs one node per suffix it repeats, up to max_depth. When a substring seen once
 // is seen again, the node of its earlier occurrence's next token is made from the kept text.
 //
-// A text is read token by token through a Path: the nodes of its suffixes by length (the root,
-// length 0, first), as far as they are nodes. extend() learns a token after the text; a Position
-// (a Path, and the longest suffix matched past it as an offset into the kept text) walks a text
-// the tree does not hold (the current request against the cache of earlier responses). The edges
-// are one detail::FlatTable keyed by (node, token); nodes are never removed (the cache rebuilds).
+// A text is learned token by token through a Path: the nodes of its suffixes by length (the root,
+// length 0, first), as far as they are nodes. extend() learns a token after the text. A Position
+// walks a text the tree does not hold (the current request against the cache of earlier
+// responses): its longest suffix that is a node, and the longest suffix matched past the nodes as
+// an offset into the kept text. Every node links to the node of its substring less the first
+// token (the nodes' substrings are closed under that: a substring's count is at most its
+// suffixes'), so a Position moves along a text with about one look-up a token, and the shorter
+// suffixes are read down the links. The edges are one detail::FlatTable keyed by (node, token);
+// nodes are never removed (the cache rebuilds).
 #pragma once
 
 #include <algorithm>
@@ -34,6 +38,7 @@ class SuffixTrie {
   static constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   static constexpr int64_t kMaxDepth = 1024;
   static constexpr int32_t kSeparator = -1;
+  static constexpr int64_t kUnknown = std::numeric_limits<int64_t>::min();  // extend()'s `next` unknown
 
   struct Node {
     uint32_t count = 0;      // occurrences of the node's substring
@@ -44,14 +49,17 @@ class SuffixTrie {
     uint32_t end = 0;        // offset in text() just past its latest occurrence
     uint32_t sibling = kNone;  // the next child of the same parent, in a circle through them all
                                // (entered at the parent's `best`)
+    uint32_t link = 0;         // the node of the substring less its first token (the root for one
+                               // token long)
   };
   // The nodes of a text's suffixes, by length: [0] the root, [i] the last i tokens.
   using Path = std::vector<uint32_t>;
-  // Where a text this tree does not hold stands in it: its suffixes that are nodes, and the
-  // longest suffix matched beyond them (a substring seen once: `length` tokens ending just before
-  // text()[end]; end kNone: none).
+  // Where a text stands in this tree: its longest suffix that is a node (depth tokens long, at
+  // most max_depth - 1; the root: none), and the longest suffix matched beyond the nodes (a
+  // substring seen once: `length` tokens ending just before text()[end]; end kNone: none).
   struct Position {
-    Path path{0};
+    uint32_t node = 0;
+    int64_t depth = 0;
     uint32_t end = kNone;
     int64_t length = 0;
   };
@@ -72,7 +80,16 @@ class SuffixTrie {
     return offset < text_.size() ? text_[offset] : kSeparator;
   }
 
+  // Forgets every text and keeps the arrays' capacity (for a tree refilled to about its old size:
+  // the next request's).
+  void clear_keeping_capacity() noexcept {
+    announced_ = kUnknown;
+    nodes_.assign(1, Node{});
+    edges_.clear_keeping_capacity();
+    text_.clear();
+  }
   void clear() {
+    announced_ = kUnknown;
     nodes_.assign(1, Node{});
     nodes_.shrink_to_fit();
     edges_ = FlatTable<uint64_t, uint32_t>();
@@ -118,14 +135,22 @@ class SuffixTrie {
     path.assign(1, 0);
   }
   // Learns `token` after the text whose suffixes are `path` (the last text begun), and moves
-  // `path` to text + token.
-  void extend(Path& path, int64_t token) {
+  // `path` to text + token. `next`, when known (else kUnknown), is the token the next call will
+  // learn: the look-ups it will make are started now, a token ahead of their use.
+  void extend(Path& path, int64_t token, int64_t next = kUnknown) {
     const auto at = static_cast<uint32_t>(text_.size());
     text_.push_back(static_cast<int32_t>(token));
     // Grow the edges by doubling, ahead of this token's at most 2 * path.size() new ones: a
     // repeated span adds a node per suffix, and growing by halves would rehash them twice as often.
-    if ((edges_.size() + 2 * path.size()) * 5 > edges_.capacity() * 4) edges_.reserve(2 * edges_.size() + 2 * path.size());
-    for (const uint32_t parent : path) edges_.prefetch(key(parent, token));
+    if ((edges_.size() + 2 * path.size()) * 5 > edges_.capacity() * 4) {
+      edges_.reserve(2 * edges_.size() + 2 * path.size());
+      announced_ = kUnknown;
+    }
+    if (announced_ != token) {
+      for (const uint32_t parent : path) edges_.prefetch(key(parent, token));
+    }
+    announced_ = next;
+    if (next != kUnknown) edges_.prefetch(key(0, next));
     scratch_.assign(1, 0);
     for (size_t length = 0; length < path.size(); ++length) {
       const uint32_t parent = path[length];
@@ -133,29 +158,47 @@ class SuffixTrie {
       const uint32_t made = add(parent, token);
       const uint32_t earlier = nodes_[made].end;
       nodes_[made].end = at + 1;
+      nodes_[made].link = scratch_[length];  // this token's node one shorter (the root first)
       // Seen a second time: the earlier occurrence's next token becomes a node. (Where that is
-      // this very token, the next suffix's step below counts it.)
+      // this very token, the next suffix's step below counts it.) Its one shorter substring is
+      // already a node: the link's count is at least two.
       if (nodes_[made].count == 2 && length + 2 <= max_depth_ && earlier < at && text_[earlier] != kSeparator) {
-        const uint32_t next = add(made, text_[earlier]);
-        nodes_[next].end = earlier + 1;
+        const uint32_t next_node = add(made, text_[earlier]);
+        nodes_[next_node].end = earlier + 1;
+        nodes_[next_node].link = child(nodes_[made].link, text_[earlier]);
       }
-      if (length + 1 < max_depth_) scratch_.push_back(made);
+      if (length + 1 < max_depth_) {
+        scratch_.push_back(made);
+        if (next != kUnknown) edges_.prefetch(key(made, next));
+      }
     }
     path.swap(scratch_);
   }
 
-  // Moves `position` (a text's place in this tree) to that of text + token, learning nothing.
+  // Moves `position` (a text's place in this tree) to that of text + token, learning nothing:
+  // from the longest suffix that is a node down the links to the longest that goes on with
+  // `token` (a node seen once has no children).
   void follow(Position& position, int64_t token) const {
-    Path& path = position.path;
-    for (const uint32_t parent : path) edges_.prefetch(key(parent, token));
-    scratch_.assign(1, 0);
-    for (size_t length = 0; length < path.size(); ++length) {
-      if (length > 0 && nodes_[path[length]].count < 2) break;
-      const uint32_t found = child(path[length], token);
-      if (found == kNone) break;  // a longer suffix is absent when a shorter one is
-      if (length + 1 < max_depth_) scratch_.push_back(found);
+    uint32_t at = position.node;
+    int64_t depth = position.depth;
+    while (true) {
+      if (depth == 0 || nodes_[at].count >= 2) {
+        if (const uint32_t found = child(at, token); found != kNone) {
+          at = found;
+          ++depth;
+          break;
+        }
+        if (depth == 0) break;
+      }
+      at = nodes_[at].link;
+      --depth;
     }
-    path.swap(scratch_);
+    if (depth >= static_cast<int64_t>(max_depth_)) {  // a Position keeps max_depth - 1 tokens
+      at = nodes_[at].link;
+      --depth;
+    }
+    position.node = at;
+    position.depth = depth;
     // The match past the nodes goes on while the kept text does; else the deepest node seen once
     // starts one (its one occurrence is where the text continues).
     if (position.end != kNone && token_at(position.end) == token) {
@@ -165,11 +208,14 @@ class SuffixTrie {
       position.end = kNone;
       position.length = 0;
     }
-    const auto deepest = static_cast<int64_t>(path.size()) - 1;
-    if (deepest > position.length && nodes_[path.back()].count == 1) {
-      position.end = nodes_[path.back()].end;
-      position.length = deepest;
+    if (depth > position.length && nodes_[at].count == 1) {
+      position.end = nodes_[at].end;
+      position.length = depth;
     }
+  }
+  // The position of a text learned through `path`.
+  [[nodiscard]] static Position position_at(const Path& path) noexcept {
+    return {.node = path.back(), .depth = static_cast<int64_t>(path.size()) - 1};
   }
   // The position of the last max_depth - 1 tokens of `text`, walked from the root.
   [[nodiscard]] Position position_of(std::span<const int64_t> text) const {
@@ -214,7 +260,8 @@ class SuffixTrie {
   std::vector<Node> nodes_;
   FlatTable<uint64_t, uint32_t> edges_;
   std::vector<int32_t> text_;
-  mutable Path scratch_;
+  Path scratch_;
+  int64_t announced_ = kUnknown;  // the `next` of the last extend(): its look-ups are under way
 };
 
 // What a walk of one tree proposes: the tokens, and their score (the sum over drafted tokens of
@@ -245,8 +292,8 @@ struct SuffixAnchor {
 // before.
 inline SuffixAnchor suffix_anchor(const SuffixTrie& trie, const SuffixTrie::Position& at, const SuffixWalkRule& rule) {
   SuffixAnchor found;
-  for (auto length = static_cast<int64_t>(at.path.size()) - 1; length >= rule.min_match; --length) {
-    const uint32_t id = at.path[static_cast<size_t>(length)];
+  uint32_t id = at.node;
+  for (int64_t length = at.depth; length >= rule.min_match; --length, id = trie.node(id).link) {
     const SuffixTrie::Node& n = trie.node(id);
     if (n.best != SuffixTrie::kNone) {
       found = {.node = id, .length = length};
