@@ -339,6 +339,17 @@ const at::Tensor& noisy_chain() {
   return t;
 }
 
+// The chance of each three tokens after token 0 under the chain `probs` [4, 4].
+std::map<Tokens, double> three_tokens_after_zero(const at::Tensor& probs) {
+  std::map<Tokens, double> expected;
+  for (int64_t a = 0; a < 4; ++a) {
+    for (int64_t b = 0; b < 4; ++b) {
+      for (int64_t c = 0; c < 4; ++c) expected[{a, b, c}] = (probs[0][a] * probs[a][b] * probs[b][c]).item<double>();
+    }
+  }
+  return expected;
+}
+
 Tokens biased_generate(const at::Tensor& probs, const Tokens& prompt, at::Generator& gen) {
   Tokens sequence = prompt;
   while (sequence.size() < prompt.size() + 3) {
@@ -369,13 +380,7 @@ test::ChiSquare fit(bool biased, int64_t samples) {
                      .tokens;
     ++observed[tokens];
   }
-  std::map<Tokens, double> expected;
-  for (int64_t a = 0; a < 4; ++a) {
-    for (int64_t b = 0; b < 4; ++b) {
-      for (int64_t c = 0; c < 4; ++c) expected[{a, b, c}] = (probs[0][a] * probs[a][b] * probs[b][c]).item<double>();
-    }
-  }
-  return test::chi_square(observed, expected, samples);
+  return test::chi_square(observed, three_tokens_after_zero(probs), samples);
 }
 
 TEST(SuffixDistribution, MultinomialEqualsTargetAndTheTestHasPower) {
@@ -575,13 +580,7 @@ test::ChiSquare tree_fit(specdec::detail::ModelTreeRule rule, int64_t samples, i
     ++observed[result.tokens];
     *accepted += result.stats.accepted;
   }
-  std::map<Tokens, double> expected;
-  for (int64_t a = 0; a < 4; ++a) {
-    for (int64_t b = 0; b < 4; ++b) {
-      for (int64_t c = 0; c < 4; ++c) expected[{a, b, c}] = (probs[0][a] * probs[a][b] * probs[b][c]).item<double>();
-    }
-  }
-  return test::chi_square(observed, expected, samples);
+  return test::chi_square(observed, three_tokens_after_zero(probs), samples);
 }
 
 TEST(SuffixTreeDistribution, MultinomialEqualsTargetAndTheTestHasPower) {

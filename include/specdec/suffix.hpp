@@ -421,26 +421,39 @@ class SuffixMatcher {
   int64_t from_cache_ = 0, from_request_ = 0;
 };
 
-}  // namespace detail
-
-// Drafts a chain by suffix decoding for one request (or one session: its turns go on feeding the
-// same tree): from its own tree over the sequence and from the borrowed cache of earlier
-// responses, to which finish() adds this generation's output. Host-side work on plain integers.
-class SuffixDraftSource {
+// What both suffix sources offer around their SuffixMatcher: the rule, the request's tree and its
+// memory, where drafts came from, and the start and finish hooks.
+class SuffixSourceBase {
  public:
-  // Without a cache: the request's own tree only.
-  explicit SuffixDraftSource(SuffixDraftRule rule = {}) : matcher_(rule, nullptr) {}
-  // With a cache of earlier responses (which must outlive the source).
-  explicit SuffixDraftSource(SuffixCache& cache, SuffixDraftRule rule = {}) : matcher_(rule, &cache) {}
-
   [[nodiscard]] const SuffixDraftRule& rule() const noexcept { return matcher_.rule(); }
-  [[nodiscard]] const detail::SuffixTrie& request_tree() const noexcept { return matcher_.request_tree(); }
+  [[nodiscard]] const SuffixTrie& request_tree() const noexcept { return matcher_.request_tree(); }
   [[nodiscard]] size_t memory_bytes() const noexcept { return matcher_.memory_bytes(); }
   // Drafts taken from the cache, and from the request's own tree, so far.
   [[nodiscard]] int64_t drafts_from_cache() const noexcept { return matcher_.drafts_from_cache(); }
   [[nodiscard]] int64_t drafts_from_request() const noexcept { return matcher_.drafts_from_request(); }
 
+  // Learns the prompt (a session's next turn: what is new of it).
   void start(std::span<const int64_t> sequence, const SpeculativeOptions& /*options*/) { matcher_.start(sequence); }
+  // Adds this generation's response to the cache.
+  void finish(std::span<const int64_t> sequence) { matcher_.finish(sequence); }
+
+ protected:
+  SuffixSourceBase(const SuffixDraftRule& rule, SuffixCache* cache) : matcher_(rule, cache) {}
+
+  SuffixMatcher matcher_;
+};
+
+}  // namespace detail
+
+// Drafts a chain by suffix decoding for one request (or one session: its turns go on feeding the
+// same tree): from its own tree over the sequence and from the borrowed cache of earlier
+// responses, to which finish() adds this generation's output. Host-side work on plain integers.
+class SuffixDraftSource : public detail::SuffixSourceBase {
+ public:
+  // Without a cache: the request's own tree only.
+  explicit SuffixDraftSource(SuffixDraftRule rule = {}) : SuffixSourceBase(rule, nullptr) {}
+  // With a cache of earlier responses (which must outlive the source).
+  explicit SuffixDraftSource(SuffixCache& cache, SuffixDraftRule rule = {}) : SuffixSourceBase(rule, &cache) {}
 
   template <LogitsProcessor P>
   Drafts draft(const DraftRequest& request, const P& /*processor*/, at::Generator& /*gen*/) {
@@ -461,11 +474,7 @@ class SuffixDraftSource {
         .tokens;
   }
 
-  // Adds this generation's response to the cache.
-  void finish(std::span<const int64_t> sequence) { matcher_.finish(sequence); }
-
  private:
-  detail::SuffixMatcher matcher_;
   detail::SuffixWalk mine_, theirs_;
 };
 static_assert(DraftSource<SuffixDraftSource, GreedyProcessor>);
@@ -479,18 +488,10 @@ static_assert(HasStartHook<SuffixDraftSource> && HasFinishHook<SuffixDraftSource
 // model_tree.hpp: the output is the target's distribution under any sampling, and under greedy
 // decoding autoregressive decoding token for token. A TreeDraftSource for generate_with and
 // sessions (the target models TreeTarget); batches take SuffixDraftSource.
-class SuffixTreeSource : public detail::DeviceTreeVerifier {
+class SuffixTreeSource : public detail::SuffixSourceBase, public detail::DeviceTreeVerifier {
  public:
-  explicit SuffixTreeSource(SuffixDraftRule rule = {}) : matcher_(rule, nullptr) {}
-  explicit SuffixTreeSource(SuffixCache& cache, SuffixDraftRule rule = {}) : matcher_(rule, &cache) {}
-
-  [[nodiscard]] const SuffixDraftRule& rule() const noexcept { return matcher_.rule(); }
-  [[nodiscard]] const detail::SuffixTrie& request_tree() const noexcept { return matcher_.request_tree(); }
-  [[nodiscard]] size_t memory_bytes() const noexcept { return matcher_.memory_bytes(); }
-  [[nodiscard]] int64_t drafts_from_cache() const noexcept { return matcher_.drafts_from_cache(); }
-  [[nodiscard]] int64_t drafts_from_request() const noexcept { return matcher_.drafts_from_request(); }
-
-  void start(std::span<const int64_t> sequence, const SpeculativeOptions& /*options*/) { matcher_.start(sequence); }
+  explicit SuffixTreeSource(SuffixDraftRule rule = {}) : SuffixSourceBase(rule, nullptr) {}
+  explicit SuffixTreeSource(SuffixCache& cache, SuffixDraftRule rule = {}) : SuffixSourceBase(rule, &cache) {}
 
   TreeDrafts draft_tree(const DraftRequest& request) {
     const detail::SuffixTreeDraft& tree =
@@ -514,10 +515,7 @@ class SuffixTreeSource : public detail::DeviceTreeVerifier {
                            });
   }
 
-  void finish(std::span<const int64_t> sequence) { matcher_.finish(sequence); }
-
  private:
-  detail::SuffixMatcher matcher_;
   detail::SuffixTreeGrower grower_;
   detail::SuffixTreeDraft mine_, theirs_;
 };
