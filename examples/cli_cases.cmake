@@ -54,6 +54,19 @@ specdec_cli_case(suffix_depth_in_ngram 2 "--suffix-depth applies to --mode suffi
   --suffix-depth 8)
 specdec_cli_case(suffix_tree_in_batch 2 "--suffix-tree does not apply to --batch-file" ${G} --mode suffix
   --suffix-tree --batch-file "${PROJECT_SOURCE_DIR}/README.md")
+specdec_cli_case(tree_static_in_eagle 2 "--tree static does not apply to --mode eagle" ${G} --mode eagle --tree static)
+specdec_cli_case(tree_dynamic_in_medusa 2 "--tree dynamic does not apply to --mode medusa" ${G} --mode medusa
+  --tree dynamic)
+specdec_cli_case(tree_in_ngram 2 "--tree applies to --mode speculative, eagle or medusa, not --mode ngram" ${G}
+  --mode ngram --tree dynamic)
+specdec_cli_case(tree_depth_without_tree 2 "--tree-depth applies with --tree static or dynamic" ${G} --tree-depth 3)
+specdec_cli_case(tree_nodes_without_tree 2 "--tree-nodes applies to --mode stand, or with --tree" ${G} --tree-nodes 8)
+specdec_cli_case(tree_top_k_static 2 "--tree-top-k applies to --tree dynamic" ${G} --tree static --tree-top-k 2)
+specdec_cli_case(tree_unknown 2 "--tree: wide not in" ${G} --tree wide)
+specdec_cli_case(tree_with_batch 2 "--batch-file does not apply with --tree" ${G} --tree dynamic
+  --batch-file "${PROJECT_SOURCE_DIR}/README.md")
+specdec_cli_case(tree_with_gamma_policy 2 "--gamma-policy does not apply with --tree" ${G} --tree static
+  --gamma-policy egag)
 specdec_cli_case(trace_in_beam 2 "--trace applies to" ${G} --mode beam --trace)
 specdec_cli_case(compare_in_beam 2 "--compare applies to" ${G} --mode beam --compare)
 specdec_cli_case(temperature_in_beam 2 "--temperature applies to" ${G} --mode beam --temperature 0.5)

@@ -216,6 +216,10 @@ TEST(TreeTemplate, ShapesAreBoundedAsAsked) {
   while (!tree.children(node).empty()) node = tree.children(node)[0], ++depth;
   EXPECT_EQ(depth, tree.max_depth());
   EXPECT_GT(tree.children(-1).size(), 2u);  // and wide at the top
+  const TreeTemplate shallow = TreeTemplate::default_tree(16, 3);
+  EXPECT_EQ(shallow.size(), 16);
+  EXPECT_EQ(shallow.max_depth(), 3);
+  expect_well_formed(shallow);
   // best_first with one rank is a chain.
   const std::vector<double> one{0.5};
   EXPECT_EQ(TreeTemplate::best_first(6, one).max_depth(), 6);

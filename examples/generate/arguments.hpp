@@ -9,6 +9,7 @@
 #include <specdec/io/medusa.hpp>
 #include <specdec/io/regular_file.hpp>
 #include <specdec/io/tokenizer.hpp>
+#include <specdec/models/head_trees.hpp>
 #include <specdec/models/llama.hpp>
 #include <specdec/specdec.hpp>
 #include <specdec/text/prompts.hpp>
@@ -70,7 +71,10 @@ struct Arguments {
   int64_t num_beams = 4;
   int64_t trajectories = 1;
   bool deterministic = false;
-  int64_t tree_nodes = 64;
+  std::optional<int64_t> tree_nodes;  // STAND's template (default 64), or a --tree's nodes (default 16)
+  std::string tree = "none";          // --tree: none, static or dynamic
+  int64_t tree_depth = 5;
+  int64_t tree_top_k = 4;
   int64_t ngram_order = 3;
   int64_t filler = 3;
   NGramDraftRule draft_rule;
@@ -175,7 +179,10 @@ const std::vector<FlagModes>& flag_modes() {
       {"--suffix-tree", {"suffix"}},
       {"--trajectories", {"stand"}},
       {"--deterministic", {"stand"}},
-      {"--tree-nodes", {"stand"}},
+      {"--tree-nodes", {"stand", "speculative", "eagle", "medusa"}},
+      {"--tree", {"speculative", "eagle", "medusa"}},
+      {"--tree-depth", {"speculative", "eagle", "medusa"}},
+      {"--tree-top-k", {"speculative", "eagle", "medusa"}},
       {"--num-beams", {"beam"}},
       {"--length-penalty", {"beam"}},
       {"--batch-file", {"speculative", "autoregressive", "ngram", "suffix", "eagle", "medusa"}},
@@ -194,6 +201,36 @@ std::string join(const std::vector<std::string>& items) {
   std::string out;
   for (size_t i = 0; i < items.size(); ++i) out += (i == 0 ? "" : i + 1 == items.size() ? " or " : ", ") + items[i];
   return out;
+}
+
+// --tree and the flags that shape a tree, against the mode and the chain-only flags.
+void check_tree_flags(const CLI::App& app, const Arguments& a) {
+  if (a.tree == "none") {
+    for (const char* flag : {"--tree-depth", "--tree-top-k"}) {
+      if (app.count(flag) > 0) throw std::invalid_argument(std::string(flag) + " applies with --tree static or dynamic");
+    }
+    if (a.mode != "stand" && app.count("--tree-nodes") > 0) {
+      throw std::invalid_argument("--tree-nodes applies to --mode stand, or with --tree static or dynamic");
+    }
+    return;
+  }
+  if (a.tree == "static" && a.mode == "eagle") {
+    throw std::invalid_argument("--tree static does not apply to --mode eagle: EAGLE heads grow dynamic trees");
+  }
+  if (a.tree == "dynamic" && a.mode == "medusa") {
+    throw std::invalid_argument("--tree dynamic does not apply to --mode medusa: Medusa heads fill static trees");
+  }
+  if (a.tree == "static" && app.count("--tree-top-k") > 0) {
+    throw std::invalid_argument("--tree-top-k applies to --tree dynamic");
+  }
+  const std::pair<const char*, bool> chains_only[] = {
+      {"--batch-file", !a.batch_file.empty()},      {"--verifier", !a.verifier.empty()},
+      {"--gamma-policy", a.gamma_policy != "fixed"}, {"--p-min", a.p_min > 0},
+      {"--entropy-gate", a.entropy_gate < 1},        {"--verify", a.verify != "rejection"},
+      {"--calibrate", a.calibrate},                  {"--tp", a.parallel.tp > 1 || a.parallel.by_hand()}};
+  for (const auto& [flag, given] : chains_only) {
+    if (given) throw std::invalid_argument(std::string(flag) + " does not apply with --tree");
+  }
 }
 
 // Throws std::invalid_argument naming `flag` unless `path` is a readable regular file.
@@ -332,8 +369,20 @@ Arguments parse(int argc, char** argv) {
       ->check(cli::integer<int64_t>(1, 1 << 20))->group(stand);
   app.add_flag("--deterministic", a.deterministic, "draft the memory's most probable tokens, not Gumbel draws")
       ->group(stand);
-  app.add_option("--tree-nodes", a.tree_nodes, "nodes of the default tree template (default 64)")
+  app.add_option("--tree-nodes", a.tree_nodes,
+                 "nodes of the default tree template (default 64); with --tree, the nodes a tree verifies (default 16)")
       ->check(cli::integer<int64_t>(1, 1024))->group(stand);
+
+  const std::string trees = "Draft trees (--mode speculative with a drafter model, eagle or medusa)";
+  app.add_option("--tree", a.tree,
+                 "none (default: chains), static (a fixed shape: the drafter's or the Medusa heads' top "
+                 "tokens at each node) or dynamic (EAGLE-2's: the shape follows the drafter's confidence; "
+                 "a drafter model or an EAGLE head)")
+      ->check(in({"none", "static", "dynamic"}))->group(trees);
+  app.add_option("--tree-depth", a.tree_depth, "deepest draft of a tree (default 5; Medusa: at most its heads)")
+      ->check(cli::integer<int64_t>(1, 64))->group(trees);
+  app.add_option("--tree-top-k", a.tree_top_k, "dynamic trees: children per expanded node (default 4)")
+      ->check(cli::integer<int64_t>(1, 64))->group(trees);
 
   const std::string beam = "Beam search (--mode beam)";
   app.add_option("--num-beams", a.num_beams, "beams (default 4; at most 64: each holds a cache)")
@@ -444,6 +493,7 @@ Arguments parse(int argc, char** argv) {
   if (!a.batch_file.empty() && a.trace) {
     throw std::invalid_argument("--trace does not apply to --batch-file");
   }
+  check_tree_flags(app, a);
   if (!a.batch_file.empty() && a.suffix_tree) {
     throw std::invalid_argument("--suffix-tree does not apply to --batch-file: batches draft chains");
   }

@@ -138,8 +138,15 @@ int run(const Arguments& a) {
       std::cout << "heads:   " << a.drafter << " (medusa, " << medusa->config().num_heads << " heads of "
                 << medusa->config().num_layers << " blocks)\n";
     }
-    std::visit([&](const auto& p) { std::cout << "mode: " << a.mode << ", " << p << ", gamma " << a.gamma; }, processor);
-    if (drafter) {
+    std::visit([&](const auto& p) { std::cout << "mode: " << a.mode << ", " << p; }, processor);
+    if (a.tree == "none") {
+      std::cout << ", gamma " << a.gamma;
+    } else {
+      std::cout << ", " << a.tree << " trees of " << a.tree_nodes.value_or(16) << " nodes, at most " << a.tree_depth
+                << " deep";
+      if (a.tree == "dynamic") std::cout << ", top-k " << a.tree_top_k;
+    }
+    if (drafter && a.tree == "none") {
       std::cout << ", gamma policy " << a.gamma_policy;
       if (a.p_min > 0) std::cout << ", p_min " << a.p_min;
       if (a.entropy_gate < 1) std::cout << ", entropy gate " << a.entropy_gate;
@@ -196,16 +203,37 @@ int run(const Arguments& a) {
             PromptLookupDrafter lookup;
             return ngram_assisted_generate(lookup, target, prompt, ngram_options, p);
           }
+          SpeculativeOptions options = speculative_options;
+          options.on_step = callback;
+          // --tree: the drafter's or the heads' trees, else chains.
+          const DynamicTreeOptions dynamic{.depth = a.tree_depth, .top_k = a.tree_top_k,
+                                           .total_tokens = a.tree_nodes.value_or(16)};
+          const auto shape = [&](int64_t most_depth) {
+            return TreeTemplate::default_tree(a.tree_nodes.value_or(16), std::min(a.tree_depth, most_depth));
+          };
           if (drafter) {
-            SpeculativeOptions options = speculative_options;
-            options.on_step = callback;
+            if (a.tree == "static") {
+              ModelTreeSource source(*drafter, shape(a.tree_depth),
+                                     a.temperature > 0 ? TreeChildren::sampled : TreeChildren::top_k);
+              return generate_with(source, target, prompt, options, p);
+            }
+            if (a.tree == "dynamic") {
+              DynamicTreeSource source(*drafter, dynamic);
+              return generate_with(source, target, prompt, options, p);
+            }
             return speculative_generate(*drafter, target, prompt, options, p);
           }
-          if (eagle || medusa) {
-            SpeculativeOptions options = speculative_options;
-            options.on_step = callback;
-            if (eagle) {
-              models::EagleDraftSource heads(*eagle, target);
+          if (eagle) {
+            if (a.tree == "dynamic") {
+              models::EagleTreeSource heads(*eagle, target, dynamic);
+              return generate_with(heads, target, prompt, options, p);
+            }
+            models::EagleDraftSource heads(*eagle, target);
+            return generate_with(heads, target, prompt, options, p);
+          }
+          if (medusa) {
+            if (a.tree == "static") {
+              models::MedusaTreeSource heads(*medusa, target, shape(medusa->config().num_heads));
               return generate_with(heads, target, prompt, options, p);
             }
             models::MedusaDraftSource heads(*medusa, target);

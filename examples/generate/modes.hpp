@@ -56,7 +56,7 @@ int run_stand(const Arguments& a, Model& target, const Text& text, const std::ve
                                 ", the target has " + std::to_string(target.vocab_size()));
   }
   const StandOptions options{.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos, .seed = a.seed,
-                             .tree = TreeTemplate::default_tree(a.tree_nodes),
+                             .tree = TreeTemplate::default_tree(a.tree_nodes.value_or(64)),
                              .stochastic = !a.deterministic};
   const auto decode = [&](const std::vector<int64_t>& tokens) { return text.decode(prompt.back(), tokens); };
   nlohmann::json runs = nlohmann::json::array();

@@ -233,10 +233,10 @@ class TreeTemplate {
   }
 
   // The default: `nodes` (64) nodes best-first under rank acceptances 0.55, 0.2, 0.1, 0.06, 0.04,
-  // 0.03, 0.02, 0.015, 0.01, 0.01, at most 12 deep.
-  static TreeTemplate default_tree(int64_t nodes = 64) {
+  // 0.03, 0.02, 0.015, 0.01, 0.01, at most max_depth (12) deep.
+  static TreeTemplate default_tree(int64_t nodes = 64, int64_t max_depth = 12) {
     static const std::vector<double> kRankAcceptance{0.55, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01};
-    return best_first(nodes, kRankAcceptance, 12);
+    return best_first(nodes, kRankAcceptance, max_depth);
   }
 
   // The `nodes` nodes accepted most often (accepted_counts[i] for node i, e.g. from
