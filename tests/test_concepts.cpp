@@ -86,6 +86,10 @@ TEST(Concepts, LanguageModelClauses) {
   static_assert(!LanguageModel<ModelWithoutDevice>);
   static_assert(!LanguageModel<ModelWithoutCacheType>);
   static_assert(!specdec::HasMaxSequenceLength<ModelArchetype>);
+  // A tree target without hidden states cannot serve the heads' trees, and the step says so
+  // when it compiles.
+  static_assert(specdec::MaskedTreeTarget<specdec::test::MarkovModel>);
+  static_assert(!specdec::MaskedFeatureTreeTarget<specdec::test::MarkovModel>);
   SUCCEED();
 }
 

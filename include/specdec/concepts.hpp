@@ -176,6 +176,10 @@ struct TargetOutput {
 //      undefined and the forward costs what forward() costs.
 // FeatureTreeTarget: a FeatureTarget and TreeTarget whose `m.forward_tree_features(ids, cache,
 // parents, taps)` is forward_tree() with the same features.
+// MaskedFeatureTreeTarget: a FeatureTarget and MaskedTreeTarget whose
+// `m.forward_with_mask_features(ids, cache, depth, visible, taps)` is forward_with_mask() with the
+// same features: what the tree step needs of the target for a tree source that reads the
+// target's hidden states (the EAGLE and Medusa heads' trees), checked when the step compiles.
 // Not required: features in a particular dtype (the model's own).
 template <class M>
 concept FeatureTarget =
@@ -192,6 +196,14 @@ concept FeatureTreeTarget =
     requires(M& m, const at::Tensor& ids, typename M::cache_type& cache, std::span<const int64_t> parents,
              std::span<const int64_t> taps) {
       { m.forward_tree_features(ids, cache, parents, taps) } -> std::same_as<TargetOutput>;
+    };
+
+template <class M>
+concept MaskedFeatureTreeTarget =
+    FeatureTarget<M> && MaskedTreeTarget<M> &&
+    requires(M& m, const at::Tensor& ids, typename M::cache_type& cache, const at::Tensor& depth,
+             const at::Tensor& visible, std::span<const int64_t> taps) {
+      { m.forward_with_mask_features(ids, cache, depth, visible, taps) } -> std::same_as<TargetOutput>;
     };
 
 // Drafter: the cheaper model that proposes draft tokens for the target to verify.

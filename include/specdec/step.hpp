@@ -260,7 +260,9 @@ void tree_step(ModelRunner<T>& target, GenerationState& state, S& source, const 
   stats.drafter_calls += tree.calls;
   const int64_t n = tree.size();
   if constexpr (HasFeatureTaps<S>) {
-    static_assert(FeatureTarget<T>, "a draft source with feature_taps() needs a target that models FeatureTarget");
+    static_assert(MaskedFeatureTreeTarget<T>,
+                  "a tree source with feature_taps() (the EAGLE and Medusa heads' trees) needs a target that models "
+                  "MaskedFeatureTreeTarget (forward_with_mask_features)");
     if (!tree.device_parents.defined()) {
       throw std::logic_error("a tree source with feature_taps() must give its tree as device_parents");
     }

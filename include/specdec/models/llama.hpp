@@ -962,6 +962,7 @@ inline LlamaWeights llama_shard(const LlamaConfig& config, const LlamaWeights& w
 
 static_assert(FeatureTreeTarget<LlamaModel<DynamicKVCache>>);
 static_assert(FeatureTreeTarget<LlamaModel<StaticKVCache>>);
+static_assert(MaskedFeatureTreeTarget<LlamaModel<DynamicKVCache>> && MaskedFeatureTreeTarget<LlamaModel<StaticKVCache>>);
 static_assert(MaskedTreeTarget<LlamaModel<DynamicKVCache>> && MaskedTreeTarget<LlamaModel<StaticKVCache>>);
 
 }  // namespace specdec::models
