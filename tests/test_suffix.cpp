@@ -523,6 +523,29 @@ TEST(SuffixTreeGenerate, GreedyEqualsAutoregressiveOnATransformerAndInSessions) 
   EXPECT_EQ(cache.responses(), 3);
 }
 
+// Over the whole context, with a repetitive prompt (trees are cut to the room that is left): the
+// output is the target's to the last position, and every step costs one device-to-host copy.
+TEST(SuffixTreeGenerate, RunsToTheContextLimitWithOneCopyAStep) {
+  const models::LlamaConfig config = test::small_llama_config();
+  models::LlamaModel<StaticKVCache> target(config, models::LlamaWeights::random(config, 35, at::kDouble));
+  Tokens prompt;
+  for (int64_t i = 0; i < 40; ++i) prompt.push_back(1 + i % 5);
+  const int64_t limit = config.max_seq_len;
+  const auto reference = autoregressive_generate(target, prompt, {.max_new_tokens = limit});
+  for (const bool tree : {false, true}) {
+    SuffixCache cache(config.vocab_size);
+    cache.add(reference.tokens);  // the cache knows the answer: long drafts up to the limit
+    const int64_t before = device_to_host_copies();
+    const auto result = suffix_generate(cache, target, prompt,
+                                        {.max_new_tokens = limit, .gamma = 16, .rule = {.max_spec_factor = 4.0},
+                                         .tree = tree});
+    EXPECT_EQ(device_to_host_copies() - before, result.stats.target_calls) << tree;
+    EXPECT_EQ(result.tokens, reference.tokens) << tree;
+    EXPECT_EQ(result.stop_reason, StopReason::sequence_limit) << tree;
+    EXPECT_GT(result.stats.tokens_per_target_call(), 4.0) << tree;
+  }
+}
+
 // Where the cache says a context went one way twice and another way once, and the target takes
 // the rarer way, the chain drafts the common one and is cut at once; the tree holds both.
 TEST(SuffixTreeGenerate, ABranchTheChainMissesIsAccepted) {
