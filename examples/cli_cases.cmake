@@ -103,6 +103,7 @@ specdec_cli_case(prompt_longer_than_context 2 "--prompt of [0-9]+ bytes is at le
 specdec_cli_case(demo_gamma_text 2 "--gamma: '4x' is not an integer" ${D} --gamma 4x)
 specdec_cli_case(demo_unknown_flag 2 "--nope" ${D} --nope)
 specdec_cli_case(threads_zero 2 "--threads: 0 is outside \\[1, 1024\\]" ${G} --threads 0)
+specdec_cli_case(threads_word 2 "--threads: 'many' is neither auto nor an integer" ${G} --threads many)
 
 # Tokenizers: --chat needs a chat format; a tokenizer.json must be one and fit the model.
 specdec_cli_case(chat_without_format 2 "--chat needs a tokenizer.json" ${G} --chat)

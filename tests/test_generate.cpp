@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "specdec/generate.hpp"
@@ -394,6 +395,11 @@ TEST(Threads, OneSettingForTorchAndTheLoadedBlas) {
   }
   EXPECT_EQ(thread_settings().torch, 1);
   expect_invalid([] { (void)set_threads(0); }, {"threads", "0"});
+  // The cores this process may use: at least one, at most the hardware's.
+  EXPECT_GE(available_cores(), 1);
+  if (std::thread::hardware_concurrency() > 0) {
+    EXPECT_LE(available_cores(), static_cast<int>(std::thread::hardware_concurrency()));
+  }
   (void)set_threads(before.torch);
   if (before.blas) {
     EXPECT_EQ(*thread_settings().blas, before.torch);

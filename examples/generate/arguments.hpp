@@ -94,7 +94,8 @@ struct Arguments {
   std::string device = "cpu";
   std::string dtype = "float32";
   int64_t max_seq_len = io::LoadLimits{}.max_sequence_length;
-  int threads = 1;
+  int threads = 1;                  // from --threads: N, or auto (specdec::available_cores() / --tp)
+  std::string threads_option = "1";
   bool compare = false, trace = false, json = false;
   int compare_runs = 3;
   std::string verifier, verifier_token_file;
@@ -269,9 +270,20 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--device", a.device, "cpu (default) or cuda[:N]: where the models run")->group(models);
   app.add_option("--dtype", a.dtype, "float32 (default), float16 or bfloat16 (norms, softmax and verification stay float32)")
       ->check(in({"float32", "float16", "bfloat16"}))->group(models);
-  app.add_option("--threads", a.threads,
-                 "CPU threads of libtorch and of the loaded BLAS together (default 1: see docs/performance.md)")
-      ->check(cli::integer<int>(1, 1024))->group(models);
+  app.add_option("--threads", a.threads_option,
+                 "CPU threads of libtorch and of the loaded BLAS together: N, or auto for every core this process "
+                 "may run on (default 1, best for small models; auto for a memory-bound target: see "
+                 "docs/performance.md)")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            int value = 0;
+            if (text == "auto") return {};
+            if (!cli::parse_integer(text, value)) return "'" + text + "' is neither auto nor an integer in [1, 1024]";
+            if (value < 1 || value > 1024) return text + " is outside [1, 1024]";
+            return {};
+          },
+          "N|auto"))
+      ->group(models);
   app.add_option("--max-seq-len", a.max_seq_len,
                  "the longest context a checkpoint may declare (default 131072; raise it for longer ones)")
       ->check(cli::integer<int64_t>(1, int64_t{1} << 24))->group(models);
@@ -494,6 +506,9 @@ Arguments parse(int argc, char** argv) {
     throw std::invalid_argument("--trace does not apply to --batch-file");
   }
   check_tree_flags(app, a);
+  // auto: every core this process may use, shared by the ranks --tp starts on this machine.
+  a.threads = a.threads_option == "auto" ? std::max(1, available_cores() / static_cast<int>(a.parallel.tp))
+                                         : std::stoi(a.threads_option);
   if (!a.batch_file.empty() && a.suffix_tree) {
     throw std::invalid_argument("--suffix-tree does not apply to --batch-file: batches draft chains");
   }

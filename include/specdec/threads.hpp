@@ -22,9 +22,14 @@
 #include <ostream>
 #include <string>
 
+#include <thread>
+
 #if __has_include(<dlfcn.h>)
 #include <dlfcn.h>
 #define SPECDEC_HAS_DLSYM 1
+#endif
+#if __has_include(<sched.h>)
+#include <sched.h>
 #endif
 
 #include "specdec/detail/check.hpp"
@@ -89,6 +94,22 @@ inline ThreadSettings thread_settings() {
   }
   if (blas.core != nullptr && blas.core() != nullptr) settings.blas_core = blas.core();
   return settings;
+}
+
+// The cores this process may run on: its CPU affinity where the system reports one (a container
+// or taskset limits it), else the hardware's threads; at least 1. What a memory-bound target
+// wants: its forward streams every weight once, and each core adds bandwidth.
+inline int available_cores() noexcept {
+#if defined(__linux__) && defined(CPU_COUNT)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int count = CPU_COUNT(&set);
+    if (count > 0) return count;
+  }
+#endif
+  const unsigned hardware = std::thread::hardware_concurrency();
+  return hardware > 0 ? static_cast<int>(hardware) : 1;
 }
 
 // Sets libtorch's intra-op threads and the loaded BLAS's threads to `threads` (>= 1) and returns
