@@ -25,7 +25,6 @@
 
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/torch_compat.hpp"
-#include "specdec/models/llama_config.hpp"
 
 namespace specdec {
 
@@ -67,21 +66,5 @@ class SharedDecisions {
  private:
   Collectives* previous_;
 };
-
-// Throws std::invalid_argument, before any weight is read, when `config` cannot be split over
-// `world_size` ranks: the query heads, the key/value heads and the feed-forward width must each
-// divide by it (every rank holds whole heads).
-inline void check_tensor_parallel(const models::LlamaConfig& config, int64_t world_size) {
-  if (world_size < 1) detail::throw_invalid("world_size", "be >= 1", world_size);
-  const std::pair<const char*, int64_t> split[] = {
-      {"n_heads", config.n_heads}, {"n_kv_heads", config.n_kv_heads}, {"hidden_dim", config.hidden_dim}};
-  for (const auto& [name, value] : split) {
-    if (value % world_size != 0) {
-      detail::throw_invalid_message("LlamaConfig::", name, " (", value, ") does not divide by the world size (",
-                                    world_size, "): a model split over ", world_size,
-                                    " ranks needs whole heads and equal feed-forward slices on every rank");
-    }
-  }
-}
 
 }  // namespace specdec

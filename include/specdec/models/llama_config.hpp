@@ -1,5 +1,5 @@
-// The hyperparameters of a Llama-family model. Plain values, no tensors: the checkpoint parsers
-// use it without libtorch.
+// The hyperparameters of a Llama-family model, and check_tensor_parallel (whether they split over
+// N ranks). Plain values, no tensors: the checkpoint parsers use it without libtorch.
 #pragma once
 
 #include <cstdint>
@@ -95,3 +95,23 @@ struct LlamaConfig {
 };
 
 }  // namespace specdec::models
+
+namespace specdec {
+
+// Throws std::invalid_argument, before any weight is read, when `config` cannot be split over
+// `world_size` ranks: the query heads, the key/value heads and the feed-forward width must each
+// divide by it (every rank holds whole heads).
+inline void check_tensor_parallel(const models::LlamaConfig& config, int64_t world_size) {
+  if (world_size < 1) detail::throw_invalid("world_size", "be >= 1", world_size);
+  const std::pair<const char*, int64_t> split[] = {
+      {"n_heads", config.n_heads}, {"n_kv_heads", config.n_kv_heads}, {"hidden_dim", config.hidden_dim}};
+  for (const auto& [name, value] : split) {
+    if (value % world_size != 0) {
+      detail::throw_invalid_message("LlamaConfig::", name, " (", value, ") does not divide by the world size (",
+                                    world_size, "): a model split over ", world_size,
+                                    " ranks needs whole heads and equal feed-forward slices on every rank");
+    }
+  }
+}
+
+}  // namespace specdec
