@@ -10,6 +10,7 @@
 
 #include "specdec/generate.hpp"
 #include "specdec/models/llama.hpp"
+#include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
 
 namespace {
@@ -327,34 +328,81 @@ TEST(LlamaCpuKernels, StepAsideWhileAutogradRecords) {
   EXPECT_TRUE(model.cpu_kernels());
 }
 
-// One weight product by both routes against float64, for the layouts the forward uses: [out, in]
-// as it lies (a classifier tied to the embedding), laid out [in, out] (every other matrix), with
-// and without a bias, for one row, a few, and a prefill's many.
-TEST(CpuLinear, BothRoutesComputeTheProductOnEveryLayout) {
-  if (!specdec::detail::kOneDnnBuilt) GTEST_SKIP() << "specdec was built without oneDNN: only BLAS products to test";
+// One weight product by every route it has against float64, for the layouts the forward uses:
+// [out, in] as it lies (a classifier tied to the embedding), laid out [in, out] (every other
+// matrix), and packed in panels, with and without a bias, for one row, a few, and a prefill's
+// many.
+TEST(CpuLinear, EveryRouteComputesTheProductOnEveryLayout) {
+  using specdec::detail::CpuLinear;
+  using specdec::detail::ProductRoute;
   const at::Tensor weight = at::randn({96, 40});
   const at::Tensor bias = at::randn({96});
-  for (const at::Tensor& layout : {weight, weight.t().contiguous().t()}) {
-    for (const at::Tensor& b : {at::Tensor(), bias}) {
-      const specdec::detail::CpuLinear product(layout, b);
-      ASSERT_TRUE(product.has_onednn());
+  for (const at::Tensor& b : {at::Tensor(), bias}) {
+    for (const CpuLinear& product : {CpuLinear(weight, b), CpuLinear(weight.t().contiguous().t(), b),
+                                     CpuLinear::packed(weight, b, specdec::detail::WeightFormat::f32, "weight")}) {
+      EXPECT_EQ(product.has_onednn(), specdec::detail::kOneDnnBuilt && !product.has_packed());
       for (const int64_t rows : {1, 5, 200}) {
         const at::Tensor x = at::randn({rows, 40});
         at::Tensor expected = at::mm(x.to(at::kDouble), weight.t().to(at::kDouble));
         if (b.defined()) expected += b.to(at::kDouble);
-        for (const bool onednn : {true, false}) {
-          const at::Tensor y = product(x, onednn);
+        for (const ProductRoute route : {ProductRoute::blas, ProductRoute::onednn, ProductRoute::packed}) {
+          if (!product.has(route)) continue;
+          const at::Tensor y = product(x, route);
           EXPECT_TRUE(at::allclose(y.to(at::kDouble), expected, 1e-5, 1e-5))
-              << "rows " << rows << ", bias " << b.defined() << ", onednn " << onednn << ", contiguous "
-              << layout.is_contiguous();
+              << "rows " << rows << ", bias " << b.defined() << ", route " << to_string(route);
         }
       }
     }
   }
   // A wrong operand does not pass: the product with the bias left out differs.
   const at::Tensor x = at::randn({5, 40});
-  EXPECT_FALSE(at::allclose(specdec::detail::CpuLinear(weight, at::Tensor())(x, true),
-                            specdec::detail::CpuLinear(weight, bias)(x, true), 1e-5, 1e-5));
+  EXPECT_FALSE(at::allclose(CpuLinear(weight, at::Tensor())(x, ProductRoute::blas),
+                            CpuLinear(weight, bias)(x, ProductRoute::blas), 1e-5, 1e-5));
+}
+
+// The packed product against float64 on odd shapes: 1 to 9 rows, 12 (the most kept in registers),
+// 13 and a prefill's 70 (more than one pass), widths that are not a multiple of the vector (16)
+// nor of the panel (32), fp32, bf16 and int8 weights (each against its own values: bf16 rounded
+// to the nearest, int8 times its scales, both within half a step of the weight), one and two
+// threads, the AVX-512 loops where this CPU has them and the portable loops always.
+TEST(PackedProduct, MatchesFloat64OnOddShapesFormatsAndThreads) {
+  using specdec::detail::WeightFormat;
+  at::manual_seed(11);
+  const int threads = at::get_num_threads();
+  for (const auto& [in, out] : std::vector<std::pair<int64_t, int64_t>>{{37, 53}, {64, 1000}, {203, 17}, {9, 1}}) {
+    const at::Tensor weight = at::randn({out, in});
+    const at::Tensor bias = at::randn({out});
+    for (const WeightFormat format : {WeightFormat::f32, WeightFormat::bf16, WeightFormat::i8}) {
+      const auto product = specdec::detail::CpuLinear::packed(weight, bias, format, "weight");
+      ASSERT_EQ(product.format(), format);
+      ASSERT_FALSE(product.has_blas());
+      const at::Tensor values = product.dense().to(at::kDouble);  // the weights it multiplies by
+      const at::Tensor step = format == WeightFormat::i8 ? weight.abs().amax(1, true).to(at::kDouble) / 127
+                              : format == WeightFormat::bf16 ? weight.abs().to(at::kDouble) * 0x1p-7
+                                                             : at::zeros({1, 1}, at::kDouble);
+      EXPECT_TRUE(((values - weight.to(at::kDouble)).abs() <= step / 2 + 1e-12).all().item<bool>()) << to_string(format);
+      if (format == WeightFormat::bf16) {
+        EXPECT_TRUE(at::equal(values, weight.to(at::kBFloat16).to(at::kDouble)));
+      }
+      for (const int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 70}) {
+        const at::Tensor x = at::randn({rows, in});
+        const at::Tensor expected = at::mm(x.to(at::kDouble), values.t()) + bias.to(at::kDouble);
+        for (const int n : {1, 2}) {
+          at::set_num_threads(n);
+          for (const bool avx512 : {true, false}) {
+            at::Tensor y = at::empty({rows, out});
+            specdec::detail::packed_product(product.packed_weight(), x.data_ptr<float>(), rows, y.data_ptr<float>(),
+                                            bias.data_ptr<float>(), avx512);
+            EXPECT_TRUE(at::allclose(y.to(at::kDouble), expected, 1e-4, 1e-4))
+                << to_string(format) << " [" << in << ", " << out << "], rows " << rows << ", threads " << n
+                << (avx512 ? ", avx512 where the CPU has it" : ", portable") << ": max difference "
+                << (y.to(at::kDouble) - expected).abs().max().item<double>();
+          }
+        }
+      }
+    }
+  }
+  at::set_num_threads(threads);
 }
 
 // The CPU forward's attention loops (the AVX2/FMA ones where this CPU has them) against
@@ -423,16 +471,18 @@ TEST(LlamaCpuKernels, Avx2ExpMatchesStdExp) {
 // The product route is measured once per shape and row count, and kept: every later product of
 // that key (of any CpuLinear) takes it without measuring again.
 TEST(CpuLinear, RouteIsMeasuredOncePerShapeAndRowCount) {
-  const specdec::detail::ProductRoutes::Key key{.in = 7, .out = 5, .row_stride = 7, .column_stride = 1, .rows = 3};
+  using specdec::detail::ProductRoute;
+  using specdec::detail::ProductRoutes;
+  const ProductRoutes::Key key{.in = 7, .out = 5, .row_stride = 7, .column_stride = 1, .rows = 3};
   int measured = 0;
-  const bool first = specdec::detail::ProductRoutes::onednn_faster(key, [&] { ++measured; return true; });
-  const bool second = specdec::detail::ProductRoutes::onednn_faster(key, [&] { ++measured; return false; });
-  EXPECT_TRUE(first);
-  EXPECT_TRUE(second);
+  const ProductRoute first = ProductRoutes::fastest(key, [&] { ++measured; return ProductRoute::onednn; });
+  const ProductRoute second = ProductRoutes::fastest(key, [&] { ++measured; return ProductRoute::blas; });
+  EXPECT_EQ(first, ProductRoute::onednn);
+  EXPECT_EQ(second, ProductRoute::onednn);
   EXPECT_EQ(measured, 1);
   auto other = key;
   other.rows = 4;
-  EXPECT_FALSE(specdec::detail::ProductRoutes::onednn_faster(other, [&] { ++measured; return false; }));
+  EXPECT_EQ(ProductRoutes::fastest(other, [&] { ++measured; return ProductRoute::blas; }), ProductRoute::blas);
   EXPECT_EQ(measured, 2);
 }
 
@@ -460,6 +510,144 @@ TEST(LlamaCpuKernels, OneDnnAndBlasProductsGiveTheSameForward) {
   // A model on another dtype has no oneDNN products.
   LlamaModel<StaticKVCache> fp64(config, LlamaWeights::random(config, 9, at::kDouble));
   EXPECT_FALSE(fp64.onednn());
+}
+
+// The forward with packed fp32 weights and with BLAS products: the same logits for a prefill,
+// steps and a verification, up to fp32 rounding, greedy decoding picks the same tokens, and
+// speculation over packed models is exact.
+TEST(LlamaCpuKernels, PackedAndBlasProductsGiveTheSameForward) {
+  LlamaConfig config = test::small_llama_config();
+  config.qkv_bias = true;
+  config.o_bias = true;
+  LlamaModel<StaticKVCache> packed(config, LlamaWeights::random(config, 9));
+  LlamaModel<StaticKVCache> blas(config, LlamaWeights::random(config, 9));
+  packed.pack_weights(specdec::detail::WeightFormat::f32);
+  packed.pack_weights(specdec::detail::WeightFormat::f32);  // again: nothing
+  EXPECT_TRUE(packed.packed());
+  EXPECT_FALSE(packed.onednn());
+  EXPECT_FALSE(packed.weights().layers[0].wq.defined());
+  blas.use_products(specdec::detail::ProductChoice::blas);
+  auto packed_cache = packed.make_cache(1);
+  auto blas_cache = blas.make_cache(1);
+  for (const int64_t count : {40, 1, 1, 5, 3, 9}) {
+    const at::Tensor ids = at::randint(0, config.vocab_size, {1, count}, at::kLong);
+    const at::Tensor a = packed.forward(ids, packed_cache), b = blas.forward(ids, blas_cache);
+    EXPECT_TRUE(at::allclose(a, b, 1e-4, 1e-4)) << count << ": max difference " << (a - b).abs().max().item<float>();
+  }
+  const std::vector<int64_t> prompt{1, 7, 9, 30};
+  const auto reference = autoregressive_generate(blas, prompt, {.max_new_tokens = 24}).tokens;
+  EXPECT_EQ(autoregressive_generate(packed, prompt, {.max_new_tokens = 24}).tokens, reference);
+  LlamaModel<StaticKVCache> drafter(config, LlamaWeights::random(config, 10));
+  drafter.pack_weights(specdec::detail::WeightFormat::f32);
+  for (const int64_t gamma : {1, 3, 8}) {
+    EXPECT_EQ(speculative_generate(drafter, packed, prompt, {.max_new_tokens = 24, .gamma = gamma}).tokens, reference)
+        << "gamma " << gamma;
+  }
+  // The ATen forward (use_cpu_kernels(false)) unpacks the weights: the same logits.
+  LlamaModel<StaticKVCache> unpacked(config, LlamaWeights::random(config, 9));
+  unpacked.pack_weights(specdec::detail::WeightFormat::f32);
+  unpacked.use_cpu_kernels(false);
+  auto a_cache = packed.make_cache(1), b_cache = unpacked.make_cache(1);
+  const at::Tensor ids = at::randint(0, config.vocab_size, {1, 7}, at::kLong);
+  EXPECT_TRUE(at::allclose(packed.forward(ids, a_cache), unpacked.forward(ids, b_cache), 1e-4, 1e-4));
+}
+
+// A bf16 model packed for the CPU loops (fp32 activations, bf16 weights): its logits are those of
+// the fp32 forward of the same weights up to the cache's bf16 rounding of keys and values and the
+// logits' own rounding, and closer to them than the ATen bf16 forward's, which rounds every
+// activation. Speculation over it is exact, and features come back in bf16. An fp32 model packed
+// as bf16 is the same model.
+TEST(LlamaCpuKernels, Bfloat16PackedModelRunsTheLoops) {
+  const LlamaConfig config = test::small_llama_config();
+  const LlamaWeights weights = LlamaWeights::random(config, 4, at::kBFloat16);
+  LlamaModel<StaticKVCache> loops(config, weights);
+  EXPECT_FALSE(loops.cpu_kernels());  // a bf16 model runs the ATen forward until packed
+  loops.pack_weights(specdec::detail::WeightFormat::bf16);
+  ASSERT_TRUE(loops.cpu_kernels());
+  EXPECT_EQ(loops.weight_format(), specdec::detail::WeightFormat::bf16);
+  LlamaModel<StaticKVCache> aten(config, weights);
+  // The same bf16 weights, widened to fp32 (exactly).
+  LlamaWeights widened = weights;
+  const auto widen = [](at::Tensor& t) {
+    if (t.defined()) t = t.to(at::kFloat);
+  };
+  for (at::Tensor* t : {&widened.token_embedding, &widened.norm, &widened.output}) widen(*t);
+  for (specdec::models::LlamaLayerWeights& l : widened.layers) {
+    for (at::Tensor* t : {&l.attention_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w1, &l.w2, &l.w3}) widen(*t);
+  }
+  LlamaModel<StaticKVCache> wide(config, widened);
+  LlamaModel<StaticKVCache> rounded(config, widened);  // fp32, packed as bf16: the same weights
+  rounded.pack_weights(specdec::detail::WeightFormat::bf16);
+  auto loops_cache = loops.make_cache(1), aten_cache = aten.make_cache(1), wide_cache = wide.make_cache(1);
+  auto rounded_cache = rounded.make_cache(1);
+  for (const int64_t count : {12, 1, 4}) {
+    const at::Tensor ids = at::randint(0, config.vocab_size, {1, count}, at::kLong);
+    const at::Tensor a = loops.forward(ids, loops_cache), b = aten.forward(ids, aten_cache);
+    const at::Tensor reference = wide.forward(ids, wide_cache);
+    EXPECT_EQ(a.scalar_type(), at::kBFloat16);
+    const double loops_error = (a.to(at::kFloat) - reference).abs().max().item<double>();
+    const double aten_error = (b.to(at::kFloat) - reference).abs().max().item<double>();
+    EXPECT_LT(loops_error, 0.05 * reference.abs().max().item<double>()) << count;
+    EXPECT_LE(loops_error, aten_error) << count;
+    EXPECT_TRUE(at::allclose(rounded.forward(ids, rounded_cache), reference, 1e-4, 1e-4)) << count;
+  }
+  const std::vector<int64_t> prompt{1, 7, 9, 30};
+  const auto reference = autoregressive_generate(loops, prompt, {.max_new_tokens = 20}).tokens;
+  LlamaModel<StaticKVCache> drafter(config, LlamaWeights::random(config, 6, at::kBFloat16));
+  drafter.pack_weights(specdec::detail::WeightFormat::bf16);
+  EXPECT_EQ(speculative_generate(drafter, loops, prompt, {.max_new_tokens = 20, .gamma = 4}).tokens, reference);
+  auto cache = loops.make_cache(1);
+  const auto out = loops.forward_features(ids_of({1, 2, 3}), cache, std::vector<int64_t>{0, config.n_layers});
+  EXPECT_EQ(out.features.scalar_type(), at::kBFloat16);
+}
+
+// int8 weights: the loops' logits equal the ATen forward's over the dequantized weights (the same
+// products, in another order), speculation is exact with respect to the quantized target, and a
+// model that cannot be quantized says why and is left as it was.
+TEST(LlamaInt8, QuantizedForwardIsTheDequantizedModelAndSpeculationIsExact) {
+  LlamaConfig config = test::small_llama_config();
+  config.qkv_bias = true;
+  LlamaModel<StaticKVCache> loops(config, LlamaWeights::random(config, 21));
+  LlamaModel<StaticKVCache> aten(config, LlamaWeights::random(config, 21));
+  LlamaModel<StaticKVCache> fp32(config, LlamaWeights::random(config, 21));
+  loops.quantize_int8();
+  aten.quantize_int8();
+  aten.use_cpu_kernels(false);
+  EXPECT_EQ(loops.weight_format(), specdec::detail::WeightFormat::i8);
+  EXPECT_TRUE(loops.weights().layers[0].attention_norm.defined());
+  auto loops_cache = loops.make_cache(1), aten_cache = aten.make_cache(1);
+  for (const int64_t count : {10, 1, 5}) {
+    const at::Tensor ids = at::randint(0, config.vocab_size, {1, count}, at::kLong);
+    const at::Tensor a = loops.forward(ids, loops_cache), b = aten.forward(ids, aten_cache);
+    EXPECT_TRUE(at::allclose(a, b, 1e-4, 1e-4)) << count << ": max difference " << (a - b).abs().max().item<float>();
+  }
+  // The quantized model is near the fp32 one, and not it (or this test could not tell them apart).
+  auto fp32_cache = fp32.make_cache(1), int8_cache = loops.make_cache(1);
+  const at::Tensor ids = at::randint(0, config.vocab_size, {1, 12}, at::kLong);
+  const at::Tensor exact = fp32.forward(ids, fp32_cache), quantized = loops.forward(ids, int8_cache);
+  const double difference = (exact - quantized).abs().max().item<double>();
+  EXPECT_GT(difference, 1e-4);
+  EXPECT_LT(difference, 0.05 * exact.abs().max().item<double>());
+  const std::vector<int64_t> prompt{1, 7, 9, 30};
+  const auto reference = autoregressive_generate(loops, prompt, {.max_new_tokens = 24}).tokens;
+  LlamaModel<StaticKVCache> drafter(config, LlamaWeights::random(config, 22));
+  drafter.quantize_int8();
+  for (const int64_t gamma : {1, 4}) {
+    EXPECT_EQ(speculative_generate(drafter, loops, prompt, {.max_new_tokens = 24, .gamma = gamma}).tokens, reference);
+  }
+  // bf16 weights quantize too; fp64 and non-finite weights do not, nor a model packed otherwise.
+  LlamaModel<StaticKVCache> bf16(config, LlamaWeights::random(config, 21, at::kBFloat16));
+  bf16.quantize_int8();
+  EXPECT_EQ(bf16.weight_format(), specdec::detail::WeightFormat::i8);
+  test::expect_invalid([&] { bf16.pack_weights(specdec::detail::WeightFormat::f32); }, {"int8", "float32"});
+  LlamaModel<StaticKVCache> fp64(config, LlamaWeights::random(config, 21, at::kDouble));
+  test::expect_invalid([&] { fp64.quantize_int8(); }, {"pack_weights", "Double"});
+  LlamaWeights broken = LlamaWeights::random(config, 21);
+  broken.layers[1].w3[2][3] = std::numeric_limits<float>::quiet_NaN();
+  LlamaModel<StaticKVCache> nan_model(config, broken);
+  test::expect_invalid([&] { nan_model.quantize_int8(); }, {"layers.1.w13", "finite"});
+  EXPECT_FALSE(nan_model.packed());
+  EXPECT_TRUE(nan_model.weights().layers[0].wq.defined());
 }
 
 TEST(LlamaCpuKernels, RejectTreeDepthsOutsideTheModel) {

@@ -717,6 +717,41 @@ bool medusa_samples_fit(bool skip_sample_adjustment) {
   return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
 }
 
+// Packed weights (an int8 target, a bf16 drafter): three tokens sampled by speculative decoding
+// are distributed as the quantized target's own, by chi-square at a tail of 1e-6; the check can
+// tell: the drafter's own samples fail it.
+TEST(PackedWeights, SampledSpeculativeDecodingIsTheQuantizedTarget) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  models::LlamaConfig config = test::small_llama_config();
+  config.vocab_size = 6;
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 8);
+  Model target(config, weights);
+  target.quantize_int8();
+  Model drafter(config, test::perturbed(weights, 0.3, 5));
+  drafter.pack_weights(specdec::detail::WeightFormat::bf16);
+  const MultinomialProcessor processor{1.5};
+  const std::vector<int64_t> prompt{1, 4, 2};
+  const std::map<std::vector<int64_t>, double> expected = exact_continuations(target, processor, prompt, 3);
+  constexpr int64_t kSamples = 4000;
+  std::map<std::vector<int64_t>, int64_t> speculative, drafter_alone;
+  int64_t accepted = 0;
+  for (int64_t i = 0; i < kSamples; ++i) {
+    const GenerationOptions sampled{.max_new_tokens = 3, .seed = static_cast<uint64_t>(i)};
+    const SpeculativeOptions options{
+        .max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2, .first_target = false};
+    const GenerationResult result = speculative_generate(drafter, target, prompt, options, processor);
+    ++speculative[result.tokens];
+    accepted += result.stats.accepted;
+    ++drafter_alone[autoregressive_generate(drafter, prompt, sampled, processor).tokens];
+  }
+  EXPECT_GT(accepted, kSamples / 4) << "the drafter should be accepted often";
+  const test::ChiSquare fit = test::chi_square(speculative, expected, kSamples);
+  EXPECT_EQ(fit.outside_support, 0);
+  EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, 4.75));
+  const test::ChiSquare power = test::chi_square(drafter_alone, expected, kSamples);
+  EXPECT_GT(power.statistic, test::chi_square_quantile(power.dof, 4.75)) << "no power against the drafter's own output";
+}
+
 TEST(Medusa, SampledOutputIsDistributedAsTheTarget) {
   EXPECT_TRUE(medusa_samples_fit(/*skip_sample_adjustment=*/false));
   // Power: a verification that samples a rejected position from p instead of the residual fails.

@@ -342,11 +342,11 @@ class EagleHead {
     if (kernels_apply(outputs)) {
       const at::Tensor x = outputs.contiguous();
       const int64_t rows = x.size(0), h = config_.layer.dim;
-      if (config_.kind == EagleKind::eagle1) return cpu_->lm_head(x, detail::kOneDnnBuilt);
+      if (config_.kind == EagleKind::eagle1) return cpu_->lm_head(x, detail::ProductRoute::onednn);
       at::Tensor normed = at::empty({rows, h}, x.options());
       detail::rms_norm_rows(x.data_ptr<float>(), w_.norm.data_ptr<float>(), normed.data_ptr<float>(), rows, h,
                             config_.layer.norm_eps);
-      return cpu_->lm_head(normed, detail::kOneDnnBuilt);
+      return cpu_->lm_head(normed, detail::ProductRoute::onednn);
     }
     if (config_.kind == EagleKind::eagle1) return at::linear(outputs, w_.lm_head);
     return at::linear(rms_norm(outputs, w_.norm), w_.lm_head);
@@ -456,7 +456,7 @@ class EagleHead {
     const int64_t heads = c.n_heads, kv_heads = c.n_kv_heads, head_dim = c.head_dim(), group = heads / kv_heads;
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, width = q_width + 2 * kv_width;
     const int64_t ffn = c.hidden_dim;
-    const bool onednn = detail::kOneDnnBuilt;
+    const auto onednn = detail::ProductChoice::automatic;  // the measured fastest route
     const at::Tensor ids = ids_in.to(at::kLong).contiguous();
     const at::Tensor states = hidden.contiguous();
     const int64_t* id = ids.data_ptr<int64_t>();

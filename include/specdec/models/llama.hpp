@@ -161,9 +161,13 @@ class LlamaModel {
     if (complex_rope()) {
       rope_ = at::polar(at::ones_like(angles), angles).to(device()).to(at::toComplexType(dtype()));
     }
-    if (!complex_rope() || kernels_apply()) {
+    if (!complex_rope()) {
       rope_cos_ = angles.cos().to(options).contiguous();
       rope_sin_ = angles.sin().to(options).contiguous();
+    }
+    if (device().is_cpu()) {  // the CPU loops read fp32 tables whatever the weights' dtype
+      loop_cos_ = angles.cos().to(at::kFloat).contiguous();
+      loop_sin_ = angles.sin().to(at::kFloat).contiguous();
     }
     // The causal bias of every short forward, built once (longer ones, prefills, build their own).
     for (int64_t count = 0; count <= kCachedMaskTokens; ++count) {
@@ -223,10 +227,70 @@ class LlamaModel {
       }
       classifier_ = detail::CpuLinear(weights_.output, at::Tensor());
       onednn_built_ = onednn_built_ && classifier_.has_onednn();
+      build_loop_parts();
     } else {
       onednn_built_ = false;
     }
   }
+
+  // Packs the weight products of every layer (q|k|v, o, gate|up, down) and the classifier in
+  // panels for the CPU forward's packed route (models/detail/packed_product.hpp), in `format`:
+  //  - f32: the weights as they are (bf16 ones widened);
+  //  - bf16: rounded to bfloat16 (half the bytes of fp32);
+  //  - i8: int8 with one fp32 scale per output (weight-only, symmetric: scale = max |w| / 127
+  //    over the output's weights, each weight rounded to the nearest step; a quarter of fp32).
+  // Each forward then reads every weight once, in one sequential stream per thread, whatever the
+  // number of new tokens: what a target larger than the CPU's caches needs (docs/performance.md).
+  // The activations stay fp32 whatever the format. The layers' float matrices are released:
+  // weights().layers then holds the norms and biases only; the embedding and the float
+  // classifier stay (heads share them), though forwards multiply by the packed classifier.
+  // Forwards that the CPU loops do not run (ragged batches, sliding windows,
+  // use_cpu_kernels(false)) unpack each product's weights through ATen, slowly. Packing twice in
+  // the same format does nothing.
+  // Requires: a CPU model in fp32 or bf16 whose weights do not require gradients, not packed in
+  //   another format.
+  // Throws: std::invalid_argument naming the model's device or dtype where it is not such a
+  //   model, the formats where it is packed already, or the tensor (e.g. "layers.3.w13") whose
+  //   values cannot be quantized (not finite).
+  void pack_weights(detail::WeightFormat format) {
+    if (packed_) {
+      if (format == format_) return;
+      detail::throw_invalid_message("pack_weights: the model's weights are packed as ", detail::to_string(format_),
+                                    " already, not ", detail::to_string(format));
+    }
+    if (!device().is_cpu() || (dtype() != at::kFloat && dtype() != at::kBFloat16)) {
+      detail::throw_invalid_message("pack_weights: packed weights run on the CPU in float32 or bfloat16 models, got ",
+                                    dtype(), " on ", device());
+    }
+    if (trainable_) detail::throw_invalid_message("pack_weights: the model's weights require gradients (training)");
+    // Every product first (a bad tensor leaves the model as it was), then the swap.
+    std::vector<FusedLayer> packed(fused_.size());
+    for (size_t layer = 0; layer < fused_.size(); ++layer) {
+      const FusedLayer& fused = fused_[layer];
+      const LlamaLayerWeights& w = weights_.layers[layer];
+      const std::string prefix = "layers." + std::to_string(layer) + ".";
+      packed[layer].qkv = detail::CpuLinear::packed(fused.wqkv, fused.bqkv, format, prefix + "wqkv");
+      packed[layer].o = detail::CpuLinear::packed(w.wo, w.bo, format, prefix + "wo");
+      packed[layer].gate_up = detail::CpuLinear::packed(fused.w13, at::Tensor(), format, prefix + "w13");
+      packed[layer].down = detail::CpuLinear::packed(w.w2, at::Tensor(), format, prefix + "w2");
+      packed[layer].bqkv = fused.bqkv;
+    }
+    detail::CpuLinear classifier = detail::CpuLinear::packed(weights_.output, at::Tensor(), format, "output");
+    fused_ = std::move(packed);
+    classifier_ = std::move(classifier);
+    for (LlamaLayerWeights& w : weights_.layers) w.wq = w.wk = w.wv = w.wo = w.w1 = w.w2 = w.w3 = at::Tensor();
+    packed_ = true;
+    format_ = format;
+    onednn_built_ = false;
+    build_loop_parts();
+  }
+
+  // pack_weights(detail::WeightFormat::i8).
+  void quantize_int8() { pack_weights(detail::WeightFormat::i8); }
+
+  // Whether the weight products are packed (pack_weights()), and in which format (f32 where not).
+  [[nodiscard]] bool packed() const noexcept { return packed_; }
+  [[nodiscard]] detail::WeightFormat weight_format() const noexcept { return format_; }
 
   // The rotary inverse frequencies theta^(-2i / head_dim), i < head_dim / 2 (float64), scaled
   // as config.rope_scaling says. linear divides every frequency by the factor. llama3 (Llama
@@ -280,8 +344,19 @@ class LlamaModel {
   // products). Where they may, each product of up to 16 rows takes the route measured faster for
   // its shape and row count on this machine, once per process (detail::ProductRoutes); longer ones
   // take oneDNN. onednn() is false where oneDNN is not built in or the model is not CPU fp32.
-  void use_onednn(bool enabled) noexcept { onednn_ = enabled; }
-  [[nodiscard]] bool onednn() const noexcept { return onednn_ && onednn_built_; }
+  void use_onednn(bool enabled) noexcept {
+    products_ = enabled ? detail::ProductChoice::automatic : detail::ProductChoice::blas;
+  }
+  [[nodiscard]] bool onednn() const noexcept {
+    return onednn_built_ && (products_ == detail::ProductChoice::automatic || products_ == detail::ProductChoice::onednn);
+  }
+
+  // Which route the CPU loops' weight products take (models/detail/cpu_linear.hpp): automatic
+  // (the default: packed weights take the packed route, others the faster of BLAS and oneDNN,
+  // measured for each shape and row count), or blas or onednn where the weights are not packed.
+  // For tests and benchmarks.
+  void use_products(detail::ProductChoice choice) noexcept { products_ = choice; }
+  [[nodiscard]] detail::ProductChoice products() const noexcept { return products_; }
 
   // An empty cache for `batch` rows (a StaticKVCache of max_seq_len positions).
   [[nodiscard]] Cache make_cache(int64_t batch) const { return make_cache(batch, config_.max_seq_len); }
@@ -560,8 +635,18 @@ class LlamaModel {
     return new_token_bias(lower).repeat({config_.n_heads / config_.n_kv_heads, 1});
   }
 
-  // Whether the fused CPU loops can run this model: fp32 weights on the CPU.
-  [[nodiscard]] bool kernels_apply() const { return device().is_cpu() && dtype() == at::kFloat; }
+  // Whether the fused CPU loops can run this model: fp32 weights on the CPU, or packed ones.
+  [[nodiscard]] bool kernels_apply() const { return packed_ || (device().is_cpu() && dtype() == at::kFloat); }
+
+  // The loops' fp32 copies of the norms' weights (views where they are fp32 already).
+  void build_loop_parts() {
+    const auto fp32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
+    for (size_t layer = 0; layer < fused_.size(); ++layer) {
+      fused_[layer].attention_norm = fp32(weights_.layers[layer].attention_norm);
+      fused_[layer].ffn_norm = fp32(weights_.layers[layer].ffn_norm);
+    }
+    loop_norm_ = fp32(weights_.norm);
+  }
 
   // The forward of the CPU fp32 path: the same computation as run() for rows of one length, new
   // token t of every row at positions[t] (validated by the caller), seeing the cached positions and
@@ -570,9 +655,11 @@ class LlamaModel {
   // the loops of detail::attend, more through batched products. The keys and
   // values of a layer reach the cache in one write where the cache takes them stacked
   // (StaticKVCache::update_stacked).
-  at::Tensor run_cpu(const at::Tensor& ids, Cache& cache, std::span<const int64_t> positions, const at::Tensor& grouped_bias) {
+  at::Tensor run_cpu(const at::Tensor& ids, Cache& cache, std::span<const int64_t> positions, const at::Tensor& bias) {
     const detail::FlushSubnormals flush;
-    const bool use_onednn = onednn();
+    // The loops read the bias as fp32 (a bf16 model's is bf16; 0 and -inf either way).
+    const at::Tensor grouped_bias = bias.defined() && bias.scalar_type() != at::kFloat ? bias.to(at::kFloat) : bias;
+    const detail::ProductChoice choice = products_;
     const int64_t batch = ids.size(0), count = ids.size(1), rows = batch * count;
     const int64_t heads = heads_, kv_heads = kv_heads_, head_dim = config_.head_dim();
     const int64_t dim = config_.dim, hidden = hidden_;
@@ -592,15 +679,23 @@ class LlamaModel {
     float* const gated = gate_up + rows * 2 * hidden;
     const auto fp32 = at::TensorOptions().dtype(at::kFloat);
     at::Tensor embedded = at::from_blob(x, {rows, dim}, fp32);
-    at::index_select_out(embedded, weights_.token_embedding, 0, ids.reshape({rows}));
-    const float* const cos = rope_cos_.data_ptr<float>();
-    const float* const sin = rope_sin_.data_ptr<float>();
+    if (dtype() == at::kFloat) {
+      at::index_select_out(embedded, weights_.token_embedding, 0, ids.reshape({rows}));
+    } else {
+      embedded.copy_(weights_.token_embedding.index_select(0, ids.reshape({rows})));
+    }
+    const float* const cos = loop_cos_.data_ptr<float>();
+    const float* const sin = loop_sin_.data_ptr<float>();
+    // The features a tap asks for, in the model's dtype.
+    const auto tap = [&](int64_t index, const float* rows_of) {
+      const at::Tensor state = at::from_blob(const_cast<float*>(rows_of), {batch, count, dim}, fp32);
+      taps_->put(index, dtype() == at::kFloat ? state : state.to(dtype()));
+    };
     for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
-      const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
       const FusedLayer& fused = fused_[static_cast<size_t>(layer)];
-      if (taps_ != nullptr) taps_->put(layer, at::from_blob(x, {batch, count, dim}, fp32));
-      detail::rms_norm_rows(x, w.attention_norm.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
-      fused.qkv.into(normed, rows, qkv, use_onednn);  // [rows, q | k | v]
+      if (taps_ != nullptr) tap(layer, x);
+      detail::rms_norm_rows(x, fused.attention_norm.template data_ptr<float>(), normed, rows, dim, config_.norm_eps);
+      fused.qkv.into(normed, rows, qkv, choice);  // [rows, q | k | v]
       for (int64_t r = 0; r < rows; ++r) {  // q and k heads lie side by side: rotate them together
         detail::rotate_heads(qkv + r * qkv_width, heads + kv_heads, head_dim, positions[static_cast<size_t>(r % count)],
                              cos, sin);
@@ -621,22 +716,22 @@ class LlamaModel {
         detail::attend_batched(shape, at::from_blob(qkv, {rows, q_width}, {qkv_width, 1}, fp32), keys, values,
                                grouped_bias, at::from_blob(attended, {rows, q_width}, fp32));
       }
-      fused.o.into(attended, rows, product, use_onednn);
+      fused.o.into(attended, rows, product, choice);
       if (group_) reduce(at::from_blob(product, {rows * dim}, fp32));
       detail::add_into(x, product, rows * dim);
-      detail::rms_norm_rows(x, w.ffn_norm.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
-      fused.gate_up.into(normed, rows, gate_up, use_onednn);
+      detail::rms_norm_rows(x, fused.ffn_norm.template data_ptr<float>(), normed, rows, dim, config_.norm_eps);
+      fused.gate_up.into(normed, rows, gate_up, choice);
       detail::swiglu_rows(gate_up, rows, hidden, gated);
-      fused.down.into(gated, rows, product, use_onednn);
+      fused.down.into(gated, rows, product, choice);
       if (group_) reduce(at::from_blob(product, {rows * dim}, fp32));
       detail::add_into(x, product, rows * dim);
     }
     cache.commit(count);
-    detail::rms_norm_rows(x, weights_.norm.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
-    if (taps_ != nullptr) taps_->put(config_.n_layers, at::from_blob(normed, {batch, count, dim}, fp32));
-    at::Tensor logits = at::empty({batch, count, config_.vocab_size}, weights_.token_embedding.options());
-    classifier_.into(normed, rows, logits.data_ptr<float>(), use_onednn);
-    return logits;
+    detail::rms_norm_rows(x, loop_norm_.data_ptr<float>(), normed, rows, dim, config_.norm_eps);
+    if (taps_ != nullptr) tap(config_.n_layers, normed);
+    at::Tensor logits = at::empty({batch, count, config_.vocab_size}, fp32);
+    classifier_.into(normed, rows, logits.data_ptr<float>(), choice);
+    return dtype() == at::kFloat ? logits : logits.to(dtype());
   }
 
   // The CPU forward's scratch floats: a buffer kept per thread and reused by every forward on
@@ -739,7 +834,7 @@ class LlamaModel {
       if (taps_ != nullptr) taps_->put(layer, x);
       const at::Tensor h = rms_norm(x, w.attention_norm, config_.norm_eps);
       // q and k rotate together: [B, T, heads + kv_heads, hd].
-      const at::Tensor qkv = at::linear(h, fused.wqkv, fused.bqkv);
+      const at::Tensor qkv = at::linear(h, packed_ ? fused.qkv.dense().to(dtype()) : fused.wqkv, fused.bqkv);
       const at::Tensor qk =
           rotate_heads(qkv.narrow(-1, 0, q_width + kv_width).reshape({batch, count, heads + kv_heads, head_dim}));
       const at::Tensor q = qk.narrow(2, 0, heads);
@@ -760,16 +855,17 @@ class LlamaModel {
                                       .view({batch, heads, count, head_dim})
                                       .transpose(1, 2)
                                       .reshape({batch, count, q_width});
-      x = x + reduce(at::linear(attended, w.wo, w.bo));
+      x = x + reduce(at::linear(attended, packed_ ? fused.o.dense().to(dtype()) : w.wo, w.bo));
       const at::Tensor f = rms_norm(x, w.ffn_norm, config_.norm_eps);
-      const at::Tensor gate_up = at::linear(f, fused.w13);
+      const at::Tensor gate_up = at::linear(f, packed_ ? fused.gate_up.dense().to(dtype()) : fused.w13);
       const int64_t hidden = hidden_;
-      x = x + reduce(at::linear(at::silu(gate_up.narrow(-1, 0, hidden)) * gate_up.narrow(-1, hidden, hidden), w.w2));
+      x = x + reduce(at::linear(at::silu(gate_up.narrow(-1, 0, hidden)) * gate_up.narrow(-1, hidden, hidden),
+                                packed_ ? fused.down.dense().to(dtype()) : w.w2));
     }
     if (!written_at.defined()) cache.commit(count);
     const at::Tensor normed = rms_norm(x, weights_.norm, config_.norm_eps);
     if (taps_ != nullptr) taps_->put(config_.n_layers, normed);
-    return at::linear(normed, weights_.output);
+    return at::linear(normed, packed_ ? classifier_.dense().to(dtype()) : weights_.output);
   }
 
   // A layer's new keys and values [B, kv_heads, T, hd] into the cache: appended (update()), or at
@@ -877,8 +973,10 @@ class LlamaModel {
     at::Tensor wqkv{};  // [dim + 2 kv_dim, dim]: wq, wk, wv
     at::Tensor w13{};   // [2 hidden_dim, dim]: w1 (gate), w3 (up)
     at::Tensor bqkv{};  // [dim + 2 kv_dim]: bq, bk, bv (undefined without qkv_bias)
-    // The CPU loops' products (kernels_apply()): q|k|v, o, gate|up, down.
+    // The CPU loops' products (kernels_apply()): q|k|v, o, gate|up, down; the norms' weights
+    // as fp32.
     detail::CpuLinear qkv{}, o{}, gate_up{}, down{};
+    at::Tensor attention_norm{}, ffn_norm{};
   };
 
   // Forwards of up to this many new tokens attend through the loops of detail::attend, longer
@@ -895,13 +993,18 @@ class LlamaModel {
   std::vector<FusedLayer> fused_;
   std::vector<at::Tensor> causal_bias_;  // [count]: grouped_causal_bias(count), count in [2, kCachedMaskTokens]
   bool cpu_kernels_ = true;
-  bool onednn_ = true;                             // use_onednn()
+  detail::ProductChoice products_ = detail::ProductChoice::automatic;  // use_products()
+  bool packed_ = false;                            // pack_weights()
+  detail::WeightFormat format_ = detail::WeightFormat::f32;  // pack_weights()' format
   bool onednn_built_ = detail::kOneDnnBuilt;       // every CpuLinear has its oneDNN primitive
   detail::CpuLinear classifier_;                   // the CPU loops' classifier product
   bool trainable_ = false;  // some weight requires gradients
   at::Tensor rope_;      // complex e^(i angle) [max_seq_len, head_dim / 2] (complex_rope())
   at::Tensor rope_cos_;  // [max_seq_len, head_dim / 2] (no complex type, or the CPU loops)
   at::Tensor rope_sin_;
+  at::Tensor loop_cos_;   // fp32 [max_seq_len, head_dim / 2] for the CPU loops (kernels_apply())
+  at::Tensor loop_sin_;
+  at::Tensor loop_norm_;  // the final norm's weight as fp32, for the CPU loops
   Taps* taps_ = nullptr;  // the forward_features() call in progress (Tapping), if any
 };
 
