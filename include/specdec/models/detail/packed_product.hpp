@@ -26,8 +26,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -61,14 +67,37 @@ struct PackedWeight {
   const float* scales = nullptr;  // [out] for i8, null otherwise
 };
 
+// An uninitialised CPU tensor of `sizes` and `dtype` in memory the kernel may back with huge
+// pages: aligned to 2 MiB and, on Linux, marked with madvise(MADV_HUGEPAGE) where it spans at least
+// one. A stream through memory in 4 KiB pages takes a TLB miss every 4 KiB, and the hardware
+// prefetchers stop at each page's end; with transparent huge pages in madvise mode (Debian's
+// default) nothing else would ask for them. Where the kernel refuses, the pages stay small.
+inline at::Tensor huge_page_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
+  constexpr size_t kHugePage = size_t{2} << 20;
+  int64_t elements = 1;
+  for (const int64_t size : sizes) elements *= size;
+  const size_t bytes = static_cast<size_t>(elements) * at::elementSize(dtype);
+  if (bytes < kHugePage) return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* data = std::aligned_alloc(kHugePage, rounded);
+  if (data == nullptr) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  (void)::madvise(data, rounded, MADV_HUGEPAGE);  // advice: refused, the pages stay small
+#endif
+  return at::from_blob(data, sizes, [](void* memory) { std::free(memory); }, at::TensorOptions().dtype(dtype));
+}
+
 // The panels of `weight` [out, in] (any floating dtype, any strides) as a tensor [panels, in, 32]
-// of `dtype` (kFloat, kBFloat16, or kChar for weights already quantized to integers).
+// of `dtype` (kFloat, kBFloat16, or kChar for weights already quantized to integers), in memory
+// that may be backed by huge pages (huge_page_tensor).
 inline at::Tensor pack_panels(const at::Tensor& weight, at::ScalarType dtype) {
   const int64_t out = weight.size(0), in = weight.size(1);
   const int64_t panels = (out + kPanelWidth - 1) / kPanelWidth;
   at::Tensor padded = at::zeros({panels * kPanelWidth, in}, weight.options().dtype(dtype));
   padded.narrow(0, 0, out).copy_(weight);
-  return padded.view({panels, kPanelWidth, in}).transpose(1, 2).contiguous();
+  at::Tensor packed = huge_page_tensor({panels, in, kPanelWidth}, dtype);
+  packed.copy_(padded.view({panels, kPanelWidth, in}).transpose(1, 2));
+  return packed;
 }
 
 // Whether this CPU runs the AVX-512 version (asked once per process).
