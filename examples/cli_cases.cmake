@@ -202,3 +202,13 @@ if(SPECDEC_HAVE_REMOTE)  # specdec-verifier takes the same flags
       --tp-timeout-ms 1500)
   endif()
 endif()
+
+# --weights: the formats it knows, the CPU only, and not for batches (whose ragged rows would
+# unpack every weight in every forward).
+specdec_cli_case(weights_unknown 2 "--weights: fp8 not in" ${G} --weights fp8)
+specdec_cli_case(weights_int8_on_cuda 2 "--weights int8 applies to --device cpu, not cuda" ${G} --weights int8
+  --device cuda)
+specdec_cli_case(weights_int8_float16 2 "--weights int8 quantizes float32 or bfloat16 weights, not --dtype float16"
+  ${G} --weights int8 --dtype float16)
+specdec_cli_case(weights_packed_batch 2 "--weights packed does not apply to --batch-file" ${G} --weights packed
+  --batch-file "${PROJECT_SOURCE_DIR}/examples/batch_prompts.txt")

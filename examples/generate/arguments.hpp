@@ -93,6 +93,7 @@ struct Arguments {
   std::string batch_file;
   std::string device = "cpu";
   std::string dtype = "float32";
+  std::string weights = "auto";     // --weights: auto, unpacked, packed or int8
   int64_t max_seq_len = io::LoadLimits{}.max_sequence_length;
   int threads = 1;                  // from --threads: N, or auto (specdec::available_cores() / --tp)
   std::string threads_option = "1";
@@ -270,6 +271,11 @@ Arguments parse(int argc, char** argv) {
   app.add_option("--device", a.device, "cpu (default) or cuda[:N]: where the models run")->group(models);
   app.add_option("--dtype", a.dtype, "float32 (default), float16 or bfloat16 (norms, softmax and verification stay float32)")
       ->check(in({"float32", "float16", "bfloat16"}))->group(models);
+  app.add_option("--weights", a.weights,
+                 "CPU weight products: auto (default: packed where a model's weights outgrow the caches, "
+                 "or are bfloat16), packed (streamed once per forward), int8 (packed, weight-only int8 with a "
+                 "scale per output) or unpacked (BLAS or oneDNN products); see docs/performance.md")
+      ->check(in({"auto", "unpacked", "packed", "int8"}))->group(models);
   app.add_option("--threads", a.threads_option,
                  "CPU threads of libtorch and of the loaded BLAS together: N, or auto for every core this process "
                  "may run on (default 1, best for small models; auto for a memory-bound target: see "
@@ -506,6 +512,17 @@ Arguments parse(int argc, char** argv) {
     throw std::invalid_argument("--trace does not apply to --batch-file");
   }
   check_tree_flags(app, a);
+  if (a.device != "cpu" && (a.weights == "packed" || a.weights == "int8")) {
+    throw std::invalid_argument("--weights " + a.weights + " applies to --device cpu, not " + a.device);
+  }
+  if (a.weights == "int8" && a.dtype == "float16") {
+    throw std::invalid_argument("--weights int8 quantizes float32 or bfloat16 weights, not --dtype float16");
+  }
+  if (!a.batch_file.empty() && (a.weights == "packed" || a.weights == "int8")) {
+    throw std::invalid_argument("--weights " + a.weights +
+                                " does not apply to --batch-file: rows of different lengths run the ATen forward, "
+                                "which would unpack every weight in every forward");
+  }
   // auto: every core this process may use, shared by the ranks --tp starts on this machine.
   a.threads = a.threads_option == "auto" ? std::max(1, available_cores() / static_cast<int>(a.parallel.tp))
                                          : std::stoi(a.threads_option);

@@ -15,6 +15,34 @@
 
 namespace {
 
+// Models whose weight products hold more bytes than this are packed by --weights auto: they
+// outgrow every CPU cache, and the packed route streams them at the memory's rate.
+constexpr int64_t kPackedWeightBytes = int64_t{64} << 20;
+
+// Bytes of `model`'s weight products: every layer's q, k, v, o, gate, up and down, and the
+// classifier.
+int64_t product_weight_bytes(const Model& model) {
+  const models::LlamaConfig& c = model.config();
+  const int64_t layer = c.dim * (c.dim + 2 * c.kv_dim()) + c.dim * c.dim + 3 * c.dim * c.hidden_dim;
+  return (c.n_layers * layer + c.vocab_size * c.dim) * static_cast<int64_t>(at::elementSize(model.dtype()));
+}
+
+// --weights on `model`: packs its CPU products (auto: where its weights outgrow the caches, or are
+// bf16, whose CPU forward needs them packed). Returns how its products read their weights, for
+// the header line ("packed bfloat16, avx512 loops"), or "" where they are not packed.
+std::string apply_weights(const Arguments& a, Model& model) {
+  if (!model.device().is_cpu() || a.weights == "unpacked") return {};
+  const bool bf16 = model.dtype() == at::kBFloat16;
+  if (a.weights == "auto" && (!a.batch_file.empty() || model.dtype() == at::kHalf)) return {};
+  if (a.weights == "auto" && !bf16 && product_weight_bytes(model) < kPackedWeightBytes) return {};
+  model.pack_weights(a.weights == "int8" ? specdec::detail::WeightFormat::i8
+                     : bf16                ? specdec::detail::WeightFormat::bf16
+                                           : specdec::detail::WeightFormat::f32);
+  const bool vector = specdec::detail::cpu_has_avx512();
+  return std::string("packed ") + specdec::detail::to_string(model.weight_format()) +
+         (vector ? ", avx512 loops" : ", portable loops: this CPU has no AVX-512, slower");
+}
+
 int run(const Arguments& a) {
 #ifdef SPECDEC_HAVE_REMOTE
   if (!a.verifier.empty()) return run_remote(a);
@@ -34,6 +62,7 @@ int run(const Arguments& a) {
   const auto& group = parallel.group();
   Model target = group ? Model(target_checkpoint.config, target_checkpoint.weights, group)
                        : Model(target_checkpoint.config, target_checkpoint.weights);
+  const std::string target_weights = apply_weights(a, target);
   const Text text(a, target.vocab_size());
   std::optional<Model> drafter;
   // The length check before encoding: a text encodes to at least min_tokens of its bytes.
@@ -57,6 +86,7 @@ int run(const Arguments& a) {
   if (a.mode == "speculative") {
     const io::LlamaCheckpoint drafter_checkpoint = io::load_llama(a.drafter, weights, limits);
     drafter.emplace(drafter_checkpoint.config, drafter_checkpoint.weights);
+    (void)apply_weights(a, *drafter);
   }
   const Processor processor = make_processor(a);
   if (!a.batch_file.empty()) {
@@ -125,6 +155,7 @@ int run(const Arguments& a) {
     std::cout << "target:  " << a.target << " (" << target_checkpoint.format << ", " << target.config() << ", "
               << a.dtype << " on " << a.device << "; threads: " << threads
               << (target.onednn() ? "; products: " + specdec::detail::onednn_version() : std::string())
+              << (target_weights.empty() ? std::string() : "; weights: " + target_weights)
               << (group ? "; split over " + std::to_string(group->world_size()) + " ranks" : std::string()) << ")\n";
     if (drafter) std::cout << "drafter: " << a.drafter << " (" << drafter->config() << ")\n";
     if (eagle) {
