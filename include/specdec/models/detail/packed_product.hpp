@@ -190,93 +190,74 @@ SPECDEC_TARGET_AVX512 inline __m512 load16(const char* data) {
   }
 }
 
-// Panel p times R rows of x, given transposed (xt [in, R]: each input's R values side by side),
-// into `acc` [R, 32]: the 2R sums in registers over every input.
-template <WeightFormat F, int R>
-SPECDEC_TARGET_AVX512 inline void panel_avx512(const PackedWeight& w, int64_t p, const float* xt, float* acc) {
+// P panels (P streams from P places in memory) times R rows of x, given transposed (xt [in, R]:
+// each input's R values side by side), into acc[j] [R, 32] for panel panels[j]: the 2PR sums in
+// registers over every input.
+template <WeightFormat F, int R, int P>
+SPECDEC_TARGET_AVX512 inline void panels_avx512(const PackedWeight& w, const int64_t* panels, const float* xt,
+                                                float* const* acc) {
   constexpr int64_t kStep = kPanelWidth * element_bytes<F>();  // bytes per input in a panel
-  const char* line = static_cast<const char*>(w.data) + p * w.in * kStep;
-  __m512 lo[R], hi[R];
+  const char* line[P];
+  __m512 lo[P][R], hi[P][R];
+#pragma GCC unroll 2
+  for (int j = 0; j < P; ++j) {
+    line[j] = static_cast<const char*>(w.data) + panels[j] * w.in * kStep;
 #pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < w.in; ++i, line += kStep, xt += R) {
-    const __m512 a = load16<F>(line), b = load16<F>(line + kStep / 2);
+    for (int r = 0; r < R; ++r) lo[j][r] = hi[j][r] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < w.in; ++i, xt += R) {
+    __m512 a[P], b[P];
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j) {
+      a[j] = load16<F>(line[j]);
+      b[j] = load16<F>(line[j] + kStep / 2);
+      line[j] += kStep;
+    }
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512 v = _mm512_set1_ps(xt[r]);
-      lo[r] = _mm512_fmadd_ps(v, a, lo[r]);
-      hi[r] = _mm512_fmadd_ps(v, b, hi[r]);
+#pragma GCC unroll 2
+      for (int j = 0; j < P; ++j) {
+        lo[j][r] = _mm512_fmadd_ps(v, a[j], lo[j][r]);
+        hi[j][r] = _mm512_fmadd_ps(v, b[j], hi[j][r]);
+      }
     }
   }
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(acc + r * kPanelWidth, lo[r]);
-    _mm512_storeu_ps(acc + r * kPanelWidth + 16, hi[r]);
-  }
-}
-
-// Panels p and q (two streams from two places in memory) times R rows of x, into acc_p and
-// acc_q [R, 32]: 4R sums in registers.
-template <WeightFormat F, int R>
-SPECDEC_TARGET_AVX512 inline void panel_pair_avx512(const PackedWeight& w, int64_t p, int64_t q, const float* xt,
-                                                    float* acc_p, float* acc_q) {
-  constexpr int64_t kStep = kPanelWidth * element_bytes<F>();
-  const char* line_p = static_cast<const char*>(w.data) + p * w.in * kStep;
-  const char* line_q = static_cast<const char*>(w.data) + q * w.in * kStep;
-  __m512 a0[R], a1[R], b0[R], b1[R];
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = b0[r] = b1[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < w.in; ++i, line_p += kStep, line_q += kStep, xt += R) {
-    const __m512 p0 = load16<F>(line_p), p1 = load16<F>(line_p + kStep / 2);
-    const __m512 q0 = load16<F>(line_q), q1 = load16<F>(line_q + kStep / 2);
+#pragma GCC unroll 2
+  for (int j = 0; j < P; ++j) {
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512 v = _mm512_set1_ps(xt[r]);
-      a0[r] = _mm512_fmadd_ps(v, p0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(v, p1, a1[r]);
-      b0[r] = _mm512_fmadd_ps(v, q0, b0[r]);
-      b1[r] = _mm512_fmadd_ps(v, q1, b1[r]);
+      _mm512_storeu_ps(acc[j] + r * kPanelWidth, lo[j][r]);
+      _mm512_storeu_ps(acc[j] + r * kPanelWidth + 16, hi[j][r]);
     }
   }
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(acc_p + r * kPanelWidth, a0[r]);
-    _mm512_storeu_ps(acc_p + r * kPanelWidth + 16, a1[r]);
-    _mm512_storeu_ps(acc_q + r * kPanelWidth, b0[r]);
-    _mm512_storeu_ps(acc_q + r * kPanelWidth + 16, b1[r]);
-  }
 }
 
-template <WeightFormat F>
-SPECDEC_TARGET_AVX512 inline bool panel_pair_rows_avx512(const PackedWeight& w, int64_t p, int64_t q, const float* xt,
-                                                         int64_t rows, float* acc_p, float* acc_q) {
+// panels_avx512 for a row count known at run time: one panel for up to kRegisterRows rows, two
+// for up to kRegisterRows / 2.
+template <WeightFormat F, int P>
+SPECDEC_TARGET_AVX512 inline void panels_rows_avx512(const PackedWeight& w, const int64_t* panels, const float* xt,
+                                                     int64_t rows, float* const* acc) {
+  static_assert(P == 1 || P == 2);
   switch (rows) {
-    case 1: panel_pair_avx512<F, 1>(w, p, q, xt, acc_p, acc_q); return true;
-    case 2: panel_pair_avx512<F, 2>(w, p, q, xt, acc_p, acc_q); return true;
-    case 3: panel_pair_avx512<F, 3>(w, p, q, xt, acc_p, acc_q); return true;
-    case 4: panel_pair_avx512<F, 4>(w, p, q, xt, acc_p, acc_q); return true;
-    case 5: panel_pair_avx512<F, 5>(w, p, q, xt, acc_p, acc_q); return true;
-    case 6: panel_pair_avx512<F, 6>(w, p, q, xt, acc_p, acc_q); return true;
-    default: return false;
-  }
-}
-
-template <WeightFormat F>
-SPECDEC_TARGET_AVX512 inline void panel_rows_avx512(const PackedWeight& w, int64_t p, const float* xt, int64_t rows,
-                                                    float* acc) {
-  switch (rows) {
-    case 1: panel_avx512<F, 1>(w, p, xt, acc); break;
-    case 2: panel_avx512<F, 2>(w, p, xt, acc); break;
-    case 3: panel_avx512<F, 3>(w, p, xt, acc); break;
-    case 4: panel_avx512<F, 4>(w, p, xt, acc); break;
-    case 5: panel_avx512<F, 5>(w, p, xt, acc); break;
-    case 6: panel_avx512<F, 6>(w, p, xt, acc); break;
-    case 7: panel_avx512<F, 7>(w, p, xt, acc); break;
-    case 8: panel_avx512<F, 8>(w, p, xt, acc); break;
-    case 9: panel_avx512<F, 9>(w, p, xt, acc); break;
-    case 10: panel_avx512<F, 10>(w, p, xt, acc); break;
-    case 11: panel_avx512<F, 11>(w, p, xt, acc); break;
-    default: panel_avx512<F, 12>(w, p, xt, acc); break;
+    case 1: panels_avx512<F, 1, P>(w, panels, xt, acc); break;
+    case 2: panels_avx512<F, 2, P>(w, panels, xt, acc); break;
+    case 3: panels_avx512<F, 3, P>(w, panels, xt, acc); break;
+    case 4: panels_avx512<F, 4, P>(w, panels, xt, acc); break;
+    case 5: panels_avx512<F, 5, P>(w, panels, xt, acc); break;
+    case 6: panels_avx512<F, 6, P>(w, panels, xt, acc); break;
+    default:
+      if constexpr (P == 1) {
+        switch (rows) {
+          case 7: panels_avx512<F, 7, 1>(w, panels, xt, acc); break;
+          case 8: panels_avx512<F, 8, 1>(w, panels, xt, acc); break;
+          case 9: panels_avx512<F, 9, 1>(w, panels, xt, acc); break;
+          case 10: panels_avx512<F, 10, 1>(w, panels, xt, acc); break;
+          case 11: panels_avx512<F, 11, 1>(w, panels, xt, acc); break;
+          default: panels_avx512<F, 12, 1>(w, panels, xt, acc); break;
+        }
+      }
+      break;
   }
 }
 #endif
@@ -288,13 +269,15 @@ inline void product_panels(const PackedWeight& w, const float* xt, int64_t rows,
                            int64_t p1, bool avx512) {
   float acc[kRegisterRows * kPanelWidth];
 #ifdef SPECDEC_X86_AVX512_KERNELS
-  if (avx512 && rows <= 6) {
+  if (avx512 && rows <= kRegisterRows / 2) {
     // Two streams at once, the first half of the panels beside the second: one stream per core
     // left the memory idle between misses (10-25% slower for 2 to 6 rows here).
     float other[kRegisterRows * kPanelWidth];
+    float* const both[2] = {acc, other};
     const int64_t half = (p1 - p0) / 2;
     for (int64_t p = p0; p < p0 + half; ++p) {
-      panel_pair_rows_avx512<F>(w, p, p + half, xt, rows, acc, other);
+      const int64_t panels[2] = {p, p + half};
+      panels_rows_avx512<F, 2>(w, panels, xt, rows, both);
       store_panel(w, p, acc, rows, y, bias);
       store_panel(w, p + half, other, rows, y, bias);
     }
@@ -304,7 +287,8 @@ inline void product_panels(const PackedWeight& w, const float* xt, int64_t rows,
   for (int64_t p = p0; p < p1; ++p) {
 #ifdef SPECDEC_X86_AVX512_KERNELS
     if (avx512) {
-      panel_rows_avx512<F>(w, p, xt, rows, acc);
+      float* const one[1] = {acc};
+      panels_rows_avx512<F, 1>(w, &p, xt, rows, one);
     } else {
       panel_portable<F>(w, p, xt, rows, acc);
     }
