@@ -56,12 +56,13 @@ int run(const Arguments& a) {
   }
   // Split over ranks, each reads its own shard of the target (and refuses a model that does not
   // divide before any rank starts).
-  const io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights, limits, a.parallel.shard());
+  io::LlamaCheckpoint target_checkpoint = io::load_llama(a.target, weights, limits, a.parallel.shard());
   examples::Parallel parallel("specdec-generate");
   parallel.start(a.parallel, target_checkpoint.config, a.device.rfind("cuda", 0) == 0);
   const auto& group = parallel.group();
   Model target = group ? Model(target_checkpoint.config, target_checkpoint.weights, group)
                        : Model(target_checkpoint.config, target_checkpoint.weights);
+  target_checkpoint.weights = models::LlamaWeights{};  // the model holds them: packing can release them
   const std::string target_weights = apply_weights(a, target);
   const Text text(a, target.vocab_size());
   std::optional<Model> drafter;

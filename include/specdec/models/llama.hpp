@@ -263,22 +263,36 @@ class LlamaModel {
                                     dtype(), " on ", device());
     }
     if (trainable_) detail::throw_invalid_message("pack_weights: the model's weights require gradients (training)");
-    // Every product first (a bad tensor leaves the model as it was), then the swap.
-    std::vector<FusedLayer> packed(fused_.size());
-    for (size_t layer = 0; layer < fused_.size(); ++layer) {
-      const FusedLayer& fused = fused_[layer];
-      const LlamaLayerWeights& w = weights_.layers[layer];
-      const std::string prefix = "layers." + std::to_string(layer) + ".";
-      packed[layer].qkv = detail::CpuLinear::packed(fused.wqkv, fused.bqkv, format, prefix + "wqkv");
-      packed[layer].o = detail::CpuLinear::packed(w.wo, w.bo, format, prefix + "wo");
-      packed[layer].gate_up = detail::CpuLinear::packed(fused.w13, at::Tensor(), format, prefix + "w13");
-      packed[layer].down = detail::CpuLinear::packed(w.w2, at::Tensor(), format, prefix + "w2");
-      packed[layer].bqkv = fused.bqkv;
+    // Every weight checked first (a bad tensor leaves the model as it was), then each layer packed
+    // and its float matrices released before the next, so that memory holds one extra layer at
+    // most rather than a second model.
+    if (format == detail::WeightFormat::i8) {
+      const auto check = [](const at::Tensor& t, const std::string& name) {
+        if (!at::isfinite(t).all().template item<bool>()) {
+          detail::throw_invalid_message(name, ": int8 weights need finite values; the matrix holds NaN or infinity");
+        }
+      };
+      for (size_t layer = 0; layer < fused_.size(); ++layer) {
+        const std::string prefix = "layers." + std::to_string(layer) + ".";
+        check(fused_[layer].wqkv, prefix + "wqkv");
+        check(weights_.layers[layer].wo, prefix + "wo");
+        check(fused_[layer].w13, prefix + "w13");
+        check(weights_.layers[layer].w2, prefix + "w2");
+      }
+      check(weights_.output, "output");
     }
-    detail::CpuLinear classifier = detail::CpuLinear::packed(weights_.output, at::Tensor(), format, "output");
-    fused_ = std::move(packed);
-    classifier_ = std::move(classifier);
-    for (LlamaLayerWeights& w : weights_.layers) w.wq = w.wk = w.wv = w.wo = w.w1 = w.w2 = w.w3 = at::Tensor();
+    for (size_t layer = 0; layer < fused_.size(); ++layer) {
+      FusedLayer& fused = fused_[layer];
+      LlamaLayerWeights& w = weights_.layers[layer];
+      const std::string prefix = "layers." + std::to_string(layer) + ".";
+      fused.qkv = detail::CpuLinear::packed(fused.wqkv, fused.bqkv, format, prefix + "wqkv");
+      fused.o = detail::CpuLinear::packed(w.wo, w.bo, format, prefix + "wo");
+      fused.gate_up = detail::CpuLinear::packed(fused.w13, at::Tensor(), format, prefix + "w13");
+      fused.down = detail::CpuLinear::packed(w.w2, at::Tensor(), format, prefix + "w2");
+      fused.wqkv = fused.w13 = at::Tensor();
+      w.wq = w.wk = w.wv = w.wo = w.w1 = w.w2 = w.w3 = at::Tensor();
+    }
+    classifier_ = detail::CpuLinear::packed(weights_.output, at::Tensor(), format, "output");
     packed_ = true;
     format_ = format;
     onednn_built_ = false;
