@@ -84,8 +84,8 @@ const Floor& floor_rates(double weight_bytes) {
     double gemm = best_of(5, [&] { at::mm_out(c, a, b); });
     if (specdec::detail::kOneDnnBuilt && bench::device().is_cpu()) {
       const specdec::detail::CpuLinear product(b.t(), at::Tensor());
-      (void)product(a, true);
-      gemm = std::min(gemm, best_of(5, [&] { benchmark::DoNotOptimize(product(a, true).data_ptr()); }));
+      (void)product(a, specdec::detail::ProductRoute::onednn);
+      gemm = std::min(gemm, best_of(5, [&] { benchmark::DoNotOptimize(product(a, specdec::detail::ProductRoute::onednn).data_ptr()); }));
     }
     return Floor{2.0 * 1024 * 1024 * 1024 / gemm, copy_rate(static_cast<int64_t>(weight_bytes)),
                  copy_rate(int64_t{256} << 20)};
@@ -236,7 +236,7 @@ void BM_SmallLinear(benchmark::State& state) {
       } else if (route == kOneDnn) {
         y = at::mkldnn_linear(inputs[i].to_mkldnn(), onednn[i], no_bias).to_dense();
       } else if (route == kOneDnnMatmul) {
-        y = matmuls[i](inputs[i], true);
+        y = matmuls[i](inputs[i], specdec::detail::ProductRoute::onednn);
       } else {
         y = at::empty({rows, shapes[i].first});
         for (int64_t r = 0; r < rows; ++r) {
