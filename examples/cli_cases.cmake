@@ -208,7 +208,9 @@ endif()
 specdec_cli_case(weights_unknown 2 "--weights: fp8 not in" ${G} --weights fp8)
 specdec_cli_case(weights_int8_on_cuda 2 "--weights int8 applies to --device cpu, not cuda" ${G} --weights int8
   --device cuda)
-specdec_cli_case(weights_int8_float16 2 "--weights int8 quantizes float32 or bfloat16 weights, not --dtype float16"
+specdec_cli_case(weights_int8_float16 2 "--weights int8 packs float32 or bfloat16 weights, not --dtype float16"
   ${G} --weights int8 --dtype float16)
+specdec_cli_case(weights_packed_float16 2 "--weights packed packs float32 or bfloat16 weights, not --dtype float16"
+  ${G} --weights packed --dtype float16)
 specdec_cli_case(weights_packed_batch 2 "--weights packed does not apply to --batch-file" ${G} --weights packed
   --batch-file "${PROJECT_SOURCE_DIR}/examples/batch_prompts.txt")

@@ -515,8 +515,8 @@ Arguments parse(int argc, char** argv) {
   if (a.device != "cpu" && (a.weights == "packed" || a.weights == "int8")) {
     throw std::invalid_argument("--weights " + a.weights + " applies to --device cpu, not " + a.device);
   }
-  if (a.weights == "int8" && a.dtype == "float16") {
-    throw std::invalid_argument("--weights int8 quantizes float32 or bfloat16 weights, not --dtype float16");
+  if ((a.weights == "packed" || a.weights == "int8") && a.dtype == "float16") {
+    throw std::invalid_argument("--weights " + a.weights + " packs float32 or bfloat16 weights, not --dtype float16");
   }
   if (!a.batch_file.empty() && (a.weights == "packed" || a.weights == "int8")) {
     throw std::invalid_argument("--weights " + a.weights +
