@@ -4,8 +4,13 @@
 
 #include <c10/core/InferenceMode.h>
 
+#include <ATen/Parallel.h>
+
 #include <cmath>
 #include <limits>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <vector>
 
 #include "specdec/generate.hpp"
@@ -358,6 +363,23 @@ TEST(CpuLinear, EveryRouteComputesTheProductOnEveryLayout) {
   const at::Tensor x = at::randn({5, 40});
   EXPECT_FALSE(at::allclose(CpuLinear(weight, at::Tensor())(x, ProductRoute::blas),
                             CpuLinear(weight, bias)(x, ProductRoute::blas), 1e-5, 1e-5));
+}
+
+// The CPU loops split their work with at::parallel_for from specdec's headers, which runs on
+// libtorch's intra-op threads only in code compiled with OpenMP where libtorch's threads are
+// OpenMP's (specdec's CMake target carries the flags): here, as in any user's code, a loop of two
+// chunks on two threads runs each chunk on its own thread.
+TEST(PackedProduct, HeaderLoopsRunOnLibtorchsThreads) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  std::mutex guard;
+  std::set<std::thread::id> seen;
+  at::parallel_for(0, 2, 1, [&](int64_t, int64_t) {
+    const std::lock_guard<std::mutex> lock(guard);
+    seen.insert(std::this_thread::get_id());
+  });
+  at::set_num_threads(threads);
+  EXPECT_EQ(seen.size(), 2U) << "at::parallel_for ran on the calling thread alone: compiled without OpenMP?";
 }
 
 // The packed product against float64 on odd shapes: 1 to 9 rows, 12 (the most kept in registers),
