@@ -76,6 +76,13 @@ int main(int argc, char** argv) {
     app.add_option("--resets-per-second", options.limits.resets_per_second,
                    "how fast that budget refills (default 16)")
         ->check(cli::integer<int64_t>(0, 1 << 20));
+    app.add_option("--max-resets-per-host", options.limits.max_resets_per_host,
+                   "streams all plaintext connections of one host (IPv4 address, IPv6 /64) may reset in a burst; "
+                   "while spent, the host's resetting connections are closed and its new ones refused (default 256)")
+        ->check(cli::integer<int64_t>(1, 1 << 20));
+    app.add_option("--host-resets-per-second", options.limits.host_resets_per_second,
+                   "how fast a host's budget refills (default 64)")
+        ->check(cli::integer<int64_t>(0, 1 << 20));
     app.add_option("--max-streams-per-connection", options.limits.max_streams_per_connection,
                    "HTTP/2 streams one connection may have open (default 16)")
         ->check(cli::integer<int64_t>(1, 1 << 20));
@@ -186,7 +193,8 @@ int main(int argc, char** argv) {
               << stats.forwards << " target forwards, largest batch " << stats.largest_batch << "; refused "
               << stats.unauthenticated << " calls without the token, closed " << stats.sessions_evicted
               << " sessions for fair admission and " << server.front_end().closed_for_resets
-              << " connections past their reset budget" << std::endl;
+              << " connections past their reset budget, refusing " << server.front_end().refused_for_resets
+              << " more from hosts past theirs" << std::endl;
     return 0;
   } catch (const CLI::ParseError& e) {
     std::cerr << "specdec-verifier: " << e.what() << " (see --help)\n";

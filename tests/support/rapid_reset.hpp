@@ -8,6 +8,7 @@
 #include <netinet/tcp.h>
 #include <nghttp2/nghttp2.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -27,12 +28,15 @@ class RapidReset {
 
   // Opens and resets streams until `stop`, at most `per_second` of them each second (0: as fast
   // as it can), reconnecting when the server closes the connection. Returns the streams opened
-  // and reset.
+  // and reset (sent to the socket; opened() counts them as they go).
   int64_t run(const std::atomic<bool>& stop, int64_t per_second = 0) {
     int64_t streams = 0;
     const auto started = std::chrono::steady_clock::now();
     while (!stop) {
-      if (!connect_once()) continue;
+      if (!connect_once()) {  // refused, or closed before the first frames went out
+        disconnect();
+        continue;
+      }
       while (!stop && alive_) {
         if (per_second > 0) {
           const auto due = started + std::chrono::microseconds(streams * 1000000 / per_second);
@@ -48,7 +52,7 @@ class RapidReset {
           alive_ = nghttp2_session_send(session_) == 0;
           alive_ = alive_ && nghttp2_submit_rst_stream(session_, NGHTTP2_FLAG_NONE, id, NGHTTP2_CANCEL) == 0;
           alive_ = alive_ && nghttp2_session_send(session_) == 0;
-          if (alive_) ++streams;
+          if (alive_) ++streams, ++opened_;
         }
         alive_ = alive_ && nghttp2_session_recv(session_) == 0;  // the server's answers, as they come
       }
@@ -56,6 +60,8 @@ class RapidReset {
     }
     return streams;
   }
+
+  [[nodiscard]] int64_t opened() const noexcept { return opened_.load(); }
 
   RapidReset(const RapidReset&) = delete;
   RapidReset& operator=(const RapidReset&) = delete;
@@ -77,6 +83,10 @@ class RapidReset {
     address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     const int one = 1;
     ::setsockopt(socket_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    // A server that stops reading makes a send wait at most this long; then this connection is
+    // given up and another made (nothing piles up here, and `stop` is seen).
+    const timeval patience{.tv_sec = 0, .tv_usec = 200000};
+    ::setsockopt(socket_, SOL_SOCKET, SO_SNDTIMEO, &patience, sizeof patience);
     if (::connect(socket_, reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0) {
       disconnect();
       return false;
@@ -104,7 +114,7 @@ class RapidReset {
 
   static ssize_t send(nghttp2_session* /*session*/, const uint8_t* data, size_t length, int /*flags*/, void* self) {
     const ssize_t sent = ::send(static_cast<RapidReset*>(self)->socket_, data, length, MSG_NOSIGNAL);
-    if (sent < 0) return errno == EAGAIN || errno == EINTR ? NGHTTP2_ERR_WOULDBLOCK : NGHTTP2_ERR_CALLBACK_FAILURE;
+    if (sent < 0) return errno == EINTR ? NGHTTP2_ERR_WOULDBLOCK : NGHTTP2_ERR_CALLBACK_FAILURE;  // EAGAIN: see SO_SNDTIMEO
     return sent;
   }
 
@@ -123,6 +133,7 @@ class RapidReset {
   nghttp2_session* session_ = nullptr;
   int socket_ = -1;
   bool alive_ = false;
+  std::atomic<int64_t> opened_ = 0;
 };
 
 }  // namespace specdec::test

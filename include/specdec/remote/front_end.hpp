@@ -4,6 +4,9 @@
 // 24-byte connection preface) and nothing else, and closes a connection that resets more streams
 // than its budget allows: the rapid-reset flood (CVE-2023-44487), which gRPC 1.51 accepts without
 // limit and whose calls then pile up in its callback executor faster than they can be answered.
+// A connection's resets are charged twice: to its own budget and to one its host shares with its
+// other connections, so that reconnecting does not renew what a host may reset; while a host's
+// budget is spent, its new connections are closed as they are accepted, before gRPC sees them.
 // A client of ours resets a stream only when it cancels a call. The relay also tells the server
 // who a connection's peer is (gRPC names a descriptor's connection "fd:N").
 #pragma once
@@ -38,19 +41,46 @@
 namespace specdec::remote::detail {
 
 // How many streams a connection may reset: a bucket of `burst` resets that refills at `per_second`;
-// a reset that finds it empty closes the connection.
+// a reset that finds it empty closes the connection. A host's connections also share a bucket of
+// `host_burst` refilled at `host_per_second`, which a reset must find non-empty as well.
 struct ResetBudget {
   int64_t burst = 64;
   int64_t per_second = 16;
+  int64_t host_burst = 256;
+  int64_t host_per_second = 64;
 };
 
-// Counts the resets of one connection's inbound HTTP/2 frames, fed the bytes as they pass.
+// `burst` tokens, refilled continuously at `per_second` up to `burst`.
+class TokenBucket {
+ public:
+  TokenBucket(int64_t burst, int64_t per_second, std::chrono::steady_clock::time_point now)
+      : burst_(static_cast<double>(burst)), per_second_(static_cast<double>(per_second)), tokens_(burst_), last_(now) {}
+
+  // Refills up to `now`; true when a whole token is there.
+  bool ready(std::chrono::steady_clock::time_point now) {
+    if (now > last_) {
+      tokens_ = std::min(burst_, tokens_ + std::chrono::duration<double>(now - last_).count() * per_second_);
+      last_ = now;
+    }
+    return tokens_ >= 1;
+  }
+  void take() { tokens_ -= 1; }  // after ready() said yes
+  [[nodiscard]] bool full(std::chrono::steady_clock::time_point now) { return ready(now) && tokens_ >= burst_; }
+
+ private:
+  double burst_, per_second_, tokens_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+// Counts the resets of one connection's inbound HTTP/2 frames, fed the bytes as they pass, against
+// its own bucket and its host's (which the host's other connections share).
 class FrameWatch {
  public:
-  explicit FrameWatch(ResetBudget budget) : budget_(budget), tokens_(static_cast<double>(budget.burst)) {}
+  FrameWatch(ResetBudget budget, std::shared_ptr<TokenBucket> host, std::chrono::steady_clock::time_point now)
+      : own_(budget.burst, budget.per_second, now), host_(std::move(host)) {}
 
   // Reads `bytes` (the next bytes from the client); false once the connection has reset more
-  // streams than its budget allows (then it is to be closed).
+  // streams than its budget or its host's allows (then it is to be closed).
   bool feed(const char* bytes, size_t size, std::chrono::steady_clock::time_point now) {
     size_t at = 0;
     while (at < size) {
@@ -67,7 +97,11 @@ class FrameWatch {
         if (header_filled_ < 9) continue;
         header_filled_ = 0;
         payload_left_ = uint64_t{header_[0]} << 16 | uint64_t{header_[1]} << 8 | header_[2];
-        if (header_[3] == kRstStream && !take_reset(now)) return false;
+        if (header_[3] == kRstStream) {
+          if (!own_.ready(now) || !host_->ready(now)) return false;
+          own_.take();
+          host_->take();
+        }
       }
     }
     return true;
@@ -76,25 +110,26 @@ class FrameWatch {
  private:
   static constexpr uint8_t kRstStream = 3;
 
-  bool take_reset(std::chrono::steady_clock::time_point now) {
-    if (last_.time_since_epoch().count() != 0) {
-      const double seconds = std::chrono::duration<double>(now - last_).count();
-      tokens_ = std::min(static_cast<double>(budget_.burst), tokens_ + seconds * static_cast<double>(budget_.per_second));
-    }
-    last_ = now;
-    if (tokens_ < 1) return false;
-    tokens_ -= 1;
-    return true;
-  }
-
-  ResetBudget budget_;
-  double tokens_;
-  std::chrono::steady_clock::time_point last_{};
+  TokenBucket own_;
+  std::shared_ptr<TokenBucket> host_;
   size_t preface_left_ = 24;
   uint64_t payload_left_ = 0;
   uint8_t header_[9]{};
   size_t header_filled_ = 0;
 };
+
+// The host a reset budget is shared by: an IPv4 address (also when IPv4-mapped), or the /64
+// prefix of an IPv6 address (what one site is routed).
+inline std::string host_of(const sockaddr_storage& address) {
+  if (address.ss_family == AF_INET) {
+    const auto& v4 = reinterpret_cast<const sockaddr_in&>(address);
+    return std::string(reinterpret_cast<const char*>(&v4.sin_addr), 4);
+  }
+  if (address.ss_family != AF_INET6) return {};
+  const auto& v6 = reinterpret_cast<const sockaddr_in6&>(address);
+  if (IN6_IS_ADDR_V4MAPPED(&v6.sin6_addr)) return std::string(reinterpret_cast<const char*>(&v6.sin6_addr.s6_addr[12]), 4);
+  return std::string(reinterpret_cast<const char*>(v6.sin6_addr.s6_addr), 8);
+}
 
 // gRPC's name for a peer address: "ipv4:10.0.0.7:5123", "ipv6:[::1]:5123".
 inline std::string peer_name(const sockaddr_storage& address) {
@@ -118,7 +153,8 @@ class FrontEnd {
  public:
   struct Stats {
     int64_t connections = 0;         // accepted
-    int64_t closed_for_resets = 0;   // closed past their reset budget
+    int64_t closed_for_resets = 0;   // closed past their reset budget or their host's
+    int64_t refused_for_resets = 0;  // closed as accepted, their host's reset budget spent
   };
 
   // Listens on `address` (host:port; port 0 picks one). Throws std::runtime_error naming the
@@ -192,7 +228,9 @@ class FrontEnd {
   }
 
   [[nodiscard]] Stats stats() const {
-    return {.connections = connections_accepted_.load(), .closed_for_resets = closed_for_resets_.load()};
+    return {.connections = connections_accepted_.load(),
+            .closed_for_resets = closed_for_resets_.load(),
+            .refused_for_resets = refused_for_resets_.load()};
   }
 
  private:
@@ -203,7 +241,8 @@ class FrontEnd {
     std::string to_relay, to_client;  // bytes read but not yet written on
     FrameWatch frames;
     std::string peer_key;  // "fd:N" of gRPC's end
-    explicit Connection(ResetBudget budget) : frames(budget) {}
+    Connection(ResetBudget budget, std::shared_ptr<TokenBucket> host, std::chrono::steady_clock::time_point now)
+        : frames(budget, std::move(host), now) {}
   };
 
   static constexpr size_t kChunk = 64 << 10;  // bytes read at once
@@ -227,8 +266,12 @@ class FrontEnd {
     std::vector<epoll_event> events(256);
     std::string chunk(kChunk, '\0');
     while (!stopping_) {
-      const int ready = ::epoll_wait(epoll_, events.data(), static_cast<int>(events.size()), 1000);
+      const int ready = ::epoll_wait(epoll_, events.data(), static_cast<int>(events.size()), listening_ ? 1000 : 50);
       if (ready < 0 && errno != EINTR) break;
+      if (!listening_ && std::chrono::steady_clock::now() >= resume_listening_) {
+        watch(listener_, EPOLLIN);
+        listening_ = true;
+      }
       for (int i = 0; i < ready; ++i) {
         const int fd = events[static_cast<size_t>(i)].data.fd;
         if (fd == wake_) continue;
@@ -249,7 +292,24 @@ class FrontEnd {
       sockaddr_storage address{};
       socklen_t size = sizeof address;
       int client = ::accept4(listener_, reinterpret_cast<sockaddr*>(&address), &size, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (client < 0) return;
+      if (client < 0) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // Out of descriptors or memory: the waiting connection stays queued and the listener
+          // stays readable, so stop watching it for a while rather than spin on it.
+          (void)::epoll_ctl(epoll_, EPOLL_CTL_DEL, listener_, nullptr);
+          listening_ = false;
+          resume_listening_ = std::chrono::steady_clock::now() + kListenPause;
+        }
+        return;
+      }
+      ++connections_accepted_;
+      const auto now = std::chrono::steady_clock::now();
+      std::shared_ptr<TokenBucket> host = host_budget(address, now);
+      if (!host->ready(now)) {  // its host is flooding: gRPC never sees this connection
+        ++refused_for_resets_;
+        close_quietly(client);
+        continue;
+      }
       int pair[2] = {-1, -1};
       if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
         close_quietly(client);
@@ -259,7 +319,7 @@ class FrontEnd {
       ::setsockopt(client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       ::fcntl(pair[0], F_SETFL, ::fcntl(pair[0], F_GETFL) | O_NONBLOCK);
       ::fcntl(pair[1], F_SETFL, ::fcntl(pair[1], F_GETFL) | O_NONBLOCK);  // gRPC reads it without blocking
-      auto connection = std::make_shared<Connection>(budget_);
+      auto connection = std::make_shared<Connection>(budget_, std::move(host), now);
       connection->client = client;
       connection->relay = pair[0];
       connection->peer_key = "fd:" + std::to_string(pair[1]);
@@ -271,9 +331,21 @@ class FrontEnd {
       connections_[pair[0]] = connection;
       watch(client, EPOLLIN | EPOLLRDHUP);
       watch(pair[0], EPOLLIN | EPOLLRDHUP);
-      ++connections_accepted_;
       grpc::AddInsecureChannelFromFd(server_, pair[1]);  // gRPC owns pair[1] from here
     }
+  }
+
+  // The reset budget `address`'s host shares. A host's entry is dropped once it has no connection
+  // and its bucket is full again (as a new one would be), when the table has doubled since the
+  // last such sweep: it holds only hosts that connected or reset recently.
+  std::shared_ptr<TokenBucket> host_budget(const sockaddr_storage& address, std::chrono::steady_clock::time_point now) {
+    if (hosts_.size() >= sweep_at_) {
+      std::erase_if(hosts_, [now](auto& entry) { return entry.second.use_count() == 1 && entry.second->full(now); });
+      sweep_at_ = std::max<size_t>(kFirstSweep, 2 * hosts_.size());
+    }
+    std::shared_ptr<TokenBucket>& bucket = hosts_[host_of(address)];
+    if (!bucket) bucket = std::make_shared<TokenBucket>(budget_.host_burst, budget_.host_per_second, now);
+    return bucket;
   }
 
   // Moves what can be moved between the two sides of `c`; closes it on an end, an error or a
@@ -356,9 +428,15 @@ class FrontEnd {
   std::thread thread_;
   std::atomic<bool> stopping_{false};
   std::map<int, std::shared_ptr<Connection>> connections_;  // by either descriptor; the relay thread's
+  static constexpr size_t kFirstSweep = 1024;
+  static constexpr std::chrono::milliseconds kListenPause{100};  // after accept runs out of descriptors
+  bool listening_ = true;  // the listener is watched; the relay thread's
+  std::chrono::steady_clock::time_point resume_listening_{};
+  std::map<std::string, std::shared_ptr<TokenBucket>> hosts_;  // by host_of; the relay thread's
+  size_t sweep_at_ = kFirstSweep;
   mutable std::mutex peers_mutex_;
   std::map<std::string, std::string> peers_;  // "fd:N" to the client's address
-  std::atomic<int64_t> connections_accepted_{0}, closed_for_resets_{0};
+  std::atomic<int64_t> connections_accepted_{0}, closed_for_resets_{0}, refused_for_resets_{0};
 };
 
 }  // namespace specdec::remote::detail

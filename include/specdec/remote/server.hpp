@@ -16,8 +16,8 @@
 // exist, and no error text shows a session's tokens.
 // The front door (admission.hpp; docs/remote.md states the threat model): on a plaintext address
 // the server accepts connections itself and relays them to gRPC (front_end.hpp), closing a
-// connection that resets more streams than limits.max_resets_per_connection allows (a rapid-reset
-// flood, which gRPC 1.51 does not bound). Every call is served through gRPC's callback API (one
+// connection that resets more streams than limits.max_resets_per_connection allows, or than its
+// host's limits.max_resets_per_host (a rapid-reset flood, which gRPC 1.51 does not bound). Every call is served through gRPC's callback API (one
 // generic service; on the wire the same unary calls clients make), so a stream costs no thread: gRPC hands a call over on its headers, the token is checked
 // before a byte of the message is read, and an unauthenticated or reset stream costs a few
 // allocations and no more than HTTP/2's flow-control window (bandwidth-delay probing is off, so a
@@ -125,6 +125,11 @@ struct ServerLimits {
   // a rapid-reset flood). Clients reset a stream only when they cancel a call.
   int64_t max_resets_per_connection = 64;
   int64_t resets_per_second = 16;
+  // The same, shared by all connections of one host (an IPv4 address, an IPv6 /64), so that a
+  // client cannot renew its budget by reconnecting; while it is spent, the host's new
+  // connections are closed as they are accepted (its open ones that do not reset go on).
+  int64_t max_resets_per_host = 256;
+  int64_t host_resets_per_second = 64;
   // Memory for requests in flight: a quarter is gRPC's resource quota (its transports' buffers),
   // the rest the budget every received request is charged to before it is parsed (its bytes and
   // the worst case of its parsed fields and working tensors). Sessions' caches are bounded apart:
@@ -1457,7 +1462,10 @@ class VerifierServer {
     } else {
       front_ = std::make_unique<detail::FrontEnd>(
           service_.options().address,
-          detail::ResetBudget{.burst = l.max_resets_per_connection, .per_second = l.resets_per_second});
+          detail::ResetBudget{.burst = l.max_resets_per_connection,
+                              .per_second = l.resets_per_second,
+                              .host_burst = l.max_resets_per_host,
+                              .host_per_second = l.host_resets_per_second});
       port_ = front_->port();
       service_.set_peer_names([front = front_.get()](const std::string& peer) { return front->peer_of(peer); });
     }
@@ -1555,6 +1563,8 @@ class VerifierServer {
         {"max_reading_calls >= 1", l.max_reading_calls >= 1},
         {"max_resets_per_connection >= 1", l.max_resets_per_connection >= 1},
         {"resets_per_second >= 0", l.resets_per_second >= 0},
+        {"max_resets_per_host >= 1", l.max_resets_per_host >= 1},
+        {"host_resets_per_second >= 0", l.host_resets_per_second >= 0},
         {"max_streams_per_connection in [1, 2^31)", in(l.max_streams_per_connection, 1, kInt)},
         {"max_memory_bytes >= 4 MiB", l.max_memory_bytes >= (int64_t{4} << 20)},
         {"idle_timeout >= 1 ms", l.idle_timeout.count() >= 1},
