@@ -834,11 +834,18 @@ TEST(RemoteFrontDoor, ClientsAreBoundedAndIdleConnectionsClosed) {
   EXPECT_EQ(close_on(first).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_EQ(close_on(own_channel(narrow.port())).error_code(), grpc::StatusCode::NOT_FOUND);
 
-  try {
-    VerifierServer<test::MarkovModel> refused(target, loopback({.max_sessions_per_client = 0}));
-    ADD_FAILURE() << "the server started";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("max_sessions_per_client >= 1"), std::string::npos) << e.what();
+  const std::vector<std::pair<remote::ServerLimits, std::string>> bad = {
+      {{.max_sessions_per_client = 0}, "max_sessions_per_client >= 1"},
+      {{.max_resets_per_host = 0}, "max_resets_per_host >= 1"},
+      {{.host_resets_per_second = -1}, "host_resets_per_second >= 0"},
+  };
+  for (const auto& [limits, rule] : bad) {
+    try {
+      VerifierServer<test::MarkovModel> refused(target, loopback(limits));
+      ADD_FAILURE() << "the server started with " << rule << " broken";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(rule), std::string::npos) << e.what();
+    }
   }
 }
 
