@@ -32,6 +32,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -266,11 +267,11 @@ class FrontEnd {
     std::vector<epoll_event> events(256);
     std::string chunk(kChunk, '\0');
     while (!stopping_) {
-      const int ready = ::epoll_wait(epoll_, events.data(), static_cast<int>(events.size()), listening_ ? 1000 : 50);
+      const int ready = ::epoll_wait(epoll_, events.data(), static_cast<int>(events.size()), listen_paused_until_ ? 50 : 1000);
       if (ready < 0 && errno != EINTR) break;
-      if (!listening_ && std::chrono::steady_clock::now() >= resume_listening_) {
+      if (listen_paused_until_ && std::chrono::steady_clock::now() >= *listen_paused_until_) {
         watch(listener_, EPOLLIN);
-        listening_ = true;
+        listen_paused_until_.reset();
       }
       for (int i = 0; i < ready; ++i) {
         const int fd = events[static_cast<size_t>(i)].data.fd;
@@ -297,8 +298,7 @@ class FrontEnd {
           // Out of descriptors or memory: the waiting connection stays queued and the listener
           // stays readable, so stop watching it for a while rather than spin on it.
           (void)::epoll_ctl(epoll_, EPOLL_CTL_DEL, listener_, nullptr);
-          listening_ = false;
-          resume_listening_ = std::chrono::steady_clock::now() + kListenPause;
+          listen_paused_until_ = std::chrono::steady_clock::now() + kListenPause;
         }
         return;
       }
@@ -430,8 +430,8 @@ class FrontEnd {
   std::map<int, std::shared_ptr<Connection>> connections_;  // by either descriptor; the relay thread's
   static constexpr size_t kFirstSweep = 1024;
   static constexpr std::chrono::milliseconds kListenPause{100};  // after accept runs out of descriptors
-  bool listening_ = true;  // the listener is watched; the relay thread's
-  std::chrono::steady_clock::time_point resume_listening_{};
+  // When the unwatched listener is watched again; empty while it is watched. The relay thread's.
+  std::optional<std::chrono::steady_clock::time_point> listen_paused_until_;
   std::map<std::string, std::shared_ptr<TokenBucket>> hosts_;  // by host_of; the relay thread's
   size_t sweep_at_ = kFirstSweep;
   mutable std::mutex peers_mutex_;

@@ -17,9 +17,10 @@
 // The front door (admission.hpp; docs/remote.md states the threat model): on a plaintext address
 // the server accepts connections itself and relays them to gRPC (front_end.hpp), closing a
 // connection that resets more streams than limits.max_resets_per_connection allows, or than its
-// host's limits.max_resets_per_host (a rapid-reset flood, which gRPC 1.51 does not bound). Every call is served through gRPC's callback API (one
-// generic service; on the wire the same unary calls clients make), so a stream costs no thread: gRPC hands a call over on its headers, the token is checked
-// before a byte of the message is read, and an unauthenticated or reset stream costs a few
+// host's limits.max_resets_per_host (a rapid-reset flood, which gRPC 1.51 does not bound). Every
+// call is served through gRPC's callback API (one generic service; on the wire the same unary
+// calls clients make), so a stream costs no thread: gRPC hands a call over on its headers, the
+// token is checked before a byte of the message is read, and an unauthenticated or reset stream costs a few
 // allocations and no more than HTTP/2's flow-control window (bandwidth-delay probing is off, so a
 // message nobody reads cannot grow the window; a read asks for the window it needs). An
 // authenticated call then reads its one message, which must arrive within limits.read_timeout;
