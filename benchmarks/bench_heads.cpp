@@ -20,6 +20,8 @@
 
 #include "bench_pairs.hpp"
 #include "bench_support.hpp"
+#include "specdec/drafting/eagle.hpp"
+#include "specdec/drafting/medusa.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
 #include "specdec/io/medusa.hpp"
@@ -44,11 +46,11 @@ GenerationResult run(Setup& s, Method method, const std::vector<int64_t>& prompt
   Model& target = *s.target;
   switch (method) {
     case Method::eagle: {
-      models::EagleDraftSource source(*s.eagle, target);
+      EagleDraftSource source(*s.eagle, target);
       return generate_with(source, target, prompt, options);
     }
     case Method::medusa: {
-      models::MedusaDraftSource source(*s.medusa, target);
+      MedusaDraftSource source(*s.medusa, target);
       return generate_with(source, target, prompt, options);
     }
     case Method::drafter: return speculative_generate(*s.drafter, target, prompt, options);

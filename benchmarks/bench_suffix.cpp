@@ -62,9 +62,9 @@
 #include <vector>
 
 #include "bench_pairs.hpp"
+#include "specdec/drafting/suffix.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/session.hpp"
-#include "specdec/suffix.hpp"
 #include "specdec/text/token_stream.hpp"
 
 #ifdef SPECDEC_BENCH_ARCTIC

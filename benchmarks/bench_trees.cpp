@@ -27,11 +27,12 @@
 
 #include "bench_pairs.hpp"
 #include "bench_support.hpp"
+#include "specdec/drafting/eagle.hpp"
+#include "specdec/drafting/medusa.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
 #include "specdec/io/medusa.hpp"
 #include "specdec/io/tokenizer.hpp"
-#include "specdec/models/head_trees.hpp"
 #include "specdec/text/prompts.hpp"
 #include "text/python_corpus.hpp"
 
@@ -63,7 +64,7 @@ GenerationStats dynamic_runs(Setup& s, bool head, const DynamicTreeOptions& opti
   for (const auto& prompt : prompts) {
     const SpeculativeOptions step{.max_new_tokens = kNewTokens};
     if (head) {
-      models::EagleTreeSource source(*s.eagle, *s.target, options);
+      EagleTreeSource source(*s.eagle, *s.target, options);
       stats += generate_with(source, *s.target, prompt, step).stats;
     } else {
       DynamicTreeSource source(*s.drafter, options);
@@ -135,28 +136,28 @@ GenerationResult run(Setup& s, Method method, int64_t gamma, const std::vector<i
       return generate_with(source, *s.target, prompt, options, processor);
     }
     case Method::eagle_chain: {
-      models::EagleDraftSource source(*s.eagle, *s.target);
+      EagleDraftSource source(*s.eagle, *s.target);
       return generate_with(source, *s.target, prompt, options, processor);
     }
     case Method::eagle_dynamic: {
-      models::EagleTreeSource source(*s.eagle, *s.target,
+      EagleTreeSource source(*s.eagle, *s.target,
                                      {.depth = 5, .top_k = 4, .total_tokens = gamma});
       return generate_with(source, *s.target, prompt, options, processor);
     }
     case Method::eagle_calibrated: {
       DynamicTreeOptions calibration = calibrated(s, true);
       calibration.total_tokens = gamma;
-      models::EagleTreeSource source(*s.eagle, *s.target, calibration);
+      EagleTreeSource source(*s.eagle, *s.target, calibration);
       return generate_with(source, *s.target, prompt, options, processor);
     }
     case Method::medusa_chain: {
-      models::MedusaDraftSource source(*s.medusa, *s.target);
+      MedusaDraftSource source(*s.medusa, *s.target);
       return generate_with(source, *s.target, prompt, options, processor);
     }
     case Method::medusa_static: {
       static const std::vector<double> kRanks{0.55, 0.2,  0.1,   0.06, 0.04,
                                               0.03, 0.02, 0.015, 0.01, 0.01};
-      models::MedusaTreeSource source(
+      MedusaTreeSource source(
           *s.medusa, *s.target,
           TreeTemplate::best_first(gamma, kRanks, s.medusa->config().num_heads));
       return generate_with(source, *s.target, prompt, options, processor);

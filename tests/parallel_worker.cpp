@@ -27,10 +27,10 @@
 
 #include "specdec/batch.hpp"
 #include "specdec/distributed.hpp"
+#include "specdec/drafting/stand.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/ngram_storage.hpp"
-#include "specdec/stand.hpp"
 #include "support/llama_fixtures.hpp"
 
 namespace {

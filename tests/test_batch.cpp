@@ -11,10 +11,10 @@
 
 #include "specdec/batch.hpp"
 #include "specdec/beam_search.hpp"
+#include "specdec/drafting/stand.hpp"
 #include "specdec/generate.hpp"
-#include "specdec/session.hpp"
-#include "specdec/stand.hpp"
 #include "specdec/models/llama.hpp"
+#include "specdec/session.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/markov_fixtures.hpp"

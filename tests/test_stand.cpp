@@ -13,14 +13,14 @@
 #include <set>
 #include <vector>
 
+#include "specdec/drafting/dynamic_tree.hpp"
+#include "specdec/drafting/model_tree.hpp"
+#include "specdec/drafting/stand.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/tokenizer.hpp"
-#include "specdec/dynamic_tree.hpp"
-#include "specdec/model_tree.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/session.hpp"
-#include "specdec/stand.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/markov_fixtures.hpp"
@@ -443,7 +443,7 @@ TEST(StandGenerate, StoriesGreedyEqualsAutoregressiveAndDraftsFromSharedMemory) 
   EXPECT_GT(runs[1].stats.tokens_per_target_call(), 3.0);
 }
 
-// --- Static trees from a drafter model (model_tree.hpp) -----------------------------------------
+// --- Static trees from a drafter model (drafting/model_tree.hpp) -----------------------------------------
 
 TEST(TreeTemplate, FromPathsNumbersBreadthFirstAndRejectsBadPaths) {
   const TreeTemplate tree = TreeTemplate::from_paths({{0, 0}, {1}, {0}, {0, 1}, {0, 0, 0}, {1, 0}});
@@ -616,7 +616,7 @@ TEST(ModelTreeGenerate, RejectsBadInputNamingIt) {
   expect_invalid([&] { ModelTreeSource source(small, TreeTemplate::full(2, 7)); }, {"shape", "254", "max_sequence_length"});
 }
 
-// --- Dynamic trees from a drafter model (dynamic_tree.hpp) ---------------------------------------
+// --- Dynamic trees from a drafter model (drafting/dynamic_tree.hpp) ---------------------------------------
 
 class RuledDynamicTree : public DynamicTreeSource<test::MarkovModel> {
  public:

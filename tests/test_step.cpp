@@ -13,11 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "specdec/drafting/eagle.hpp"
+#include "specdec/drafting/medusa.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
 #include "specdec/io/medusa.hpp"
 #include "specdec/models/eagle.hpp"
-#include "specdec/models/head_trees.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/models/medusa.hpp"
 #include "specdec/specdec.hpp"
@@ -622,7 +623,7 @@ TEST(Medusa, GreedyOutputEqualsAutoregressiveDecoding) {
   Model reference(config, weights);
   const models::MedusaConfig heads_config{.hidden_size = config.dim, .vocab_size = config.vocab_size, .num_heads = 3};
   const models::MedusaHeads heads(heads_config, models::MedusaHeads::random(heads_config, 3));
-  models::MedusaDraftSource source(heads, target);
+  MedusaDraftSource source(heads, target);
   const std::vector<int64_t> prompt{3, 17, 5, 5, 40, 2};
   GenerationResult result;
   const int64_t copies = copies_during([&] { result = generate_with(source, target, prompt, {.max_new_tokens = 60, .gamma = 3}); });
@@ -640,7 +641,7 @@ TEST(Medusa, GreedyOutputEqualsAutoregressiveDecoding) {
   const std::vector<int64_t> taps{config.n_layers};
   const at::Tensor features =
       reference.forward_features(at::tensor(prompt, at::kLong).view({1, -1}), cache, taps).features[0];
-  models::MedusaDraftSource manual(heads, target);
+  MedusaDraftSource manual(heads, target);
   manual.start(sequence, {});
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
   EXPECT_EQ(manual.draft(DraftRequest{.sequence = sequence, .gamma = 3, .room = 10}, GreedyProcessor{}, gen).size(), 0)
@@ -656,7 +657,7 @@ TEST(Medusa, GreedyOutputEqualsAutoregressiveDecoding) {
 
   const models::MedusaConfig wide{.hidden_size = config.dim + 1, .vocab_size = config.vocab_size, .num_heads = 1};
   const models::MedusaHeads misfit(wide, models::MedusaHeads::random(wide, 1));
-  test::expect_invalid([&] { models::MedusaDraftSource refused(misfit, target); }, {"hidden_size = 33"});
+  test::expect_invalid([&] { MedusaDraftSource refused(misfit, target); }, {"hidden_size = 33"});
   test::expect_invalid([&] { (void)models::MedusaHeads({.hidden_size = 4, .vocab_size = 8, .num_heads = 0}, {}); },
                        {"medusa_num_heads = 0"});
 }
@@ -704,7 +705,7 @@ bool medusa_samples_fit(bool skip_sample_adjustment) {
   std::map<std::vector<int64_t>, int64_t> observed;
   int64_t drafted = 0;
   for (int64_t i = 0; i < kSamples; ++i) {
-    models::MedusaDraftSource source(heads, target);
+    MedusaDraftSource source(heads, target);
     const GenerationResult result = generate_with(
         source, target, prompt,
         {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2, .skip_sample_adjustment = skip_sample_adjustment},
@@ -770,7 +771,7 @@ TEST(Medusa, TrainedHeadsForTheBundledTargetAreAccepted) {
   const models::MedusaHeads heads = io::load_medusa(bundled + "/medusa", target.hidden_size(), target.vocab_size());
   const std::string text = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return ";
   const std::vector<int64_t> prompt(text.begin(), text.end());
-  models::MedusaDraftSource source(heads, target);
+  MedusaDraftSource source(heads, target);
   const GenerationResult result =
       generate_with(source, target, prompt, {.max_new_tokens = 128, .gamma = heads.config().num_heads});
   EXPECT_EQ(result.tokens, autoregressive_generate(target, prompt, {.max_new_tokens = 128}).tokens);
@@ -835,8 +836,8 @@ FirstRejection eagle_first_rejection(bool skip, int64_t events) {
   std::map<int64_t, std::pair<at::Tensor, at::Tensor>> rows;  // t: (residual, p)
   FirstRejection result;
   for (uint64_t seed = 0; result.events < events && seed < static_cast<uint64_t>(40 * events); ++seed) {
-    models::EagleDraftSource eagle(head, target);
-    KeepsQ<models::EagleDraftSource> source{eagle};
+    EagleDraftSource eagle(head, target);
+    KeepsQ<EagleDraftSource> source{eagle};
     int64_t first = -1;
     SpeculativeOptions options{.max_new_tokens = 3, .seed = seed, .gamma = 3, .skip_sample_adjustment = skip};
     options.on_step = [&](const StepInfo& step) {
@@ -935,10 +936,10 @@ TEST(Eagle, GreedyOutputEqualsAutoregressiveDecodingAndTheCacheRecomputes) {
     models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 6 : 8, 4);
     // The ATen forward and drafts made with tensor operations (other devices) give the same output.
     head.use_cpu_kernels(false);
-    models::EagleDraftSource aten(head, target);
+    EagleDraftSource aten(head, target);
     const GenerationResult through_aten = generate_with(aten, target, prompt, {.max_new_tokens = 60, .gamma = 3});
     head.use_cpu_kernels(true);
-    models::EagleDraftSource source(head, target);
+    EagleDraftSource source(head, target);
     GenerationResult result;
     const int64_t copies =
         copies_during([&] { result = generate_with(source, target, prompt, {.max_new_tokens = 60, .gamma = 3}); });
@@ -957,7 +958,7 @@ TEST(Eagle, GreedyOutputEqualsAutoregressiveDecodingAndTheCacheRecomputes) {
 
     Session<Model> session(target);
     Session<Model> alone(reference);
-    models::EagleDraftSource turns(head, target);
+    EagleDraftSource turns(head, target);
     NoDrafts none;
     for (const std::vector<int64_t>& turn : {prompt, std::vector<int64_t>{7, 0, 6}}) {
       session.append(turn);
@@ -989,7 +990,7 @@ bool eagle_samples_fit(bool skip_sample_adjustment, bool batched = false) {
   constexpr int64_t kSamples = 4000;
   std::vector<std::map<std::vector<int64_t>, int64_t>> observed(prompts.size());
   int64_t drafted = 0;
-  std::vector<models::EagleDraftSource> sources;
+  std::vector<EagleDraftSource> sources;
   for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(head, target);
   for (int64_t i = 0; i < kSamples; ++i) {
     const SpeculativeOptions options{.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2,
@@ -1065,7 +1066,7 @@ TEST(Eagle, HeadsThatDoNotFitAreRefused) {
   models::EagleConfig c{.kind = models::EagleKind::eagle3, .layer = config, .target_hidden_size = config.dim,
                         .draft_vocab_size = 40, .feature_layers = {0, 1, 3}};
   const models::EagleHead deep(c, models::EagleHead::random(c, weights.token_embedding, weights.output, 1));
-  test::expect_invalid([&] { models::EagleDraftSource s(deep, target); }, {"feature_layers[2] = 3", "2 layers"});
+  test::expect_invalid([&] { EagleDraftSource s(deep, target); }, {"feature_layers[2] = 3", "2 layers"});
   c.feature_layers = {0, 1, 2};
   models::EagleWeights w = models::EagleHead::random(c, weights.token_embedding, weights.output, 1);
   w.d2t[5] = 100;
@@ -1079,7 +1080,7 @@ TEST(Eagle, HeadsThatDoNotFitAreRefused) {
   c.layer.vocab_size = 64;
   models::LlamaWeights wide = models::LlamaWeights::random(c.layer, 1);
   const models::EagleHead other(c, models::EagleHead::random(c, wide.token_embedding, wide.output, 1));
-  test::expect_invalid([&] { models::EagleDraftSource s(other, target); }, {"vocab_size = 64", "48"});
+  test::expect_invalid([&] { EagleDraftSource s(other, target); }, {"vocab_size = 64", "48"});
   test::expect_invalid([&] { (void)models::EagleConfig::eagle3_default_layers(2); }, {"2 layers"});
 }
 
@@ -1132,7 +1133,7 @@ TEST(HeadsInBatches, GreedyRowsEqualAutoregressiveDecodingAndEachRowAlone) {
   for (const auto kind : {models::EagleKind::eagle3, models::EagleKind::eagle1}) {
     SCOPED_TRACE(models::to_string(kind));
     const models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 6 : 8, 4);
-    std::vector<models::EagleDraftSource> sources, singles;
+    std::vector<EagleDraftSource> sources, singles;
     std::vector<GenerationResult> alone;
     for (size_t r = 0; r < prompts.size(); ++r) {
       sources.emplace_back(head, target);
@@ -1145,7 +1146,7 @@ TEST(HeadsInBatches, GreedyRowsEqualAutoregressiveDecodingAndEachRowAlone) {
     int64_t steps = 0;  // the batch's steps: those of its longest-running row
     for (const GenerationResult& result : results) steps = std::max(steps, result.stats.steps);
     EXPECT_EQ(copies, steps) << "one host copy per batch step";
-    std::vector<models::EagleDraftSource> short_sources;
+    std::vector<EagleDraftSource> short_sources;
     for (size_t i = 0; i < short_rows.size(); ++i) short_sources.emplace_back(head, target);
     check_rows(results, generate_with_batch(std::span(short_sources), target, short_rows, options), alone);
     for (size_t r = 0; r < prompts.size(); ++r) {
@@ -1156,12 +1157,12 @@ TEST(HeadsInBatches, GreedyRowsEqualAutoregressiveDecodingAndEachRowAlone) {
   }
   const models::MedusaConfig heads_config{.hidden_size = config.dim, .vocab_size = config.vocab_size, .num_heads = 3};
   const models::MedusaHeads heads(heads_config, models::MedusaHeads::random(heads_config, 3));
-  std::vector<models::MedusaDraftSource> medusa, short_medusa;
+  std::vector<MedusaDraftSource> medusa, short_medusa;
   std::vector<GenerationResult> alone;
   for (size_t r = 0; r < prompts.size(); ++r) {
     medusa.emplace_back(heads, target);
     if (r < short_rows.size()) short_medusa.emplace_back(heads, target);
-    models::MedusaDraftSource single(heads, reference);
+    MedusaDraftSource single(heads, reference);
     alone.push_back(generate_with(single, reference, prompts[r], options));
   }
   {
@@ -1171,7 +1172,7 @@ TEST(HeadsInBatches, GreedyRowsEqualAutoregressiveDecodingAndEachRowAlone) {
   }
 
   // Bad input names the parameter.
-  std::vector<models::EagleDraftSource> two;
+  std::vector<EagleDraftSource> two;
   const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 6, 4);
   two.emplace_back(head, target);
   test::expect_invalid([&] { (void)generate_with_batch(std::span(two), target, prompts, options); },
@@ -1256,7 +1257,7 @@ TEST(HeadsInBatches, SampledRowsAreDistributedAsTheTarget) {
   EXPECT_FALSE(eagle_samples_fit(/*skip_sample_adjustment=*/true, /*batched=*/true));
 }
 
-// --- Draft trees from heads (models/head_trees.hpp) ---------------------------------------------
+// --- Draft trees from heads (drafting/eagle.hpp, drafting/medusa.hpp) ---------------------------------------------
 
 // EAGLE-3 and EAGLE-1 heads growing dynamic trees: greedy output equals autoregressive decoding,
 // one host copy per step, trees drafted and accepted into, and the head's cache after the
@@ -1274,9 +1275,9 @@ TEST(HeadTrees, EagleTreesGreedyEqualAutoregressiveAndTheCacheRecomputes) {
   for (const auto kind : {models::EagleKind::eagle3, models::EagleKind::eagle1}) {
     SCOPED_TRACE(models::to_string(kind));
     const models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 6 : 8, 4);
-    models::EagleDraftSource chain(head, target);
+    EagleDraftSource chain(head, target);
     const GenerationResult chained = generate_with(chain, target, prompt, {.max_new_tokens = 60, .gamma = 3});
-    models::EagleTreeSource source(head, target, {.depth = 3, .top_k = 3, .total_tokens = 8});
+    EagleTreeSource source(head, target, {.depth = 3, .top_k = 3, .total_tokens = 8});
     GenerationResult result;
     const int64_t copies = copies_during([&] { result = generate_with(source, target, prompt, {.max_new_tokens = 60}); });
     EXPECT_EQ(result.tokens, expected);
@@ -1292,7 +1293,7 @@ TEST(HeadTrees, EagleTreesGreedyEqualAutoregressiveAndTheCacheRecomputes) {
     // A session's second turn keeps the head's cache and stays exact.
     Session<Model> session(target);
     Session<Model> alone(reference);
-    models::EagleTreeSource turns(head, target, {.depth = 3, .top_k = 2, .total_tokens = 5});
+    EagleTreeSource turns(head, target, {.depth = 3, .top_k = 2, .total_tokens = 5});
     NoDrafts none;
     for (const std::vector<int64_t>& turn : {prompt, std::vector<int64_t>{7, 0, 6}}) {
       session.append(turn);
@@ -1315,28 +1316,28 @@ TEST(HeadTrees, EagleTreesGreedyEqualAutoregressiveAndTheCacheRecomputes) {
         into.emplace_back(step.drafts.begin(), step.drafts.begin() + static_cast<std::ptrdiff_t>(shown));
       };
     };
-    models::EagleDraftSource chain(head, target);
+    EagleDraftSource chain(head, target);
     (void)generate_with(chain, target, prompt, {.max_new_tokens = 40, .on_step = record(chain_drafts), .gamma = 5});
-    models::EagleTreeSource tree(head, target, {.depth = 5, .top_k = 1, .total_tokens = 5});
+    EagleTreeSource tree(head, target, {.depth = 5, .top_k = 1, .total_tokens = 5});
     (void)generate_with(tree, target, prompt, {.max_new_tokens = 40, .on_step = record(tree_drafts)});
     EXPECT_EQ(tree_drafts, chain_drafts) << models::to_string(kind);
   }
   const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 6, 4);
-  test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.top_k = 7}); }, {"top_k", "6", "7"});
-  test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.depth = 0}); }, {"depth", "0"});
+  test::expect_invalid([&] { EagleTreeSource source(head, target, {.top_k = 7}); }, {"top_k", "6", "7"});
+  test::expect_invalid([&] { EagleTreeSource source(head, target, {.depth = 0}); }, {"depth", "0"});
   // Near the end of the context the tree is cut to what fits: an ordinary end, still exact.
   {
     const auto all = autoregressive_generate(reference, prompt, {.max_new_tokens = config.max_seq_len});
-    models::EagleTreeSource source(head, target, {.depth = 6, .top_k = 3, .total_tokens = 20});
+    EagleTreeSource source(head, target, {.depth = 6, .top_k = 3, .total_tokens = 20});
     const GenerationResult result = generate_with(source, target, prompt, {.max_new_tokens = config.max_seq_len});
     EXPECT_EQ(result.tokens, all.tokens);
     EXPECT_EQ(result.stop_reason, StopReason::sequence_limit);
   }
   // A tree that cannot follow one token in the target's context is refused; one that can is cut
   // near the end instead.
-  test::expect_invalid([&] { models::EagleTreeSource source(head, target, {.total_tokens = config.max_seq_len}); },
+  test::expect_invalid([&] { EagleTreeSource source(head, target, {.total_tokens = config.max_seq_len}); },
                        {"total_tokens", "128", "max_sequence_length"});
-  EXPECT_NO_THROW(models::EagleTreeSource(head, target, {.total_tokens = config.max_seq_len - 1}));
+  EXPECT_NO_THROW(EagleTreeSource(head, target, {.total_tokens = config.max_seq_len - 1}));
 }
 
 // Whether sampled output of a head's tree fits the target's exact distribution (three tokens
@@ -1387,14 +1388,14 @@ TEST(HeadTrees, SampledOutputOfEagleAndMedusaTreesIsDistributedAsTheTarget) {
   const auto eagle = [&](const models::LlamaConfig& config, const models::LlamaWeights& weights,
                          models::LlamaModel<StaticKVCache>& target, specdec::detail::ModelTreeRule rule) {
     head.emplace(random_eagle(config, weights, models::EagleKind::eagle3, 4, 6));
-    return std::make_unique<RuledHeadTree<models::EagleTreeSource>>(rule, *head, target,
+    return std::make_unique<RuledHeadTree<EagleTreeSource>>(rule, *head, target,
                                                                     DynamicTreeOptions{.depth = 2, .top_k = 2, .total_tokens = 4});
   };
   const auto medusa = [&](const models::LlamaConfig& config, const models::LlamaWeights& /*weights*/,
                           models::LlamaModel<StaticKVCache>& target, specdec::detail::ModelTreeRule rule) {
     const models::MedusaConfig c{.hidden_size = config.dim, .vocab_size = config.vocab_size, .num_heads = 2};
     heads.emplace(c, models::MedusaHeads::random(c, 4));
-    return std::make_unique<RuledHeadTree<models::MedusaTreeSource>>(
+    return std::make_unique<RuledHeadTree<MedusaTreeSource>>(
         rule, *heads, target, TreeTemplate::from_paths({{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {2, 0}}));
   };
   EXPECT_TRUE(head_tree_samples_fit(eagle, specdec::detail::ModelTreeRule::exact));
@@ -1415,9 +1416,9 @@ TEST(HeadTrees, MedusaTreesGreedyEqualAutoregressive) {
   const models::MedusaConfig heads_config{.hidden_size = config.dim, .vocab_size = config.vocab_size, .num_heads = 3};
   const models::MedusaHeads heads(heads_config, models::MedusaHeads::random(heads_config, 3));
   const std::vector<int64_t> prompt{3, 17, 5, 5, 40, 2};
-  models::MedusaDraftSource chain(heads, target);
+  MedusaDraftSource chain(heads, target);
   const GenerationResult chained = generate_with(chain, target, prompt, {.max_new_tokens = 60, .gamma = 3});
-  models::MedusaTreeSource source(heads, target,
+  MedusaTreeSource source(heads, target,
                                   TreeTemplate::from_paths({{0}, {1}, {2}, {3}, {0, 0}, {0, 1}, {1, 0}, {2, 0}, {0, 0, 0}}));
   GenerationResult result;
   const int64_t copies = copies_during([&] { result = generate_with(source, target, prompt, {.max_new_tokens = 60}); });
@@ -1426,14 +1427,14 @@ TEST(HeadTrees, MedusaTreesGreedyEqualAutoregressive) {
   EXPECT_GT(result.stats.accepted, chained.stats.accepted) << "four first choices accept more than one";
   std::cout << "[ figures  ] medusa heads (random), tree of 9: " << result.stats.accepted << " accepted in "
             << result.stats.steps << " steps; chain of 3: " << chained.stats.accepted << " in " << chained.stats.steps << "\n";
-  test::expect_invalid([&] { models::MedusaTreeSource deep(heads, target, TreeTemplate::chain(4)); },
+  test::expect_invalid([&] { MedusaTreeSource deep(heads, target, TreeTemplate::chain(4)); },
                        {"4 deep", "3 Medusa heads"});
   // Near the end of the context the tree is cut to what fits: an ordinary end, still exact.
-  models::MedusaTreeSource full(heads, target, TreeTemplate::full(4, 3));
+  MedusaTreeSource full(heads, target, TreeTemplate::full(4, 3));
   const GenerationResult all = generate_with(full, target, prompt, {.max_new_tokens = config.max_seq_len});
   EXPECT_EQ(all.tokens, autoregressive_generate(reference, prompt, {.max_new_tokens = config.max_seq_len}).tokens);
   EXPECT_EQ(all.stop_reason, StopReason::sequence_limit);
-  test::expect_invalid([&] { models::MedusaTreeSource wide(heads, target, TreeTemplate::full(12, 2)); },
+  test::expect_invalid([&] { MedusaTreeSource wide(heads, target, TreeTemplate::full(12, 2)); },
                        {"node count", "156", "max_sequence_length 128"});
 }
 

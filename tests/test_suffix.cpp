@@ -11,10 +11,10 @@
 #include <random>
 
 #include "specdec/batch.hpp"
+#include "specdec/drafting/suffix.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/io/errors.hpp"
 #include "specdec/session.hpp"
-#include "specdec/suffix.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/markov_fixtures.hpp"

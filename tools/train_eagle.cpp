@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "../examples/support/cli.hpp"
+#include "specdec/drafting/eagle.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
@@ -464,7 +465,7 @@ int main(int argc, char** argv) {
         specdec::io::load_eagle(args.out, specdec::io::EagleTarget::of(target));
     const auto prompts = specdec::text::held_out_prompts(target, corpus ? &corpus->held_out_paths : nullptr, args.bos, 8);
     const specdec::text::HeldOut held_out = specdec::text::measure_held_out(
-        target, prompts, [&] { return specdec::models::EagleDraftSource(loaded, target); }, args.gamma);
+        target, prompts, [&] { return specdec::EagleDraftSource(loaded, target); }, args.gamma);
     specdec::text::print_held_out(held_out, args.gamma);
     std::cout << "wrote " << args.out << std::endl;
     return held_out.identical ? 0 : 1;

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "../examples/support/cli.hpp"
+#include "specdec/drafting/medusa.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/medusa.hpp"
@@ -209,7 +210,7 @@ int main(int argc, char** argv) {
     const specdec::models::MedusaHeads loaded = specdec::io::load_medusa(args.out, hidden, vocab);
     const auto prompts = specdec::text::held_out_prompts(target, corpus ? &corpus->held_out_paths : nullptr, args.bos, 8);
     const specdec::text::HeldOut held_out = specdec::text::measure_held_out(
-        target, prompts, [&] { return specdec::models::MedusaDraftSource(loaded, target); }, args.heads);
+        target, prompts, [&] { return specdec::MedusaDraftSource(loaded, target); }, args.heads);
     specdec::text::print_held_out(held_out, args.heads);
     std::cout << "wrote " << args.out << std::endl;
     return held_out.identical ? 0 : 1;

@@ -3,13 +3,14 @@
 #pragma once
 
 #include <specdec/distributed.hpp>
+#include <specdec/drafting/eagle.hpp>
+#include <specdec/drafting/medusa.hpp>
 #include <specdec/io/checkpoint.hpp>
 #include <specdec/io/eagle.hpp>
 #include <specdec/io/hf_tokenizer.hpp>
 #include <specdec/io/medusa.hpp>
 #include <specdec/io/regular_file.hpp>
 #include <specdec/io/tokenizer.hpp>
-#include <specdec/models/head_trees.hpp>
 #include <specdec/models/llama.hpp>
 #include <specdec/specdec.hpp>
 #include <specdec/text/prompts.hpp>

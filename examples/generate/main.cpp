@@ -257,18 +257,18 @@ int run(const Arguments& a) {
           }
           if (eagle) {
             if (a.tree == "dynamic") {
-              models::EagleTreeSource heads(*eagle, target, dynamic);
+              EagleTreeSource heads(*eagle, target, dynamic);
               return generate_with(heads, target, prompt, options, p);
             }
-            models::EagleDraftSource heads(*eagle, target);
+            EagleDraftSource heads(*eagle, target);
             return generate_with(heads, target, prompt, options, p);
           }
           if (medusa) {
             if (a.tree == "static") {
-              models::MedusaTreeSource heads(*medusa, target, shape(medusa->config().num_heads));
+              MedusaTreeSource heads(*medusa, target, shape(medusa->config().num_heads));
               return generate_with(heads, target, prompt, options, p);
             }
-            models::MedusaDraftSource heads(*medusa, target);
+            MedusaDraftSource heads(*medusa, target);
             return generate_with(heads, target, prompt, options, p);
           }
           return autoregressive_generate(target, prompt, plain, p);

@@ -210,12 +210,12 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const mode
           return generate_with_batch(std::span(sources), target, prompts, options, p);
         }
         if (eagle != nullptr) {
-          std::vector<models::EagleDraftSource> sources;
+          std::vector<EagleDraftSource> sources;
           for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(*eagle, target);
           return generate_with_batch(std::span(sources), target, prompts, options, p);
         }
         if (medusa != nullptr) {
-          std::vector<models::MedusaDraftSource> sources;
+          std::vector<MedusaDraftSource> sources;
           for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(*medusa, target);
           return generate_with_batch(std::span(sources), target, prompts, options, p);
         }

@@ -5,7 +5,7 @@
 //
 // Here: NoDrafts (autoregressive decoding), ModelDraftSource (a drafter model, with the
 // draft-length policies) and NGramDraftSource (n-gram storages and prompt lookup). STAND's tree
-// drafts are in stand.hpp.
+// drafts are in drafting/stand.hpp.
 #pragma once
 
 #include <algorithm>

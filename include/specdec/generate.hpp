@@ -4,7 +4,7 @@
 // Where to find the rest of generation: a draft source of your own runs through
 // generate_with(source, target, prompt, options, processor) (step.hpp, included here); the
 // options and StopReason are in options.hpp, the result and its GenerationStats in result.hpp,
-// both included here. Beam search is beam_search.hpp, STAND stand.hpp, batches batch.hpp,
+// both included here. Beam search is beam_search.hpp, STAND drafting/stand.hpp, batches batch.hpp,
 // multi-turn sessions session.hpp; specdec.hpp includes them all.
 #pragma once
 

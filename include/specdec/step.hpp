@@ -2,7 +2,7 @@
 // proposal in one forward, the verification core decides, the caches are pruned to the accepted
 // prefix and the accepted tokens are emitted. Autoregressive decoding, speculative decoding with a
 // drafter model, n-gram drafting, STAND's draft trees and sessions are all this loop with another
-// draft source (draft_source.hpp, stand.hpp).
+// draft source (draft_source.hpp, drafting/stand.hpp).
 //
 // A step costs exactly one device-to-host copy: verification's outcome, the finiteness check and
 // whatever the source asked to learn from (the target's top-k, STAND's statistics) come back

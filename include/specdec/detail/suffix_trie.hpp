@@ -1,4 +1,4 @@
-// The tree behind suffix decoding (suffix.hpp): the substrings of texts up to max_depth tokens,
+// The tree behind suffix decoding (drafting/suffix.hpp): the substrings of texts up to max_depth tokens,
 // each counting how often it occurs and how often a token followed it, with its most frequent
 // follower (ties: the smallest token id), so a greedy walk reads one node per drafted token.
 //

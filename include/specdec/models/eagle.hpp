@@ -19,8 +19,8 @@
 // operations would cost several of the target's own forwards); use_cpu_kernels(false) forces the
 // ATen forward, which every other device and dtype takes.
 //
-// EagleDraftSource drafts with a head on the step core and keeps the head's cache across steps,
-// generations and Session turns, pruned to what the target verified.
+// The network only: drafting with it (EagleDraftSource's chains, EagleTreeSource's dynamic trees)
+// is drafting/eagle.hpp.
 #pragma once
 
 #include <algorithm>
@@ -34,16 +34,12 @@
 #include <utility>
 #include <vector>
 
-#include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/torch_compat.hpp"
-#include "specdec/device.hpp"
-#include "specdec/draft_source.hpp"
 #include "specdec/models/detail/cpu_linear.hpp"
 #include "specdec/models/detail/llama_cpu.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/models/llama_config.hpp"
-#include "specdec/options.hpp"
 
 namespace specdec::models {
 
@@ -604,165 +600,5 @@ class EagleHead {
   std::shared_ptr<const CpuParts> cpu_{};  // the CPU fp32 forward's parts (CPU fp32 heads only)
   bool cpu_kernels_ = true;
 };
-
-// An EAGLE head as a draft source of the step core. The target must be a FeatureTarget whose
-// hidden size, vocabulary and layer count fit the head; the head must outlive the source.
-//
-// After each step it runs the head over the positions the step verified, reading the target's
-// hidden states there (VerifiedDrafts::features, on the device), so that its cache holds exactly
-// the positions the target confirmed; the next step's drafts continue from the last of them, each
-// draft position reading the head's output at the one before. Drafts are the head's top tokens
-// (greedy), or sampled from its distribution spread over the target vocabulary (sampling), so
-// verification stays exact. The cache lives across generations: a generation that continues the
-// sequence the cache was made from (a Session's next turn) keeps it up to where the two agree.
-// A step that follows no verified step at the sequence's end (a generation's first, after a gap)
-// drafts nothing. EagleTreeSource (head_trees.hpp) drafts dynamic trees from the same head. In batches
-// (generate_with_batch) each row has its own source, fed its row of the target's hidden states.
-class EagleDraftSource {
- public:
-  // Throws std::invalid_argument when the head does not fit the target (hidden size, vocabulary,
-  // feature layers).
-  template <FeatureTarget T>
-  EagleDraftSource(const EagleHead& head, const T& target) : head_(head) {
-    const EagleConfig& c = head.config();
-    const auto layers = static_cast<int64_t>(target.num_hidden_layers());
-    if (c.target_hidden_size != static_cast<int64_t>(target.hidden_size())) {
-      detail::throw_invalid_message(to_string(c.kind),
-                                    ": target_hidden_size = ", c.target_hidden_size,
-                                    " but the target's hidden size is ", target.hidden_size());
-    }
-    if (c.vocab_size() != static_cast<int64_t>(target.vocab_size())) {
-      detail::throw_invalid_message(to_string(c.kind), ": vocab_size = ", c.vocab_size(),
-                                    " but the target's vocabulary is ", target.vocab_size());
-    }
-    for (size_t i = 0; i < c.feature_layers.size(); ++i) {
-      if (c.feature_layers[i] > layers) {
-        detail::throw_invalid_message(to_string(c.kind), ": feature_layers[", i,
-                                      "] = ", c.feature_layers[i], " but the target has ", layers,
-                                      " layers (hidden states 0 to ", layers, ")");
-      }
-    }
-  }
-
-  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept {
-    return head_.config().feature_layers;
-  }
-  [[nodiscard]] int64_t vocab_size() const noexcept { return head_.config().vocab_size(); }
-  [[nodiscard]] const EagleCache& cache() const noexcept { return cache_; }
-
-  // Keeps the cache's positions whose tokens `sequence` repeats (position p read tokens up to
-  // p + 1).
-  void start(std::span<const int64_t> sequence, const SpeculativeOptions& /*options*/) {
-    const auto agree = static_cast<int64_t>(
-        std::mismatch(seen_.begin(), seen_.end(), sequence.begin(), sequence.end()).first -
-        seen_.begin());
-    const int64_t keep = std::min(cache_.end(), agree - 1);
-    if (keep < cache_.start()) {
-      cache_.reset(0);
-    } else {
-      cache_.truncate(keep);
-    }
-    seen_.resize(static_cast<size_t>(std::min<int64_t>(agree, static_cast<int64_t>(seen_.size()))));
-    last_ = at::Tensor();
-  }
-
-  template <LogitsProcessor P>
-  Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
-    // The last output must be the one at the position before the sequence's last token.
-    if (!last_.defined() || cache_.end() + 1 != static_cast<int64_t>(request.sequence.size()))
-      return {};
-    const int64_t k = std::min(request.gamma, request.room);
-    if (k <= 0) return {};
-    if constexpr (std::is_same_v<P, GreedyProcessor>) {
-      if (head_.uses_cpu_kernels() && last_.device().is_cpu() && last_.scalar_type() == at::kFloat) return draft_on_host(k);
-    }
-    Drafts drafts{.calls = k};
-    std::vector<at::Tensor> tokens, rows;
-    at::Tensor out = last_;
-    for (int64_t i = 0; i < k; ++i) {
-      if (i > 0) out = head_.forward(tokens.back(), out, cache_);
-      const at::Tensor logits = head_.logits(out);  // [1, draft_vocab]
-      if constexpr (std::is_same_v<P, GreedyProcessor>) {
-        tokens.push_back(head_.to_target(logits.argmax(-1)));
-        rows.push_back(logits.amax(-1));
-      } else {
-        const at::Tensor q = processor(head_.target_logits(logits));
-        tokens.push_back(processor.sample(q, gen).view({1}).to(head_.device()));
-        rows.push_back(q);
-      }
-    }
-    drafts.tokens = at::cat(tokens);
-    if constexpr (std::is_same_v<P, GreedyProcessor>) {
-      drafts.finite = at::isfinite(at::cat(rows)).all();
-    } else {
-      drafts.probs = at::cat(rows, 0);
-    }
-    return drafts;
-  }
-
-  void verified(const VerifiedDrafts& verified) {
-    last_ = at::Tensor();
-    const int64_t from = verified.features_from;
-    // Positions [from, from + n) read tokens up to from + n, which the sequence must hold (a
-    // stop may have cut the step's tokens short).
-    const int64_t n = verified.features.defined()
-                          ? std::min(verified.features.size(0),
-                                     static_cast<int64_t>(verified.sequence.size()) - 1 - from)
-                          : 0;
-    if (n <= 0) {
-      cache_.reset(0);
-      seen_.clear();
-      return;
-    }
-    if (from < cache_.start() || from > cache_.end()) {
-      cache_.reset(from);  // a gap: the head starts over at `from`
-    } else {
-      cache_.truncate(from);  // drops the draft positions
-    }
-    const std::span<const int64_t> next =
-        verified.sequence.subspan(static_cast<size_t>(from + 1), static_cast<size_t>(n));
-    const at::Tensor ids = detail::to_device<int64_t>(next, {n}, head_.device());
-    const at::Tensor outputs =
-        head_.forward(ids, head_.fuse(verified.features.narrow(0, 0, n)), cache_);
-    last_ = outputs.narrow(0, n - 1, 1);
-    // seen_ already holds the sequence up to `from` (the cache's positions before it read those
-    // tokens): only the step's new tokens are appended, not the whole sequence.
-    const auto agreed = static_cast<size_t>(from + 1);
-    if (seen_.size() > agreed) seen_.resize(agreed);
-    seen_.insert(seen_.end(), verified.sequence.begin() + static_cast<std::ptrdiff_t>(seen_.size()),
-                 verified.sequence.begin() + from + n + 1);
-  }
-
- private:
-  // draft() under greedy decoding with the head's CPU loops: the same drafts, each the first
-  // maximum of its logits row read by the host, without an ATen call per draft.
-  Drafts draft_on_host(int64_t k) {
-    std::vector<int64_t> tokens(static_cast<size_t>(k));
-    bool finite = true;
-    at::Tensor id = at::empty({1}, at::kLong);
-    at::Tensor out = last_;
-    for (int64_t i = 0; i < k; ++i) {
-      if (i > 0) {
-        id.data_ptr<int64_t>()[0] = tokens[static_cast<size_t>(i - 1)];
-        out = head_.forward(id, out, cache_);
-      }
-      const at::Tensor logits = head_.logits(out);
-      const detail::RowMax best = detail::row_max(logits.data_ptr<float>(), logits.size(1), 1);
-      tokens[static_cast<size_t>(i)] = head_.target_id(best.index);
-      finite = finite && best.finite;
-    }
-    Drafts drafts = Drafts::from_host(tokens, at::kCPU, k);
-    if (!finite) drafts.finite = at::zeros({}, at::kBool);
-    return drafts;
-  }
-
-  friend class EagleTreeSource;  // drafts trees from the same state (head_trees.hpp)
-
-  const EagleHead& head_;
-  EagleCache cache_;
-  std::vector<int64_t> seen_;  // the tokens the cache's positions read
-  at::Tensor last_{};  // [1, H]: the layer's output at cache_.end() - 1, after a verified step
-};
-static_assert(HasFeatureTaps<EagleDraftSource> && HasStartHook<EagleDraftSource>);
 
 }  // namespace specdec::models

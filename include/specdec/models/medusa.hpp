@@ -3,11 +3,8 @@
 // `num_layers` residual blocks h <- h + SiLU(W h + b) and a classifier [vocab, hidden] without
 // bias, as the Medusa paper (Cai et al., 2024) and its published checkpoints define them.
 //
-// MedusaDraftSource drafts with them on the step core: it reads the target's final normalised
-// hidden state (FeatureTarget tap L) at the last accepted position, which every step hands over
-// in VerifiedDrafts::features, and proposes the heads' top tokens as a chain (sampled ones from
-// their distributions under sampling, so verification stays exact). A step that follows no
-// verified step of the same generation (a generation's first) drafts nothing.
+// The network only: drafting with it (MedusaDraftSource's chains, MedusaTreeSource's static trees)
+// is drafting/medusa.hpp.
 #pragma once
 
 #include <algorithm>
@@ -18,11 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/torch_compat.hpp"
-#include "specdec/draft_source.hpp"
-#include "specdec/options.hpp"
 
 namespace specdec::models {
 
@@ -134,72 +128,5 @@ class MedusaHeads {
   MedusaConfig config_;
   std::vector<MedusaHeadWeights> heads_;
 };
-
-// Medusa heads as a draft source of the step core (see the top of this file). The target must be
-// a FeatureTarget of the heads' hidden size and vocabulary; the heads must outlive the source.
-class MedusaDraftSource {
- public:
-  // Throws std::invalid_argument when the heads do not fit the target (hidden size, vocabulary).
-  template <FeatureTarget T>
-  MedusaDraftSource(const MedusaHeads& heads, const T& target)
-      : heads_(heads), taps_{static_cast<int64_t>(target.num_hidden_layers())} {
-    const MedusaConfig& c = heads.config();
-    if (c.hidden_size != static_cast<int64_t>(target.hidden_size())) {
-      detail::throw_invalid_message("medusa: hidden_size = ", c.hidden_size, " but the target's hidden size is ",
-                                    target.hidden_size());
-    }
-    if (c.vocab_size != static_cast<int64_t>(target.vocab_size())) {
-      detail::throw_invalid_message("medusa: vocab_size = ", c.vocab_size, " but the target's vocabulary is ",
-                                    target.vocab_size());
-    }
-  }
-
-  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept { return taps_; }
-  [[nodiscard]] int64_t vocab_size() const noexcept { return heads_.config().vocab_size; }
-
-  void start(std::span<const int64_t> /*sequence*/, const SpeculativeOptions& /*options*/) { clear(); }
-
-  template <LogitsProcessor P>
-  Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
-    // The hidden state must be the one of the token before the sequence's last (the target's
-    // own token, which the heads continue).
-    if (!hidden_.defined() || hidden_position_ != static_cast<int64_t>(request.sequence.size()) - 2) return {};
-    const int64_t k = std::min({request.gamma, request.room, heads_.config().num_heads});
-    if (k <= 0) return {};
-    const at::Tensor logits = heads_.logits(hidden_.to(heads_.device()), k);
-    Drafts drafts{.calls = 1};
-    if constexpr (std::is_same_v<P, GreedyProcessor>) {
-      drafts.tokens = logits.argmax(-1);
-      drafts.finite = at::isfinite(logits.amax(-1)).all();
-    } else {
-      drafts.probs = processor(logits);
-      drafts.tokens = processor.sample(drafts.probs, gen).view({k});
-    }
-    return drafts;
-  }
-
-  void verified(const VerifiedDrafts& verified) {
-    if (!verified.features.defined() || verified.features.size(0) == 0) {
-      clear();
-      return;
-    }
-    hidden_ = verified.features.select(0, -1);  // a view on the target's device
-    hidden_position_ = verified.features_from + verified.features.size(0) - 1;
-  }
-
- private:
-  void clear() {
-    hidden_ = at::Tensor();
-    hidden_position_ = -1;
-  }
-
-  friend class MedusaTreeSource;  // drafts trees from the same state (head_trees.hpp)
-
-  const MedusaHeads& heads_;
-  std::vector<int64_t> taps_;
-  at::Tensor hidden_{};  // the final hidden state at hidden_position_
-  int64_t hidden_position_ = -1;
-};
-static_assert(HasFeatureTaps<MedusaDraftSource>);
 
 }  // namespace specdec::models

@@ -37,7 +37,7 @@
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/suffix_trie.hpp"
 #include "specdec/draft_source.hpp"
-#include "specdec/dynamic_tree.hpp"
+#include "specdec/drafting/dynamic_tree.hpp"
 #include "specdec/io/atomic_file.hpp"
 #include "specdec/io/binary_reader.hpp"
 #include "specdec/io/errors.hpp"

@@ -11,9 +11,9 @@
 // accepted children, the tree's tokens and its layout for the host walk.
 //
 // The children are the drafter's top-k tokens: deterministic given the context, so verification
-// is the deterministic rule of model_tree.hpp and exact under any sampling. Sampled children are
-// not offered here: a shape chosen by the drawn tokens' own scores makes a child's presence
-// depend on the child, which biases the output (static trees take sampled children).
+// is the deterministic rule of drafting/tree_verification.hpp and exact under any sampling. Sampled
+// children are not offered here: a shape chosen by the drawn tokens' own scores makes a child's
+// presence depend on the child, which biases the output (static trees take sampled children).
 //
 // Defaults, scaled to a small CPU: depth 5, top_k 4, total_tokens 16. For reference, SGLang runs
 // EAGLE with 5 steps, top-k 4 and 8 draft tokens; EAGLE's own code 60 nodes, depth 7
@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <ostream>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "specdec/concepts.hpp"
@@ -33,8 +34,9 @@
 #include "specdec/detail/torch_compat.hpp"
 #include "specdec/device.hpp"
 #include "specdec/draft_source.hpp"
+#include "specdec/drafting/model_tree.hpp"
+#include "specdec/drafting/tree_verification.hpp"
 #include "specdec/logits_processor.hpp"
-#include "specdec/model_tree.hpp"
 #include "specdec/options.hpp"
 #include "specdec/step.hpp"
 
@@ -79,16 +81,14 @@ inline void check_dynamic_tree_options(const DynamicTreeOptions& options, int64_
 
 namespace detail {
 
-// The drafter-independent part of a dynamic tree: the candidates, the frontier, the final
-// selection and its verification. A source supplies the drafter's logits: build() takes the
-// root's row (scored at options.score_temperature) and calls expand(round, paths, parent_rows) for
-// rounds 2 .. depth, which returns the logits [top_k, V] after each frontier node; paths [top_k,
-// round - 1] holds the frontier's tokens root to node and parent_rows [top_k] which row of the
-// round before each node's parent was (its row there). Everything stays on the device.
-class DeviceDraftTree {
+// The drafter-independent part of a dynamic tree: the candidates, the frontier and the final
+// selection, verified as every tree is (TreeVerifier). A source supplies the drafter's logits:
+// build() takes the root's row (scored at options.score_temperature) and calls expand(round, paths,
+// parent_rows) for rounds 2 .. depth, which returns the logits [top_k, V] after each frontier node;
+// paths [top_k, round - 1] holds the frontier's tokens root to node and parent_rows [top_k] which
+// row of the round before each node's parent was (its row there). Everything stays on the device.
+class DeviceDraftTree : public TreeVerifier {
  public:
-  [[nodiscard]] int64_t size() const noexcept { return n_; }
-  [[nodiscard]] const at::Tensor& ids() const noexcept { return ids_; }
   [[nodiscard]] const at::Tensor& parents() const noexcept { return parents_; }
   [[nodiscard]] int64_t depth() const noexcept { return depth_; }
 
@@ -99,14 +99,11 @@ class DeviceDraftTree {
 
   // An empty tree (nothing to draft this step).
   void clear(int64_t top_k, const at::Device& device) {
-    n_ = 0;
     depth_ = 0;
-    k_ = top_k;
-    finite_.clear();
+    start();
     const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
-    ids_ = at::empty({0}, longs);
     parents_ = at::empty({0}, longs);
-    children_ = at::full({1, top_k}, -1, longs);
+    set(at::empty({0}, longs), at::full({1, top_k}, -1, longs));
   }
 
   // A tree of n nodes (n <= candidates(depth, top_k)) from the root's logits [1, V].
@@ -115,7 +112,6 @@ class DeviceDraftTree {
              Expand expand) {
     const int64_t k = options.top_k;
     clear(k, root.device());
-    n_ = n;
     depth_ = depth;
     temperature_ = options.score_temperature;
     const auto longs = at::TensorOptions().dtype(at::kLong).device(root.device());
@@ -151,10 +147,10 @@ class DeviceDraftTree {
     const at::Tensor parent_candidate = at::cat(parents).index_select(0, chosen);
     parents_ = at::where(parent_candidate.ge(0),
                          number.index_select(0, parent_candidate.clamp_min(0)), parent_candidate);
-    ids_ = at::cat(tokens).index_select(0, chosen);
     const at::Tensor place = (parents_ + 1) * k + at::cat(slots).index_select(0, chosen);
-    children_ =
-        at::full({(n + 1) * k}, -1, longs).scatter(0, place, at::arange(n, longs)).view({n + 1, k});
+    set(at::cat(tokens).index_select(0, chosen), at::full({(n + 1) * k}, -1, longs)
+                                                     .scatter(0, place, at::arange(n, longs))
+                                                     .view({n + 1, k}));
   }
 
   // A tree of a static shape whose tokens are on the device: ids int64 [n], node i of rank
@@ -164,73 +160,20 @@ class DeviceDraftTree {
     TreeLayout layout;
     layout.build(parents, ranks);
     const int64_t width = std::max<int64_t>(1, layout.width);
-    clear(width, ids.device());
-    n_ = ids.numel();
+    const int64_t n = ids.numel();
+    start();
     depth_ = depth;
-    ids_ = ids;
-    children_ = to_device<int64_t>(layout.children, {n_ + 1, width}, ids.device());
-    parents_ = to_device<int64_t>(parents, {n_}, ids.device());
-  }
-
-  // After assign(): the drafter logits [r, V] that chose the tokens must be finite.
-  void check_finite(const at::Tensor& logits) {
-    finite_.push_back(at::isfinite(logits.amax(-1)).all());
+    set(ids, to_device<int64_t>(layout.children, {n + 1, width}, ids.device()));
+    parents_ = to_device<int64_t>(parents, {n}, ids.device());
   }
 
   // The step's drafts for the target on `device`.
   [[nodiscard]] TreeDrafts drafts(const at::Device& device, int64_t calls) const {
     return TreeDrafts{.calls = calls,
-                      .ids = ids_.to(device),
+                      .ids = ids().to(device),
                       .device_parents = parents_.to(device),
                       .depth = depth_};
   }
-
-  // TreeDraftSource::score_tree under `rule`: the children's acceptance, a residual token per
-  // position, the tree's tokens and layout and the finiteness of both models, for one copy.
-  template <LogitsProcessor P>
-  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
-                   at::Generator& gen, ModelTreeRule rule) const {
-    const at::Device device = logits.device();
-    const int64_t n = n_;
-    const at::Tensor p = processor(logits.narrow(0, uncached - 1, n + 1));
-    const at::Tensor children = children_.to(device);
-    const at::Tensor ids = ids_.to(device);
-    const at::Tensor child_tokens =
-        n > 0 ? ids.index_select(0, children.clamp_min(0).flatten()).view(children.sizes())
-              : at::zeros_like(children);
-    const auto [accept, token] =
-        verify_tree_children(p, child_tokens, children.ge(0), at::Tensor(), processor, gen, rule);
-    const at::Tensor drafter_finite =
-        finite_.empty() ? at::ones({1}, at::TensorOptions().dtype(at::kBool).device(device))
-                        : at::stack(finite_).all().view({1}).to(device);
-    return at::cat({accept.to(at::kDouble).flatten(), token.to(at::kDouble), ids.to(at::kDouble),
-                    children.to(at::kDouble).flatten(),
-                    at::isfinite(p).all().to(at::kDouble).view({1}),
-                    drafter_finite.to(at::kDouble)});
-  }
-
-  // TreeDraftSource::walk_tree of score()'s host copy.
-  TreeVerdict walk(const double* values) {
-    const int64_t n = n_;
-    const int64_t k = k_;
-    const double* tokens = values + (n + 1) * k;
-    const double* ids = tokens + (n + 1);
-    const double* children = ids + n;
-    const double* finite = children + (n + 1) * k;
-    if (finite[0] == 0.0) throw_non_finite("generate_with", "target");
-    if (finite[1] == 0.0)
-      throw_invalid_message("generate_with: the drafter's logits are not finite");
-    const auto [position, rejected] = walk_accepted(
-        values, k,
-        [&](int64_t pos, int64_t j) { return static_cast<int64_t>(children[pos * k + j]); }, path_);
-    drafts_.clear();
-    for (const int64_t node : path_) drafts_.push_back(static_cast<int64_t>(ids[node]));
-    if (rejected >= 0) drafts_.push_back(static_cast<int64_t>(ids[rejected]));
-    return TreeVerdict{
-        .path = path_, .drafts = drafts_, .token = static_cast<int64_t>(tokens[position])};
-  }
-
-  [[nodiscard]] std::span<const int64_t> path() const noexcept { return path_; }
 
  private:
   // Each level's score falls by this much more than its log-probability, so that a child never
@@ -240,38 +183,29 @@ class DeviceDraftTree {
   // Log-probabilities of logits rows [r, V] / temperature_ in float64; remembers whether they are
   // finite (NaN or +inf anywhere, or a row of only -inf, leaves a row maximum non-finite).
   at::Tensor log_probs(const at::Tensor& rows) {
-    finite_.push_back(at::isfinite(rows.amax(-1)).all());
+    check_finite(rows);
     const at::Tensor wide = rows.to(at::kDouble);
     return at::log_softmax(temperature_ == 1.0 ? wide : wide / temperature_, -1);
   }
 
-  int64_t n_ = 0, depth_ = 0, k_ = 1;
+  int64_t depth_ = 0;
   double temperature_ = 1.0;
-  at::Tensor ids_, parents_, children_;
-  std::vector<at::Tensor> finite_;
-  std::vector<int64_t> path_, drafts_;
+  at::Tensor parents_;
 };
 
-// The verification half of a TreeDraftSource whose step tree is a DeviceDraftTree (the dynamic
-// trees and the heads' trees): score_tree under the exact rule, walk_tree of its copy.
-class DeviceTreeVerifier {
- public:
-  template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor,
-                        at::Generator& gen) {
-    return tree_.score(logits, uncached, processor, gen, ModelTreeRule::exact);
-  }
-  // score_tree() under a chosen rule (tests).
-  template <LogitsProcessor P>
-  at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
-                   at::Generator& gen, ModelTreeRule rule) {
-    return tree_.score(logits, uncached, processor, gen, rule);
-  }
-  TreeVerdict walk_tree(const double* values) { return tree_.walk(values); }
+// The verification half of the sources whose step tree is a DeviceDraftTree (the dynamic trees,
+// the heads' trees, suffix trees).
+using DeviceTreeVerifier = VerifiesTree<DeviceDraftTree>;
 
- protected:
-  DeviceDraftTree tree_;
-};
+// Throws std::invalid_argument when a tree of `nodes` draft nodes cannot follow even one token in
+// the target's context of `limit` positions (a tree that merely outgrows the room left near the
+// end is cut instead: an ordinary end).
+inline void check_tree_fits_target(int64_t nodes, std::string_view name, int64_t limit) {
+  if (nodes >= limit) {
+    throw_invalid_message(name, " is ", nodes, "; the target's max_sequence_length ", limit,
+                          " leaves no room for a context");
+  }
+}
 
 }  // namespace detail
 
