@@ -460,147 +460,36 @@ TEST(TreeTemplate, FromPathsNumbersBreadthFirstAndRejectsBadPaths) {
   expect_invalid([] { (void)TreeTemplate::from_paths({{0}, {2}}); }, {"paths[1]", "rank 2", "rank 1"});
 }
 
-// The same small tree as STAND's, as paths: three below the root, two below each, one below those.
-TreeTemplate small_paths() {
-  return TreeTemplate::from_paths({{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {1, 1}, {2, 0}, {2, 1}, {0, 0, 0},
-                                   {0, 1, 0}, {1, 0, 0}, {1, 1, 0}, {2, 0, 0}, {2, 1, 0}});
-}
-
-// A model tree whose verification follows `rule` (the biased ones must be detected).
-class RuledTree : public ModelTreeSource<test::MarkovModel> {
- public:
-  RuledTree(test::MarkovModel& drafter, TreeChildren children, specdec::detail::ModelTreeRule rule)
-      : ModelTreeSource(drafter, small_paths(), children), rule_(rule) {}
-  template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
-    return score(logits, uncached, processor, gen, rule_);
-  }
-
- private:
-  specdec::detail::ModelTreeRule rule_;
-};
-static_assert(TreeDraftSource<RuledTree, MultinomialProcessor>);
-
-template <class P>
-test::ChiSquare model_tree_fit(const P& processor, TreeChildren children, specdec::detail::ModelTreeRule rule,
-                               int64_t samples, int64_t* accepted = nullptr) {
-  test::MarkovModel target(target_rows());
-  test::MarkovModel drafter(memory_rows());
-  RuledTree source(drafter, children, rule);
-  return markov_fit(processor, samples, 9000, [&](uint64_t seed) {
-    return generate_with(source, target, std::vector<int64_t>{0}, {.max_new_tokens = 3, .seed = seed}, processor);
-  }, accepted);
-}
-
-template <class P>
-void expect_model_tree_exact(const P& processor, TreeChildren children) {
-  constexpr int64_t kSamples = 6000;
-  int64_t accepted = 0;
-  const auto fit = model_tree_fit(processor, children, specdec::detail::ModelTreeRule::exact, kSamples, &accepted);
-  EXPECT_EQ(fit.outside_support, 0) << processor;
-  EXPECT_GE(fit.min_expected, 5.0);
-  EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, kZ)) << processor << " children " << static_cast<int>(children);
-  EXPECT_GT(accepted, kSamples / 2);  // trees were accepted into, not just sampled past
-}
-
-TEST(ModelTreeDistribution, SampledChildrenEqualTheTargetUnderMultinomialAndTopK) {
-  expect_model_tree_exact(MultinomialProcessor{}, TreeChildren::sampled);
-  expect_model_tree_exact(TopKProcessor{3}, TreeChildren::sampled);
-}
-
-TEST(ModelTreeDistribution, TopKChildrenEqualTheTarget) {
-  expect_model_tree_exact(MultinomialProcessor{}, TreeChildren::top_k);
-}
-
-TEST(ModelTreeDistribution, TheHarnessDetectsAResidualThatIgnoresQOrSiblingsWithReplacement) {
-  constexpr int64_t kSamples = 6000;
-  for (const auto rule : {specdec::detail::ModelTreeRule::residual_ignores_q, specdec::detail::ModelTreeRule::with_replacement}) {
-    const auto fit = model_tree_fit(MultinomialProcessor{}, TreeChildren::sampled, rule, kSamples);
-    EXPECT_GT(fit.statistic, test::chi_square_quantile(fit.dof, kZ)) << static_cast<int>(rule);
-  }
-}
-
+// The tree sources' shared properties (greedy equality, one copy a step, sessions to the context
+// limit, prompts past the drafter's context, the sampled distribution) are one typed suite,
+// tests/test_tree_sources.cpp. Here: dynamic caches, and what trees buy over chains.
 template <class Cache>
-void expect_model_tree_greedy(bool use_cache, TreeChildren children) {
+void expect_trees_exact_and_accepted() {
   const models::LlamaConfig config = test::small_llama_config();
   const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
   models::LlamaModel<Cache> target(config, weights);
   // A drafter right often enough, and wrong often enough that second choices are accepted.
   models::LlamaModel<Cache> drafter(config, test::perturbed(weights, 0.14, 4));
   const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = 40});
-  ModelTreeSource source(drafter, TreeTemplate::from_paths({{0}, {1}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}, {0, 0, 0, 0}}),
-                         children);
-  int64_t steps = 0;
-  const SpeculativeOptions options{.max_new_tokens = 40, .use_cache = use_cache,
-                                   .on_step = [&](const StepInfo& step) {
-                                     ++steps;
-                                     EXPECT_LE(step.accepted, 4);
-                                   }};
-  const int64_t copies = device_to_host_copies();
-  const auto result = generate_with(source, target, kPrompt, options);
-  EXPECT_EQ(device_to_host_copies() - copies, steps);  // one per step, the drafting's included
-  EXPECT_EQ(result.tokens, reference.tokens) << use_cache;
-  EXPECT_GT(result.stats.accepted, 0);
-  EXPECT_EQ(result.stats.target_calls, steps);
-  // Its chain of the same depth makes 1.43 tokens per target call.
-  EXPECT_GT(result.stats.tokens_per_target_call(), 1.9);
-  // A second generation on the same source continues from the drafter's kept cache.
-  const auto again = generate_with(source, target, kPrompt, options);
-  EXPECT_EQ(again.tokens, reference.tokens);
-}
-
-TEST(ModelTreeGenerate, GreedyEqualsAutoregressiveWithBothCachesWithAndWithoutCaching) {
+  const TreeTemplate shape = TreeTemplate::from_paths({{0}, {1}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}, {0, 0, 0, 0}});
   for (const TreeChildren children : {TreeChildren::top_k, TreeChildren::sampled}) {
-    expect_model_tree_greedy<DynamicKVCache>(true, children);
-    expect_model_tree_greedy<StaticKVCache>(true, children);
-    expect_model_tree_greedy<StaticKVCache>(false, children);
+    ModelTreeSource source(drafter, shape, children);
+    const auto result = generate_with(source, target, kPrompt, {.max_new_tokens = 40});
+    EXPECT_EQ(result.tokens, reference.tokens);
+    // Its chain of the same depth makes 1.43 tokens per target call.
+    EXPECT_GT(result.stats.tokens_per_target_call(), 1.9);
   }
+  DynamicTreeSource dynamic(drafter);
+  const auto result = generate_with(dynamic, target, kPrompt, {.max_new_tokens = 40});
+  EXPECT_EQ(result.tokens, reference.tokens);
+  // The chain of depth 4 makes 1.43 tokens per target call, the static tree of 7 nodes 2.1.
+  EXPECT_GT(result.stats.tokens_per_target_call(), 2.5);
+  std::cout << "dynamic tree: " << result.stats.tokens_per_target_call() << " tokens per target call\n";
 }
 
-TEST(ModelTreeGenerate, SessionsTakeTreesAndTheTreeIsCutNearTheLimit) {
-  const models::LlamaConfig config = test::small_llama_config();
-  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
-  models::LlamaModel<DynamicKVCache> target(config, weights);
-  models::LlamaModel<DynamicKVCache> drafter(config, test::perturbed(weights, 0.3, 4));
-  // The whole context: the last steps must cut the tree to what fits.
-  const int64_t limit = config.max_seq_len;
-  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = limit});
-  ModelTreeSource source(drafter, TreeTemplate::full(2, 4));
-  Session session(target);
-  session.append(kPrompt);
-  const auto first = session.generate(source, {.max_new_tokens = 10});
-  const auto rest = session.generate(source, {.max_new_tokens = limit});
-  std::vector<int64_t> joined = first.tokens;
-  joined.insert(joined.end(), rest.tokens.begin(), rest.tokens.end());
-  EXPECT_EQ(joined, reference.tokens);
-  EXPECT_EQ(rest.stop_reason, StopReason::sequence_limit);
-}
-
-// A prompt longer than the drafter's context (a model tree's and a dynamic tree's): the target goes
-// on alone, as with a chain, and the output is the target's; a prompt that fits drafts until the
-// sequence outgrows the drafter, then goes on alone.
-TEST(ModelTreeGenerate, APromptPastTheDrafterContextGoesOnWithTheTargetAlone) {
-  const models::LlamaConfig config = test::small_llama_config();
-  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
-  models::LlamaModel<StaticKVCache> target(config, weights);
-  models::LlamaConfig short_config = config;
-  short_config.max_seq_len = 16;
-  models::LlamaModel<StaticKVCache> drafter(short_config, test::perturbed(weights, 0.05, 4));
-  for (const size_t length : {size_t{20}, size_t{6}}) {
-    const std::vector<int64_t> prompt(length, 3);
-    const auto reference = autoregressive_generate(target, prompt, {.max_new_tokens = 24}).tokens;
-    ModelTreeSource tree(drafter, TreeTemplate::full(2, 3));
-    const auto from_tree = generate_with(tree, target, prompt, {.max_new_tokens = 24});
-    EXPECT_EQ(from_tree.tokens, reference) << length;
-    DynamicTreeSource dynamic(drafter, {.depth = 3, .top_k = 2, .total_tokens = 6});
-    EXPECT_EQ(generate_with(dynamic, target, prompt, {.max_new_tokens = 24}).tokens, reference) << length;
-    if (length < 16) {
-      EXPECT_GT(from_tree.stats.drafted, 0) << "the drafter drafted while it fit";
-    }
-    if (length > 16) {
-      EXPECT_EQ(from_tree.stats.drafter_calls, 0);
-    }
-  }
+TEST(ModelTreeGenerate, BothCachesStayExactAndTreesAcceptMoreThanChains) {
+  expect_trees_exact_and_accepted<DynamicKVCache>();
+  expect_trees_exact_and_accepted<StaticKVCache>();
 }
 
 TEST(ModelTreeGenerate, RejectsBadInputNamingIt) {
@@ -618,80 +507,20 @@ TEST(ModelTreeGenerate, RejectsBadInputNamingIt) {
 
 // --- Dynamic trees from a drafter model (drafting/dynamic_tree.hpp) ---------------------------------------
 
-class RuledDynamicTree : public DynamicTreeSource<test::MarkovModel> {
- public:
-  RuledDynamicTree(test::MarkovModel& drafter, specdec::detail::ModelTreeRule rule, double temperature = 1.0)
-      : DynamicTreeSource(drafter, {.depth = 3, .top_k = 2, .total_tokens = 6, .score_temperature = temperature}),
-        rule_(rule) {}
-  template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
-    return score(logits, uncached, processor, gen, rule_);
-  }
-
- private:
-  specdec::detail::ModelTreeRule rule_;
-};
-
-template <class P>
-test::ChiSquare dynamic_tree_fit(const P& processor, specdec::detail::ModelTreeRule rule, int64_t samples,
-                                 int64_t* accepted = nullptr, double temperature = 1.0) {
+// Scores at another temperature shape other trees (ScoreTemperatureShapesTheTree below) from the
+// same top-k children: still the target's distribution.
+TEST(DynamicTreeDistribution, AnotherScoreTemperatureStaysExact) {
+  constexpr int64_t kSamples = 6000;
   test::MarkovModel target(target_rows());
   test::MarkovModel drafter(memory_rows());
-  RuledDynamicTree source(drafter, rule, temperature);
-  return markov_fit(processor, samples, 7000, [&](uint64_t seed) {
-    return generate_with(source, target, std::vector<int64_t>{0}, {.max_new_tokens = 3, .seed = seed}, processor);
-  }, accepted);
-}
-
-TEST(DynamicTreeDistribution, EqualsTheTargetUnderMultinomialAndTopKAndTheHarnessDetectsNoResidual) {
-  constexpr int64_t kSamples = 6000;
-  for (const bool top_k : {false, true}) {
-    int64_t accepted = 0;
-    const auto fit = top_k ? dynamic_tree_fit(TopKProcessor{3}, specdec::detail::ModelTreeRule::exact, kSamples, &accepted)
-                           : dynamic_tree_fit(MultinomialProcessor{}, specdec::detail::ModelTreeRule::exact, kSamples,
-                                              &accepted);
-    EXPECT_EQ(fit.outside_support, 0);
-    EXPECT_GE(fit.min_expected, 5.0);
-    EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, kZ)) << top_k;
-    EXPECT_GT(accepted, kSamples / 2);
-  }
-  // Scores at another temperature shape other trees (ScoreTemperatureShapesTheTree) from the
-  // same top-k children: still the target's distribution.
-  const auto deeper = dynamic_tree_fit(MultinomialProcessor{}, specdec::detail::ModelTreeRule::exact, kSamples, nullptr,
-                                       /*temperature=*/0.25);
-  EXPECT_LT(deeper.statistic, test::chi_square_quantile(deeper.dof, kZ));
-  const auto biased = dynamic_tree_fit(MultinomialProcessor{}, specdec::detail::ModelTreeRule::no_residual, kSamples);
-  EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, kZ));
-}
-
-template <class Cache>
-void expect_dynamic_tree_greedy(bool use_cache) {
-  const models::LlamaConfig config = test::small_llama_config();
-  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
-  models::LlamaModel<Cache> target(config, weights);
-  models::LlamaModel<Cache> drafter(config, test::perturbed(weights, 0.14, 4));
-  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = 40});
-  DynamicTreeSource source(drafter);
-  int64_t steps = 0;
-  const SpeculativeOptions options{.max_new_tokens = 40, .use_cache = use_cache, .on_step = [&](const StepInfo& step) {
-                                     ++steps;
-                                     EXPECT_LE(step.gamma, 16);  // a tree step reports its size
-                                   }};
-  const int64_t copies = device_to_host_copies();
-  const auto result = generate_with(source, target, kPrompt, options);
-  EXPECT_EQ(device_to_host_copies() - copies, steps);
-  EXPECT_EQ(result.tokens, reference.tokens) << use_cache;
-  // The chain of depth 4 makes 1.43 tokens per target call, the static tree of 7 nodes 2.1.
-  EXPECT_GT(result.stats.tokens_per_target_call(), 2.5);
-  std::cout << "dynamic tree: " << result.stats.tokens_per_target_call() << " tokens per target call\n";
-  const auto again = generate_with(source, target, kPrompt, options);
-  EXPECT_EQ(again.tokens, reference.tokens);
-}
-
-TEST(DynamicTreeGenerate, GreedyEqualsAutoregressiveWithBothCachesWithAndWithoutCaching) {
-  expect_dynamic_tree_greedy<DynamicKVCache>(true);
-  expect_dynamic_tree_greedy<StaticKVCache>(true);
-  expect_dynamic_tree_greedy<StaticKVCache>(false);
+  DynamicTreeSource source(drafter, {.depth = 3, .top_k = 2, .total_tokens = 6, .score_temperature = 0.25});
+  int64_t accepted = 0;
+  const auto fit = markov_fit(MultinomialProcessor{}, kSamples, 7000, [&](uint64_t seed) {
+    return generate_with(source, target, std::vector<int64_t>{0}, {.max_new_tokens = 3, .seed = seed});
+  }, &accepted);
+  EXPECT_EQ(fit.outside_support, 0);
+  EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, kZ));
+  EXPECT_GT(accepted, kSamples / 2);
 }
 
 // score_temperature moves the tree's nodes between depth and breadth, and greedy output stays
@@ -748,24 +577,6 @@ TEST(DynamicTreeGenerate, OneChildPerNodeDraftsTheChain) {
   (void)generate_with(tree, target, kPrompt, {.max_new_tokens = 40, .on_step = record(tree_drafts)});
   EXPECT_EQ(tree_drafts, chain_drafts);
   EXPECT_GT(chain_drafts.size(), 5u);
-}
-
-TEST(DynamicTreeGenerate, SessionsTakeTreesAndTheTreeIsCutNearTheLimit) {
-  const models::LlamaConfig config = test::small_llama_config();
-  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21, at::kDouble);
-  models::LlamaModel<StaticKVCache> target(config, weights);
-  models::LlamaModel<StaticKVCache> drafter(config, test::perturbed(weights, 0.14, 4));
-  const int64_t limit = config.max_seq_len;
-  const auto reference = autoregressive_generate(target, kPrompt, {.max_new_tokens = limit});
-  DynamicTreeSource source(drafter, {.depth = 6, .top_k = 3, .total_tokens = 20});
-  Session session(target);
-  session.append(kPrompt);
-  const auto first = session.generate(source, {.max_new_tokens = 10});
-  const auto rest = session.generate(source, {.max_new_tokens = limit});
-  std::vector<int64_t> joined = first.tokens;
-  joined.insert(joined.end(), rest.tokens.begin(), rest.tokens.end());
-  EXPECT_EQ(joined, reference.tokens);
-  EXPECT_EQ(rest.stop_reason, StopReason::sequence_limit);
 }
 
 TEST(DynamicTreeGenerate, RejectsBadOptionsNamingThem) {

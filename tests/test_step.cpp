@@ -22,7 +22,9 @@
 #include "specdec/models/llama.hpp"
 #include "specdec/models/medusa.hpp"
 #include "specdec/specdec.hpp"
+#include "support/exact_continuations.hpp"
 #include "support/expect_invalid.hpp"
+#include "support/head_fixtures.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/markov_fixtures.hpp"
 #include "support/statistics.hpp"
@@ -31,7 +33,9 @@
 namespace {
 
 using namespace specdec;
+using test::exact_continuations;
 using test::PrefixHashModel;
+using test::random_eagle;
 
 const std::vector<int64_t> kPrompt{1, 7, 3, 22, 5};
 
@@ -662,32 +666,6 @@ TEST(Medusa, GreedyOutputEqualsAutoregressiveDecoding) {
                        {"medusa_num_heads = 0"});
 }
 
-// The exact distribution of the `steps` tokens a target samples after `prompt` through
-// `processor`, by enumerating every continuation (small vocabularies only).
-template <class Model, class P>
-std::map<std::vector<int64_t>, double> exact_continuations(Model& target, const P& processor, const std::vector<int64_t>& prompt,
-                                                           int steps) {
-  const int64_t vocab = target.vocab_size();
-  std::map<std::vector<int64_t>, double> expected{{{}, 1.0}};
-  for (int step = 0; step < steps; ++step) {
-    std::map<std::vector<int64_t>, double> longer;
-    for (const auto& [prefix, probability] : expected) {
-      std::vector<int64_t> sequence = prompt;
-      sequence.insert(sequence.end(), prefix.begin(), prefix.end());
-      auto cache = target.make_cache(1);
-      const at::Tensor logits = target.forward(at::tensor(sequence, at::kLong).view({1, -1}), cache)[0];
-      const at::Tensor p = processor(logits[-1]).to(at::kDouble);
-      for (int64_t token = 0; token < vocab; ++token) {
-        std::vector<int64_t> next = prefix;
-        next.push_back(token);
-        longer[next] = probability * p[token].item<double>();
-      }
-    }
-    expected = std::move(longer);
-  }
-  return expected;
-}
-
 // Whether three sampled tokens after a prompt, with Medusa heads drafting from the second step
 // on, fit the target's exact distribution by chi-square at a tail of 1e-6.
 bool medusa_samples_fit(bool skip_sample_adjustment) {
@@ -781,20 +759,6 @@ TEST(Medusa, TrainedHeadsForTheBundledTargetAreAccepted) {
   EXPECT_GE(per_step, 0.5);
 }
 
-
-// A random EAGLE head of `kind` for a target of `config` (EAGLE-3 reading its hidden states 0, 1
-// and 2 over a draft vocabulary of `draft_vocab` ids).
-models::EagleHead random_eagle(const models::LlamaConfig& config, const models::LlamaWeights& weights, models::EagleKind kind,
-                               int64_t draft_vocab, uint64_t seed) {
-  models::EagleConfig c{.kind = kind,
-                        .layer = config,
-                        .target_hidden_size = config.dim,
-                        .draft_vocab_size = draft_vocab,
-                        .feature_layers = kind == models::EagleKind::eagle3 ? std::vector<int64_t>{0, 1, 2}
-                                                                           : std::vector<int64_t>{config.n_layers}};
-  c.layer.hidden_dim = 48;
-  return models::EagleHead(c, models::EagleHead::random(c, weights.token_embedding, weights.output, seed));
-}
 
 // A draft source that passes everything to `inner` and keeps the q of the last drafts it returned.
 template <class S>
@@ -1325,84 +1289,11 @@ TEST(HeadTrees, EagleTreesGreedyEqualAutoregressiveAndTheCacheRecomputes) {
   const models::EagleHead head = random_eagle(config, weights, models::EagleKind::eagle3, 6, 4);
   test::expect_invalid([&] { EagleTreeSource source(head, target, {.top_k = 7}); }, {"top_k", "6", "7"});
   test::expect_invalid([&] { EagleTreeSource source(head, target, {.depth = 0}); }, {"depth", "0"});
-  // Near the end of the context the tree is cut to what fits: an ordinary end, still exact.
-  {
-    const auto all = autoregressive_generate(reference, prompt, {.max_new_tokens = config.max_seq_len});
-    EagleTreeSource source(head, target, {.depth = 6, .top_k = 3, .total_tokens = 20});
-    const GenerationResult result = generate_with(source, target, prompt, {.max_new_tokens = config.max_seq_len});
-    EXPECT_EQ(result.tokens, all.tokens);
-    EXPECT_EQ(result.stop_reason, StopReason::sequence_limit);
-  }
   // A tree that cannot follow one token in the target's context is refused; one that can is cut
   // near the end instead.
   test::expect_invalid([&] { EagleTreeSource source(head, target, {.total_tokens = config.max_seq_len}); },
                        {"total_tokens", "128", "max_sequence_length"});
   EXPECT_NO_THROW(EagleTreeSource(head, target, {.total_tokens = config.max_seq_len - 1}));
-}
-
-// Whether sampled output of a head's tree fits the target's exact distribution (three tokens
-// after a prompt, chi-square at a tail of 1e-6).
-template <class MakeSource>
-bool head_tree_samples_fit(MakeSource make_source, specdec::detail::ModelTreeRule rule) {
-  using Model = models::LlamaModel<StaticKVCache>;
-  models::LlamaConfig config = test::small_llama_config();
-  config.vocab_size = 6;
-  const models::LlamaWeights weights = models::LlamaWeights::random(config, 8);
-  Model target(config, weights);
-  const MultinomialProcessor processor{2.0};
-  const std::vector<int64_t> prompt{1, 4, 2};
-  const std::map<std::vector<int64_t>, double> expected = exact_continuations(target, processor, prompt, 3);
-  constexpr int64_t kSamples = 4000;
-  std::map<std::vector<int64_t>, int64_t> observed;
-  int64_t drafted = 0;
-  auto source = make_source(config, weights, target, rule);
-  for (int64_t i = 0; i < kSamples; ++i) {
-    const GenerationResult result =
-        generate_with(*source, target, prompt, {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i)}, processor);
-    ++observed[result.tokens];
-    drafted += result.stats.drafted;
-  }
-  EXPECT_GT(drafted, kSamples / 2) << "the head should draft in most generations";
-  const test::ChiSquare fit = test::chi_square(observed, expected, kSamples);
-  return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
-}
-
-// A head's tree source whose verification follows `rule`.
-template <class Source>
-class RuledHeadTree : public Source {
- public:
-  template <class... Args>
-  RuledHeadTree(specdec::detail::ModelTreeRule rule, Args&&... args) : Source(std::forward<Args>(args)...), rule_(rule) {}
-  template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
-    return this->score(logits, uncached, processor, gen, rule_);
-  }
-
- private:
-  specdec::detail::ModelTreeRule rule_;
-};
-
-TEST(HeadTrees, SampledOutputOfEagleAndMedusaTreesIsDistributedAsTheTarget) {
-  std::optional<models::EagleHead> head;
-  std::optional<models::MedusaHeads> heads;
-  const auto eagle = [&](const models::LlamaConfig& config, const models::LlamaWeights& weights,
-                         models::LlamaModel<StaticKVCache>& target, specdec::detail::ModelTreeRule rule) {
-    head.emplace(random_eagle(config, weights, models::EagleKind::eagle3, 4, 6));
-    return std::make_unique<RuledHeadTree<EagleTreeSource>>(rule, *head, target,
-                                                                    DynamicTreeOptions{.depth = 2, .top_k = 2, .total_tokens = 4});
-  };
-  const auto medusa = [&](const models::LlamaConfig& config, const models::LlamaWeights& /*weights*/,
-                          models::LlamaModel<StaticKVCache>& target, specdec::detail::ModelTreeRule rule) {
-    const models::MedusaConfig c{.hidden_size = config.dim, .vocab_size = config.vocab_size, .num_heads = 2};
-    heads.emplace(c, models::MedusaHeads::random(c, 4));
-    return std::make_unique<RuledHeadTree<MedusaTreeSource>>(
-        rule, *heads, target, TreeTemplate::from_paths({{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {2, 0}}));
-  };
-  EXPECT_TRUE(head_tree_samples_fit(eagle, specdec::detail::ModelTreeRule::exact));
-  EXPECT_FALSE(head_tree_samples_fit(eagle, specdec::detail::ModelTreeRule::no_residual));
-  // The same verification core checks Medusa's trees; its power check is the one above (random
-  // Medusa heads rank tokens the target rarely gives, so a biased rule hardly shows there).
-  EXPECT_TRUE(head_tree_samples_fit(medusa, specdec::detail::ModelTreeRule::exact));
 }
 
 // Medusa heads filling a static tree: greedy output equals autoregressive decoding, one host copy
@@ -1429,11 +1320,6 @@ TEST(HeadTrees, MedusaTreesGreedyEqualAutoregressive) {
             << result.stats.steps << " steps; chain of 3: " << chained.stats.accepted << " in " << chained.stats.steps << "\n";
   test::expect_invalid([&] { MedusaTreeSource deep(heads, target, TreeTemplate::chain(4)); },
                        {"4 deep", "3 Medusa heads"});
-  // Near the end of the context the tree is cut to what fits: an ordinary end, still exact.
-  MedusaTreeSource full(heads, target, TreeTemplate::full(4, 3));
-  const GenerationResult all = generate_with(full, target, prompt, {.max_new_tokens = config.max_seq_len});
-  EXPECT_EQ(all.tokens, autoregressive_generate(reference, prompt, {.max_new_tokens = config.max_seq_len}).tokens);
-  EXPECT_EQ(all.stop_reason, StopReason::sequence_limit);
   test::expect_invalid([&] { MedusaTreeSource wide(heads, target, TreeTemplate::full(12, 2)); },
                        {"node count", "156", "max_sequence_length 128"});
 }

@@ -572,51 +572,6 @@ TEST(SuffixTreeGenerate, ABranchTheChainMissesIsAccepted) {
   EXPECT_GT(tree.stats.accepted, chain.stats.accepted);
 }
 
-// Sampling through trees: the output is the target's distribution, and the same harness catches
-// a verification that leaves a rejected child in the residual.
-class RuledSuffixTree : public SuffixTreeSource {
- public:
-  RuledSuffixTree(SuffixCache& cache, specdec::detail::ModelTreeRule rule)
-      : SuffixTreeSource(cache, {.min_token_prob = 0.0}), rule_(rule) {}
-  template <LogitsProcessor P>
-  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor, at::Generator& gen) {
-    return score(logits, uncached, processor, gen, rule_);
-  }
-
- private:
-  specdec::detail::ModelTreeRule rule_;
-};
-
-test::ChiSquare tree_fit(specdec::detail::ModelTreeRule rule, int64_t samples, int64_t* accepted) {
-  test::MarkovModel target(noisy_chain());
-  // After 0 came 1, 2 and 3: the first position's tree has three children.
-  const Tokens prompt{0, 1, 0, 2, 0, 3, 0, 1, 2, 0};
-  const MultinomialProcessor processor{1.0};
-  const at::Tensor probs = processor(target.logits()).to(at::kDouble);
-  std::map<Tokens, int64_t> observed;
-  SuffixCache cache(4, {.max_responses = 1});
-  for (int64_t i = 0; i < samples; ++i) {
-    RuledSuffixTree source(cache, rule);
-    const auto result = generate_with(source, target, prompt,
-                                      {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 6,
-                                       .first_target = false}, processor);
-    ++observed[result.tokens];
-    *accepted += result.stats.accepted;
-  }
-  return test::chi_square(observed, three_tokens_after_zero(probs), samples);
-}
-
-TEST(SuffixTreeDistribution, MultinomialEqualsTargetAndTheTestHasPower) {
-  int64_t accepted = 0;
-  const auto exact = tree_fit(specdec::detail::ModelTreeRule::exact, 8000, &accepted);
-  EXPECT_EQ(exact.outside_support, 0);
-  EXPECT_LT(exact.statistic, test::chi_square_quantile(exact.dof, 4.75));
-  EXPECT_GT(accepted, 4000);  // trees were accepted into, not just sampled past
-  int64_t ignored = 0;
-  const auto biased = tree_fit(specdec::detail::ModelTreeRule::no_residual, 8000, &ignored);
-  EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, 4.75));
-}
-
 class TempPath {
  public:
   explicit TempPath(const std::string& name)

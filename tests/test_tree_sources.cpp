@@ -1,0 +1,381 @@
+// One conformance suite over every tree source of the drafting room: static trees from a drafter
+// model (top-k and sampled children), dynamic trees, the EAGLE and Medusa heads' trees, suffix
+// trees and STAND. Each runs on the same small Llama target and must: decode greedily exactly as
+// autoregressive decoding with one device-to-host copy a step, and again on the caches it kept;
+// take a session's turns up to the context's last position (trees cut to the room left); go on
+// with the target alone past its drafter's context; and sample exactly the target's distribution
+// (chi-square against every continuation's probability), while the same harness rejects a
+// verification that leaves a rejected child in the residual. A new tree source is one Kind below.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "specdec/drafting/dynamic_tree.hpp"
+#include "specdec/drafting/eagle.hpp"
+#include "specdec/drafting/medusa.hpp"
+#include "specdec/drafting/model_tree.hpp"
+#include "specdec/drafting/stand.hpp"
+#include "specdec/drafting/suffix.hpp"
+#include "specdec/generate.hpp"
+#include "specdec/models/llama.hpp"
+#include "specdec/session.hpp"
+#include "support/exact_continuations.hpp"
+#include "support/head_fixtures.hpp"
+#include "support/llama_fixtures.hpp"
+#include "support/statistics.hpp"
+
+namespace {
+
+using namespace specdec;
+using Model = models::LlamaModel<StaticKVCache>;
+using Rule = specdec::detail::ModelTreeRule;
+
+// The target every source drafts for, in float64 so that a tree forward and a one-token forward
+// pick the same argmax.
+struct World {
+  models::LlamaConfig config;
+  models::LlamaWeights weights;
+  Model target;
+
+  World(int64_t vocab, uint64_t seed)
+      : config(config_of(vocab)),
+        weights(models::LlamaWeights::random(config, seed, at::kDouble)),
+        target(config, weights) {}
+
+  static models::LlamaConfig config_of(int64_t vocab) {
+    models::LlamaConfig c = test::small_llama_config();
+    c.vocab_size = vocab;
+    return c;
+  }
+};
+
+// The vocabulary of the sampled tests: every continuation of three tokens is enumerated.
+constexpr int64_t kSampledVocab = 6;
+
+// A source verified by a biased rule (a rejected child left in the residual, so that it may be
+// drawn after all; sampled children treated as drawn with replacement; their residual taken as
+// if they were deterministic): the chi-square harness must reject each.
+template <class Source, Rule rule>
+class BiasedRule : public Source {
+ public:
+  using Source::Source;
+  template <LogitsProcessor P>
+  at::Tensor score_tree(const at::Tensor& logits, int64_t uncached, const P& processor,
+                        at::Generator& gen) {
+    return this->score(logits, uncached, processor, gen, rule);
+  }
+};
+template <class Source, Rule rule>
+using Verified = std::conditional_t<rule == Rule::exact, Source, BiasedRule<Source, rule>>;
+
+// A drafter model: the target's weights with noise, right often and wrong often enough that
+// second choices are accepted; its context `context` positions (0: the target's).
+struct DrafterParts {
+  Model drafter;
+  DrafterParts(const World& w, int64_t context)
+      : drafter(with_context(w.config, context), test::perturbed(w.weights, 0.14, 4)) {}
+  static models::LlamaConfig with_context(models::LlamaConfig c, int64_t context) {
+    if (context > 0) c.max_seq_len = context;
+    return c;
+  }
+};
+
+// --- The kinds: how each source is made -------------------------------------------------------
+//
+// Each kind names the world of its greedy tests (a vocabulary and a weight seed) where its
+// drafts are accepted often enough to see acceptances; the sampled tests run on a vocabulary of
+// 6 (every continuation of three tokens enumerated).
+struct Kind {
+  static constexpr int64_t greedy_vocab = 8;
+  static constexpr uint64_t greedy_seed = 12;
+};
+
+struct StaticTopK : Kind {
+  static constexpr bool has_drafter_context = true;
+  static constexpr bool samples_children = false;
+  using Parts = DrafterParts;
+  template <Rule rule>
+  static auto make(Parts& parts, World& /*world*/) {
+    return Verified<ModelTreeSource<Model>, rule>(
+        parts.drafter, TreeTemplate::from_paths({{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}}),
+        TreeChildren::top_k);
+  }
+};
+
+struct StaticSampled : Kind {
+  static constexpr bool has_drafter_context = true;
+  static constexpr bool samples_children = true;
+  using Parts = DrafterParts;
+  template <Rule rule>
+  static auto make(Parts& parts, World& /*world*/) {
+    return Verified<ModelTreeSource<Model>, rule>(
+        parts.drafter, TreeTemplate::from_paths({{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}}),
+        TreeChildren::sampled);
+  }
+};
+
+struct Dynamic : Kind {
+  static constexpr bool has_drafter_context = true;
+  static constexpr bool samples_children = false;
+  using Parts = DrafterParts;
+  template <Rule rule>
+  static auto make(Parts& parts, World& /*world*/) {
+    return Verified<DynamicTreeSource<Model>, rule>(
+        parts.drafter, DynamicTreeOptions{.depth = 3, .top_k = 2, .total_tokens = 6});
+  }
+};
+
+struct EagleTree : Kind {
+  static constexpr bool has_drafter_context = false;
+  static constexpr bool samples_children = false;
+  struct Parts {
+    models::EagleHead head;
+    // EAGLE-3 over a draft vocabulary of all but two of the target's tokens.
+    Parts(const World& w, int64_t /*context*/)
+        : head(test::random_eagle(w.config, w.weights, models::EagleKind::eagle3,
+                                  w.config.vocab_size - 2, w.config.vocab_size == 6 ? 6 : 4)) {}
+  };
+  template <Rule rule>
+  static auto make(Parts& parts, World& world) {
+    return Verified<EagleTreeSource, rule>(
+        parts.head, world.target, DynamicTreeOptions{.depth = 3, .top_k = 2, .total_tokens = 6});
+  }
+};
+
+struct MedusaTree : Kind {
+  static constexpr int64_t greedy_vocab = 48;
+  static constexpr uint64_t greedy_seed = 5;
+  static constexpr bool has_drafter_context = false;
+  static constexpr bool samples_children = false;
+  struct Parts {
+    models::MedusaConfig config;
+    models::MedusaHeads heads;
+    Parts(const World& w, int64_t /*context*/)
+        : config{.hidden_size = w.config.dim,
+                 .vocab_size = w.config.vocab_size,
+                 .num_heads = w.config.vocab_size == 6 ? 2 : 3},
+          heads(config, models::MedusaHeads::random(config, w.config.vocab_size == 6 ? 4 : 3,
+                                                    at::kDouble)) {}
+  };
+  template <Rule rule>
+  static auto make(Parts& parts, World& world) {
+    return Verified<MedusaTreeSource, rule>(
+        parts.heads, world.target,
+        TreeTemplate::from_paths({{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {2, 0}}));
+  }
+};
+
+struct SuffixTree : Kind {
+  static constexpr bool has_drafter_context = false;
+  static constexpr bool samples_children = false;
+  // Earlier responses: random texts over the vocabulary, so that contexts have several followers.
+  struct Parts {
+    SuffixCache cache;
+    Parts(const World& w, int64_t /*context*/) : cache(w.config.vocab_size) {
+      std::mt19937 random(11);
+      std::uniform_int_distribution<int64_t> token(0, w.config.vocab_size - 1);
+      for (int text = 0; text < 8; ++text) {
+        std::vector<int64_t> tokens(40);
+        for (int64_t& t : tokens) t = token(random);
+        cache.add(tokens);
+      }
+    }
+  };
+  template <Rule rule>
+  static auto make(Parts& parts, World& /*world*/) {
+    return Verified<SuffixTreeSource, rule>(parts.cache, SuffixDraftRule{.min_token_prob = 0.0});
+  }
+};
+
+// STAND verifies on the host with its own walk, which has biased variants of its own.
+struct Stand : Kind {
+  static constexpr bool has_drafter_context = false;
+  static constexpr bool samples_children = true;
+  // A memory of the next token after each token, unlike the target's. It learns the target's
+  // distributions in the greedy tests, where its drafts then get accepted; in the sampled test it
+  // stays fixed (learning over thousands of generations would pull it to the target's and leave
+  // the biased rules too little to be caught by).
+  struct Parts {
+    ProbabilisticNGramStorage memory;
+    StandOptions options{.seed = 7, .tree = TreeTemplate::full(2, 3)};  // the source reads it
+    Parts(const World& w, int64_t /*context*/) : memory(w.config.vocab_size, 1) {
+      const int64_t v = w.config.vocab_size;
+      options.learn = v != kSampledVocab;
+      for (int64_t t = 0; t < v; ++t) {
+        const std::vector<int64_t> context{t}, next{(t + 1) % v, (t + 2) % v, (t + 3) % v};
+        const std::vector<float> probabilities{0.6F, 0.3F, 0.1F};
+        memory.update(context, next, probabilities);
+      }
+    }
+  };
+  template <Rule rule>
+  static auto make(Parts& parts, World& world) {
+    using specdec::detail::TreeVerification;
+    static_assert(rule != Rule::residual_ignores_q, "STAND has no such variant");
+    return specdec::detail::StandDraftSource(
+        parts.memory, parts.options,
+        rule == Rule::exact              ? TreeVerification::exact
+        : rule == Rule::with_replacement ? TreeVerification::with_replacement
+                                         : TreeVerification::skip_residual,
+        specdec::detail::sequence_limit(world.target), world.config.vocab_size);
+  }
+};
+
+template <class Kind>
+class TreeSources : public testing::Test {};
+using Kinds =
+    testing::Types<StaticTopK, StaticSampled, Dynamic, EagleTree, MedusaTree, SuffixTree, Stand>;
+struct KindNames {
+  template <class Kind>
+  static std::string GetName(int) {
+    if constexpr (std::is_same_v<Kind, StaticTopK>) return "StaticTopK";
+    if constexpr (std::is_same_v<Kind, StaticSampled>) return "StaticSampled";
+    if constexpr (std::is_same_v<Kind, Dynamic>) return "Dynamic";
+    if constexpr (std::is_same_v<Kind, EagleTree>) return "EagleTree";
+    if constexpr (std::is_same_v<Kind, MedusaTree>) return "MedusaTree";
+    if constexpr (std::is_same_v<Kind, SuffixTree>) return "SuffixTree";
+    return "Stand";
+  }
+};
+TYPED_TEST_SUITE(TreeSources, Kinds, KindNames);
+
+const std::vector<int64_t> kPrompt{1, 7, 3, 2, 5, 1, 7};
+
+template <class Run>
+int64_t copies_during(Run&& run) {
+  const int64_t before = device_to_host_copies();
+  run();
+  return device_to_host_copies() - before;
+}
+
+// Greedy decoding through the source's trees is autoregressive decoding, with and without the
+// caches, and every step costs one device-to-host copy; a second generation from the caches the
+// source kept is too.
+TYPED_TEST(TreeSources, GreedyEqualsAutoregressiveWithOneCopyAStep) {
+  World world(TypeParam::greedy_vocab, TypeParam::greedy_seed);
+  typename TypeParam::Parts parts(world, 0);
+  const auto reference = autoregressive_generate(world.target, kPrompt, {.max_new_tokens = 40});
+  int64_t accepted = 0;
+  for (const bool use_cache : {true, false}) {
+    auto source = TypeParam::template make<Rule::exact>(parts, world);
+    for (int run = 0; run < 2; ++run) {
+      GenerationResult result;
+      const int64_t copies = copies_during([&] {
+        result = generate_with(source, world.target, kPrompt,
+                               {.max_new_tokens = 40, .use_cache = use_cache});
+      });
+      EXPECT_EQ(result.tokens, reference.tokens) << "use_cache " << use_cache << ", run " << run;
+      EXPECT_EQ(copies, result.stats.steps);
+      EXPECT_EQ(result.stats.target_calls, result.stats.steps);
+      accepted += result.stats.accepted;
+    }
+  }
+  EXPECT_GT(accepted, 0) << "trees were accepted into, not only drafted";
+}
+
+// A session's turns up to the context's last position: the trees are cut to the room left, an
+// ordinary end, and the output is autoregressive decoding's to the last token.
+TYPED_TEST(TreeSources, SessionTurnsRunToTheContextLimitCut) {
+  World world(TypeParam::greedy_vocab, TypeParam::greedy_seed);
+  typename TypeParam::Parts parts(world, 0);
+  const int64_t limit = world.config.max_seq_len;
+  const auto reference = autoregressive_generate(world.target, kPrompt, {.max_new_tokens = limit});
+  auto source = TypeParam::template make<Rule::exact>(parts, world);
+  Session session(world.target);
+  session.append(kPrompt);
+  const auto first = session.generate(source, {.max_new_tokens = 10});
+  GenerationResult rest;
+  const int64_t copies =
+      copies_during([&] { rest = session.generate(source, {.max_new_tokens = limit}); });
+  std::vector<int64_t> joined = first.tokens;
+  joined.insert(joined.end(), rest.tokens.begin(), rest.tokens.end());
+  EXPECT_EQ(joined, reference.tokens);
+  EXPECT_EQ(rest.stop_reason, StopReason::sequence_limit);
+  EXPECT_EQ(copies, rest.stats.steps);
+}
+
+// A prompt longer than a drafter's context: the target goes on alone, as with a chain; a prompt
+// that fits drafts until the sequence outgrows the drafter. (Sources without a drafter context
+// take a prompt that fills most of the target's.)
+TYPED_TEST(TreeSources, APromptPastTheDrafterContextGoesOnWithTheTargetAlone) {
+  World world(TypeParam::greedy_vocab, TypeParam::greedy_seed);
+  constexpr int64_t kDrafterContext = 16;
+  typename TypeParam::Parts parts(world, kDrafterContext);
+  const int64_t long_prompt =
+      TypeParam::has_drafter_context ? kDrafterContext + 4 : world.config.max_seq_len - 30;
+  for (const int64_t length : {long_prompt, int64_t{6}}) {
+    std::vector<int64_t> prompt(static_cast<size_t>(length));
+    for (int64_t i = 0; i < length; ++i) prompt[static_cast<size_t>(i)] = (i * 3 + 1) % 8;
+    const auto reference = autoregressive_generate(world.target, prompt, {.max_new_tokens = 24});
+    auto source = TypeParam::template make<Rule::exact>(parts, world);
+    const auto result = generate_with(source, world.target, prompt, {.max_new_tokens = 24});
+    EXPECT_EQ(result.tokens, reference.tokens) << length;
+    if (TypeParam::has_drafter_context && length > kDrafterContext) {
+      EXPECT_EQ(result.stats.drafter_calls, 0) << "the drafter cannot hold the prompt";
+    }
+    if (TypeParam::has_drafter_context && length < kDrafterContext) {
+      EXPECT_GT(result.stats.drafted, 0) << "the drafter drafted while it fit";
+    }
+  }
+}
+
+// Sampled output: three tokens after a prompt, over 4000 seeds, against the exact probability of
+// every continuation (chi-square at a tail of 1e-6). The same harness, over 6000 seeds, rejects
+// the biased rules.
+template <class Kind, Rule rule, class P>
+test::ChiSquare sampled_fit(const P& processor, int64_t* drafted, int64_t* accepted) {
+  World world(kSampledVocab, 8);
+  typename Kind::Parts parts(world, 0);
+  auto source = Kind::template make<rule>(parts, world);
+  const std::vector<int64_t> prompt{1, 4, 2};
+  const auto expected = test::exact_continuations(world.target, processor, prompt, 3);
+  // The biased rules get more samples: their bias is one of degree (Medusa's random heads rank
+  // tokens the target rarely gives, so few of their children are rejected with much mass).
+  const int64_t kSamples = rule == Rule::exact ? 4000 : 6000;
+  std::map<std::vector<int64_t>, int64_t> observed;
+  for (int64_t i = 0; i < kSamples; ++i) {
+    const GenerationResult result =
+        generate_with(source, world.target, prompt,
+                      {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i)}, processor);
+    ++observed[result.tokens];
+    *drafted += result.stats.drafted;
+    *accepted += result.stats.accepted;
+  }
+  return test::chi_square(observed, expected, kSamples);
+}
+
+TYPED_TEST(TreeSources, SampledOutputIsTheTargetsAndTheHarnessHasPower) {
+  const MultinomialProcessor processor{2.0};
+  int64_t drafted = 0, accepted = 0;
+  const auto exact = sampled_fit<TypeParam, Rule::exact>(processor, &drafted, &accepted);
+  EXPECT_EQ(exact.outside_support, 0);
+  EXPECT_LT(exact.statistic, test::chi_square_quantile(exact.dof, 4.75));
+  EXPECT_GT(drafted, 4000) << "trees were drafted";
+  EXPECT_GT(accepted, 100) << "and accepted into";
+  if constexpr (TypeParam::samples_children) {
+    // Children drawn through a top-k processor: q is the processed distribution.
+    int64_t ignored = 0;
+    const auto top_k = sampled_fit<TypeParam, Rule::exact>(TopKProcessor{3}, &ignored, &ignored);
+    EXPECT_EQ(top_k.outside_support, 0);
+    EXPECT_LT(top_k.statistic, test::chi_square_quantile(top_k.dof, 4.75));
+  }
+  int64_t ignored = 0;
+  const auto biased = sampled_fit<TypeParam, Rule::no_residual>(processor, &ignored, &ignored);
+  EXPECT_GT(biased.statistic, test::chi_square_quantile(biased.dof, 4.75));
+  if constexpr (TypeParam::samples_children) {
+    const auto replaced = sampled_fit<TypeParam, Rule::with_replacement>(processor, &ignored, &ignored);
+    EXPECT_GT(replaced.statistic, test::chi_square_quantile(replaced.dof, 4.75));
+  }
+  if constexpr (std::is_same_v<TypeParam, StaticSampled>) {
+    const auto ignores_q =
+        sampled_fit<TypeParam, Rule::residual_ignores_q>(processor, &ignored, &ignored);
+    EXPECT_GT(ignores_q.statistic, test::chi_square_quantile(ignores_q.dof, 4.75));
+  }
+}
+
+}  // namespace
