@@ -515,8 +515,9 @@ TEST(DynamicTreeDistribution, AnotherScoreTemperatureStaysExact) {
   test::MarkovModel drafter(memory_rows());
   DynamicTreeSource source(drafter, {.depth = 3, .top_k = 2, .total_tokens = 6, .score_temperature = 0.25});
   int64_t accepted = 0;
-  const auto fit = markov_fit(MultinomialProcessor{}, kSamples, 7000, [&](uint64_t seed) {
-    return generate_with(source, target, std::vector<int64_t>{0}, {.max_new_tokens = 3, .seed = seed});
+  const MultinomialProcessor processor;
+  const auto fit = markov_fit(processor, kSamples, 7000, [&](uint64_t seed) {
+    return generate_with(source, target, std::vector<int64_t>{0}, {.max_new_tokens = 3, .seed = seed}, processor);
   }, &accepted);
   EXPECT_EQ(fit.outside_support, 0);
   EXPECT_LT(fit.statistic, test::chi_square_quantile(fit.dof, kZ));
