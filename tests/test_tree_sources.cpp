@@ -95,29 +95,21 @@ struct Kind {
   static constexpr uint64_t greedy_seed = 12;
 };
 
-struct StaticTopK : Kind {
+// Static trees from a drafter model, with its top-k tokens or its draws as children.
+template <TreeChildren children>
+struct StaticTree : Kind {
   static constexpr bool has_drafter_context = true;
-  static constexpr bool samples_children = false;
+  static constexpr bool samples_children = children == TreeChildren::sampled;
   using Parts = DrafterParts;
   template <Rule rule>
   static auto make(Parts& parts, World& /*world*/) {
     return Verified<ModelTreeSource<Model>, rule>(
         parts.drafter, TreeTemplate::from_paths({{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}}),
-        TreeChildren::top_k);
+        children);
   }
 };
-
-struct StaticSampled : Kind {
-  static constexpr bool has_drafter_context = true;
-  static constexpr bool samples_children = true;
-  using Parts = DrafterParts;
-  template <Rule rule>
-  static auto make(Parts& parts, World& /*world*/) {
-    return Verified<ModelTreeSource<Model>, rule>(
-        parts.drafter, TreeTemplate::from_paths({{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}}),
-        TreeChildren::sampled);
-  }
-};
+using StaticTopK = StaticTree<TreeChildren::top_k>;
+using StaticSampled = StaticTree<TreeChildren::sampled>;
 
 struct Dynamic : Kind {
   static constexpr bool has_drafter_context = true;
