@@ -89,9 +89,6 @@ namespace detail {
 // row of the round before each node's parent was (its row there). Everything stays on the device.
 class DeviceDraftTree : public TreeVerifier {
  public:
-  [[nodiscard]] const at::Tensor& parents() const noexcept { return parents_; }
-  [[nodiscard]] int64_t depth() const noexcept { return depth_; }
-
   // The most candidates a tree of `depth` rounds of `top_k` has.
   static int64_t candidates(int64_t depth, int64_t top_k) {
     return depth < 1 ? 0 : top_k + (depth - 1) * top_k * top_k;

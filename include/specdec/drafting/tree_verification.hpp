@@ -195,7 +195,6 @@ std::pair<int64_t, int64_t> walk_accepted(const double* accept, int64_t width, C
 // TreeDraftSource's score_tree and walk_tree.
 class TreeVerifier {
  public:
-  [[nodiscard]] int64_t size() const noexcept { return n_; }
   [[nodiscard]] const at::Tensor& ids() const noexcept { return ids_; }
   [[nodiscard]] std::span<const int64_t> path() const noexcept { return path_; }
 
