@@ -19,18 +19,33 @@
 //   BM_Generate/F/gamma: tokens_per_second of greedy decoding (gamma 0: autoregressive; else
 //     speculative with the drafter in the same format), acceptance_rate, tokens_per_target_call,
 //     target_ms_per_call.
+//   BM_TreeVsChain/F: the drafter's chains (gamma 3 to 6) against its dynamic trees of 4, 5, 6, 8
+//     and 16 nodes, with the default options (depth 5, top_k 4, score_temperature 1: treeN) and
+//     with those that accepted most for llama2xs on bench_trees' calibration prompts (depth 8,
+//     top_k 4, 0.5: calN), greedy, 64 tokens on each of four story openings (encoded with
+//     SPECDEC_MODELS_DIR's stories260K tokenizer where set, else the one opening above), in
+//     alternating rounds (SPECDEC_BENCH_ROUNDS, default 2; each method's best round counts): for
+//     each method tokens/s (_tps), tokens per target call (_tpc) and the target's milliseconds
+//     per call (_ms); best_chain_tps, best_tree_tps and their ratio tree_over_chain. Not in
+//     scripts/bench-llamacpp.sh's run (it takes minutes per format).
 #include <benchmark/benchmark.h>
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "specdec/drafting/dynamic_tree.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
+#include "specdec/io/tokenizer.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/threads.hpp"
 
@@ -172,6 +187,86 @@ void BM_Generate(benchmark::State& state) {
   state.SetLabel(kFormatNames[format]);
 }
 
+// Four story openings in stories260K's tokenizer (the widened target's), or prompt_for's one
+// where SPECDEC_MODELS_DIR is not set.
+std::vector<std::vector<int64_t>> story_prompts(const Model& model) {
+  const std::string folder = setting("SPECDEC_MODELS_DIR");
+  const std::filesystem::path file = std::filesystem::path(folder) / "stories260K/tok512.bin";
+  if (folder.empty() || !std::filesystem::exists(file) || model.vocab_size() != 512) return {prompt_for(model)};
+  const auto tokenizer = io::Llama2cTokenizer::load(file, 512);
+  std::vector<std::vector<int64_t>> prompts;
+  for (const char* text :
+       {"Once upon a time", "The little dog", "Tom and Sue went to the park", "One day, a girl named Mia"}) {
+    prompts.push_back(tokenizer.encode(text));
+  }
+  return prompts;
+}
+
+void BM_TreeVsChain(benchmark::State& state) {
+  if (!have_models(state, true)) return;
+  const int format = static_cast<int>(state.range(0));
+  Model& t = target(format);
+  Model& d = drafter(format);
+  const std::vector<std::vector<int64_t>> prompts = story_prompts(t);
+  const std::string rounds_setting = setting("SPECDEC_BENCH_ROUNDS");
+  const int rounds = rounds_setting.empty() ? 2 : std::max(1, std::atoi(rounds_setting.c_str()));
+  // A chain of `size` drafts (tree unset), or a dynamic tree of `size` nodes.
+  struct Method {
+    std::string name;
+    int64_t size = 0;
+    std::optional<DynamicTreeOptions> tree;
+  };
+  std::vector<Method> methods;
+  for (const int64_t gamma : {3, 4, 5, 6}) methods.push_back({"chain" + std::to_string(gamma), gamma, {}});
+  for (const int64_t nodes : {4, 5, 6, 8, 16}) {
+    methods.push_back({"tree" + std::to_string(nodes), nodes, DynamicTreeOptions{.total_tokens = nodes}});
+    methods.push_back({"cal" + std::to_string(nodes), nodes,
+                       DynamicTreeOptions{.depth = 8, .top_k = 4, .total_tokens = nodes, .score_temperature = 0.5}});
+  }
+  const auto run = [&](const Method& method) {
+    GenerationStats stats;
+    for (const auto& prompt : prompts) {
+      const SpeculativeOptions options{.max_new_tokens = 64, .gamma = method.size};
+      if (!method.tree) {
+        stats += speculative_generate(d, t, prompt, options).stats;
+      } else {
+        DynamicTreeSource source(d, *method.tree);
+        stats += generate_with(source, t, prompt, options).stats;
+      }
+    }
+    return stats;
+  };
+  (void)run(methods.front());  // warm-up: both models' first forwards
+  (void)run(methods.back());
+  std::map<std::string, GenerationStats> best;
+  for (auto _ : state) {
+    for (int round = 0; round < rounds; ++round) {
+      // Alternate the order between rounds, so that no method always runs after the same one.
+      std::vector<Method> order = methods;
+      if (round % 2 == 1) std::reverse(order.begin(), order.end());
+      for (const Method& method : order) {
+        const GenerationStats stats = run(method);
+        auto [at, fresh] = best.try_emplace(method.name, stats);
+        if (!fresh && stats.total_seconds < at->second.total_seconds) at->second = stats;
+      }
+    }
+  }
+  double best_chain = 0, best_tree = 0;
+  for (const Method& method : methods) {
+    const GenerationStats& stats = best.at(method.name);
+    const double rate = static_cast<double>(stats.generated) / stats.total_seconds;
+    state.counters[method.name + "_tps"] = rate;
+    state.counters[method.name + "_tpc"] = stats.tokens_per_target_call();
+    state.counters[method.name + "_ms"] = 1e3 * stats.target_seconds / static_cast<double>(stats.target_calls);
+    double& best_of_kind = method.tree ? best_tree : best_chain;
+    best_of_kind = std::max(best_of_kind, rate);
+  }
+  state.counters["best_chain_tps"] = best_chain;
+  state.counters["best_tree_tps"] = best_tree;
+  state.counters["tree_over_chain"] = best_tree / best_chain;
+  state.SetLabel(kFormatNames[format]);
+}
+
 }  // namespace
 
 // Each format's benchmarks together, so that each model loads once per run.
@@ -184,6 +279,7 @@ void register_benchmarks() {
     for (const int64_t gamma : {0, 1, 2, 3, 4, 5, 6, 8}) {
       benchmark::RegisterBenchmark("BM_Generate", BM_Generate)->Args({format, gamma})->Iterations(1);
     }
+    benchmark::RegisterBenchmark("BM_TreeVsChain", BM_TreeVsChain)->Args({format})->Iterations(1);
   }
 }
 
