@@ -62,6 +62,12 @@ specdec_cli_case(tree_in_ngram 2 "--tree applies to --mode speculative, eagle or
 specdec_cli_case(tree_depth_without_tree 2 "--tree-depth applies with --tree static or dynamic" ${G} --tree-depth 3)
 specdec_cli_case(tree_nodes_without_tree 2 "--tree-nodes applies to --mode stand, or with --tree" ${G} --tree-nodes 8)
 specdec_cli_case(tree_top_k_static 2 "--tree-top-k applies to --tree dynamic" ${G} --tree static --tree-top-k 2)
+specdec_cli_case(tree_score_temperature_static 2 "--tree-score-temperature applies to --tree dynamic" ${G}
+  --tree static --tree-score-temperature 0.5)
+specdec_cli_case(tree_score_temperature_without_tree 2 "--tree-score-temperature applies with --tree static or dynamic"
+  ${G} --tree-score-temperature 0.5)
+specdec_cli_case(tree_score_temperature_zero 2 "--tree-score-temperature: 0 is outside \\(0, 1e\\+06\\]" ${G}
+  --tree dynamic --tree-score-temperature 0)
 specdec_cli_case(tree_unknown 2 "--tree: wide not in" ${G} --tree wide)
 specdec_cli_case(tree_with_batch 2 "--batch-file does not apply with --tree" ${G} --tree dynamic
   --batch-file "${PROJECT_SOURCE_DIR}/README.md")

@@ -76,6 +76,7 @@ struct Arguments {
   std::string tree = "none";          // --tree: none, static or dynamic
   int64_t tree_depth = 5;
   int64_t tree_top_k = 4;
+  double tree_score_temperature = 1.0;
   int64_t ngram_order = 3;
   int64_t filler = 3;
   NGramDraftRule draft_rule;
@@ -186,6 +187,7 @@ const std::vector<FlagModes>& flag_modes() {
       {"--tree", {"speculative", "eagle", "medusa"}},
       {"--tree-depth", {"speculative", "eagle", "medusa"}},
       {"--tree-top-k", {"speculative", "eagle", "medusa"}},
+      {"--tree-score-temperature", {"speculative", "eagle", "medusa"}},
       {"--num-beams", {"beam"}},
       {"--length-penalty", {"beam"}},
       {"--batch-file", {"speculative", "autoregressive", "ngram", "suffix", "eagle", "medusa"}},
@@ -209,7 +211,7 @@ std::string join(const std::vector<std::string>& items) {
 // --tree and the flags that shape a tree, against the mode and the chain-only flags.
 void check_tree_flags(const CLI::App& app, const Arguments& a) {
   if (a.tree == "none") {
-    for (const char* flag : {"--tree-depth", "--tree-top-k"}) {
+    for (const char* flag : {"--tree-depth", "--tree-top-k", "--tree-score-temperature"}) {
       if (app.count(flag) > 0) throw std::invalid_argument(std::string(flag) + " applies with --tree static or dynamic");
     }
     if (a.mode != "stand" && app.count("--tree-nodes") > 0) {
@@ -223,8 +225,8 @@ void check_tree_flags(const CLI::App& app, const Arguments& a) {
   if (a.tree == "dynamic" && a.mode == "medusa") {
     throw std::invalid_argument("--tree dynamic does not apply to --mode medusa: Medusa heads fill static trees");
   }
-  if (a.tree == "static" && app.count("--tree-top-k") > 0) {
-    throw std::invalid_argument("--tree-top-k applies to --tree dynamic");
+  for (const char* flag : {"--tree-top-k", "--tree-score-temperature"}) {
+    if (a.tree == "static" && app.count(flag) > 0) throw std::invalid_argument(std::string(flag) + " applies to --tree dynamic");
   }
   const std::pair<const char*, bool> chains_only[] = {
       {"--batch-file", !a.batch_file.empty()},      {"--verifier", !a.verifier.empty()},
@@ -402,6 +404,11 @@ Arguments parse(int argc, char** argv) {
       ->check(cli::integer<int64_t>(1, 64))->group(trees);
   app.add_option("--tree-top-k", a.tree_top_k, "dynamic trees: children per expanded node (default 4)")
       ->check(cli::integer<int64_t>(1, 64))->group(trees);
+  app.add_option("--tree-score-temperature", a.tree_score_temperature,
+                 "dynamic trees: divides the drafter's logits when paths are scored (default 1; below 1 grows "
+                 "deeper trees for a drafter that understates how often the target agrees; the output does not "
+                 "change, see docs/drafting.md)")
+      ->check(cli::real(0.0, 1e6, /*low_open=*/true))->group(trees);
 
   const std::string beam = "Beam search (--mode beam)";
   app.add_option("--num-beams", a.num_beams, "beams (default 4; at most 64: each holds a cache)")

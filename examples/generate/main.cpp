@@ -176,7 +176,7 @@ int run(const Arguments& a) {
     } else {
       std::cout << ", " << a.tree << " trees of " << a.tree_nodes.value_or(16) << " nodes, at most " << a.tree_depth
                 << " deep";
-      if (a.tree == "dynamic") std::cout << ", top-k " << a.tree_top_k;
+      if (a.tree == "dynamic") std::cout << ", top-k " << a.tree_top_k << ", score temperature " << a.tree_score_temperature;
     }
     if (drafter && a.tree == "none") {
       std::cout << ", gamma policy " << a.gamma_policy;
@@ -239,7 +239,8 @@ int run(const Arguments& a) {
           options.on_step = callback;
           // --tree: the drafter's or the heads' trees, else chains.
           const DynamicTreeOptions dynamic{.depth = a.tree_depth, .top_k = a.tree_top_k,
-                                           .total_tokens = a.tree_nodes.value_or(16)};
+                                           .total_tokens = a.tree_nodes.value_or(16),
+                                           .score_temperature = a.tree_score_temperature};
           const auto shape = [&](int64_t most_depth) {
             return TreeTemplate::default_tree(a.tree_nodes.value_or(16), std::min(a.tree_depth, most_depth));
           };
