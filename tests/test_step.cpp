@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "specdec/drafting/eagle.hpp"
+#include "specdec/drafting/head_batches.hpp"
 #include "specdec/drafting/medusa.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
@@ -667,8 +668,10 @@ TEST(Medusa, GreedyOutputEqualsAutoregressiveDecoding) {
 }
 
 // Whether three sampled tokens after a prompt, with Medusa heads drafting from the second step
-// on, fit the target's exact distribution by chi-square at a tail of 1e-6.
-bool medusa_samples_fit(bool skip_sample_adjustment) {
+// on, fit the target's exact distribution by chi-square at a tail of 1e-6: one prompt through
+// generate_with, or (`batched`) each of two prompts generated as one batch with the heads drafting
+// for both rows at once (medusa_generate_batch).
+bool medusa_samples_fit(bool skip_sample_adjustment, bool batched = false) {
   using Model = models::LlamaModel<StaticKVCache>;
   models::LlamaConfig config = test::small_llama_config();
   config.vocab_size = 6;
@@ -677,23 +680,32 @@ bool medusa_samples_fit(bool skip_sample_adjustment) {
   const models::MedusaConfig heads_config{.hidden_size = config.dim, .vocab_size = 6, .num_heads = 2};
   const models::MedusaHeads heads(heads_config, models::MedusaHeads::random(heads_config, 4));
   const MultinomialProcessor processor{2.0};
-  const std::vector<int64_t> prompt{1, 4, 2};
-  const std::map<std::vector<int64_t>, double> expected = exact_continuations(target, processor, prompt, 3);
+  std::vector<std::vector<int64_t>> prompts{{1, 4, 2}};
+  if (batched) prompts.push_back({5, 0, 3, 3, 1});
+  std::vector<std::map<std::vector<int64_t>, double>> expected;
+  for (const auto& prompt : prompts) expected.push_back(exact_continuations(target, processor, prompt, 3));
   constexpr int64_t kSamples = 4000;
-  std::map<std::vector<int64_t>, int64_t> observed;
+  std::vector<std::map<std::vector<int64_t>, int64_t>> observed(prompts.size());
   int64_t drafted = 0;
   for (int64_t i = 0; i < kSamples; ++i) {
+    const SpeculativeOptions options{.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2,
+                                     .skip_sample_adjustment = skip_sample_adjustment};
     MedusaDraftSource source(heads, target);
-    const GenerationResult result = generate_with(
-        source, target, prompt,
-        {.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2, .skip_sample_adjustment = skip_sample_adjustment},
-        processor);
-    ++observed[result.tokens];
-    drafted += result.stats.drafted;
+    const std::vector<GenerationResult> results =
+        batched ? medusa_generate_batch(heads, target, prompts, options, processor)
+                : std::vector<GenerationResult>{generate_with(source, target, prompts[0], options, processor)};
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      ++observed[r][results[r].tokens];
+      drafted += results[r].stats.drafted;
+    }
   }
-  EXPECT_GT(drafted, kSamples / 2) << "the heads should draft in most generations";
-  const test::ChiSquare fit = test::chi_square(observed, expected, kSamples);
-  return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
+  EXPECT_GT(drafted, kSamples / 2 * static_cast<int64_t>(prompts.size())) << "the heads should draft in most generations";
+  bool fit = true;
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    const test::ChiSquare row = test::chi_square(observed[r], expected[r], kSamples);
+    fit = fit && row.outside_support == 0 && row.statistic < test::chi_square_quantile(row.dof, 4.75);
+  }
+  return fit;
 }
 
 // Packed weights (an int8 target, a bf16 drafter): three tokens sampled by speculative decoding
@@ -735,6 +747,11 @@ TEST(Medusa, SampledOutputIsDistributedAsTheTarget) {
   EXPECT_TRUE(medusa_samples_fit(/*skip_sample_adjustment=*/false));
   // Power: a verification that samples a rejected position from p instead of the residual fails.
   EXPECT_FALSE(medusa_samples_fit(/*skip_sample_adjustment=*/true));
+}
+
+TEST(HeadsInBatches, MedusaForAllRowsSamplesAsTheTarget) {
+  EXPECT_TRUE(medusa_samples_fit(/*skip_sample_adjustment=*/false, /*batched=*/true));
+  EXPECT_FALSE(medusa_samples_fit(/*skip_sample_adjustment=*/true, /*batched=*/true));
 }
 
 // The Medusa heads trained for the bundled target (models/bundled/medusa, made by
@@ -938,8 +955,8 @@ TEST(Eagle, GreedyOutputEqualsAutoregressiveDecodingAndTheCacheRecomputes) {
 // Whether three sampled tokens after a prompt, an EAGLE-3 head drafting over a draft vocabulary
 // of 4 of the target's 6 ids, fit the target's exact distribution by chi-square at a tail of 1e-6:
 // one prompt through generate_with, or (`batched`) each of two prompts generated as one batch
-// with a head per row.
-bool eagle_samples_fit(bool skip_sample_adjustment, bool batched = false) {
+// with a head per row, or (`one_head`) with one head drafting for both rows (eagle_generate_batch).
+bool eagle_samples_fit(bool skip_sample_adjustment, bool batched = false, bool one_head = false) {
   using Model = models::LlamaModel<StaticKVCache>;
   models::LlamaConfig config = test::small_llama_config();
   config.vocab_size = 6;
@@ -960,8 +977,9 @@ bool eagle_samples_fit(bool skip_sample_adjustment, bool batched = false) {
     const SpeculativeOptions options{.max_new_tokens = 3, .seed = static_cast<uint64_t>(i), .gamma = 2,
                                      .skip_sample_adjustment = skip_sample_adjustment};
     const std::vector<GenerationResult> results =
-        batched ? generate_with_batch(std::span(sources), target, prompts, options, processor)
-                : std::vector<GenerationResult>{generate_with(sources[0], target, prompts[0], options, processor)};
+        one_head  ? eagle_generate_batch(head, target, prompts, options, processor)
+        : batched ? generate_with_batch(std::span(sources), target, prompts, options, processor)
+                  : std::vector<GenerationResult>{generate_with(sources[0], target, prompts[0], options, processor)};
     for (size_t r = 0; r < prompts.size(); ++r) {
       ++observed[r][results[r].tokens];
       drafted += results[r].stats.drafted;
@@ -1017,6 +1035,67 @@ TEST(Eagle, CpuKernelsEqualTheAtenForward) {
     }
     EXPECT_TRUE(at::allclose(caches[0].keys(), caches[1].keys(), 1e-5, 1e-5));
     EXPECT_TRUE(at::allclose(caches[0].values(), caches[1].values(), 1e-5, 1e-5));
+  }
+}
+
+// A head's batched forward over a batch cache equals its forward row by row: rows of different
+// lengths (one starting at a later position, one empty), ragged counts with padding, rows cut
+// back between forwards, a row feeding nothing, and rows selected out, for EAGLE-3 and EAGLE-1,
+// in one ATen pass and through the CPU loops row by row.
+TEST(Eagle, BatchedForwardEqualsEachRowAlone) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 21);
+  for (const auto& [kind, fused] : {std::pair{models::EagleKind::eagle3, false}, std::pair{models::EagleKind::eagle1, false},
+                                     std::pair{models::EagleKind::eagle3, true}, std::pair{models::EagleKind::eagle1, true}}) {
+    SCOPED_TRACE(std::string(models::to_string(kind)) + (fused ? " fused" : " aten"));
+    models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 30 : 48, 5);
+    head.use_cpu_kernels(fused);
+    const int64_t width = head.config().kind == models::EagleKind::eagle3 ? head.config().fc_inputs() : config.dim;
+    std::vector<models::EagleCache> alone(3);
+    models::EagleBatchCache batch(3);
+    alone[1].reset(4);
+    batch.reset(1, 4);
+    at::manual_seed(3);
+    // Rounds of (counts per row, cut-back position per row or -1).
+    const std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> rounds{
+        {{5, 2, 0}, {-1, -1, -1}}, {{1, 3, 2}, {-1, -1, -1}}, {{2, 1, 1}, {3, 5, -1}}, {{0, 2, 3}, {-1, -1, 0}}};
+    for (size_t round = 0; round < rounds.size(); ++round) {
+      SCOPED_TRACE(round);
+      const auto& [counts, cuts] = rounds[round];
+      for (int64_t r = 0; r < 3; ++r) {
+        if (cuts[static_cast<size_t>(r)] < 0) continue;
+        alone[static_cast<size_t>(r)].truncate(cuts[static_cast<size_t>(r)]);
+        batch.truncate(r, cuts[static_cast<size_t>(r)]);
+      }
+      const int64_t t = *std::max_element(counts.begin(), counts.end());
+      const at::Tensor ids = at::randint(0, config.vocab_size, {3, t}, at::kLong);
+      const at::Tensor hidden = head.fuse(at::randn({3, t, width}));
+      const at::Tensor outputs = head.forward_rows(ids, hidden, batch, counts);
+      for (int64_t r = 0; r < 3; ++r) {
+        const int64_t n = counts[static_cast<size_t>(r)];
+        if (n > 0) {
+          const at::Tensor expected = head.forward(ids[r].narrow(0, 0, n), hidden[r].narrow(0, 0, n), alone[static_cast<size_t>(r)]);
+          EXPECT_TRUE(at::allclose(outputs[r].narrow(0, 0, n), expected, 1e-4, 1e-5)) << r;
+        }
+        ASSERT_EQ(batch.start(r), alone[static_cast<size_t>(r)].start());
+        ASSERT_EQ(batch.length(r), alone[static_cast<size_t>(r)].length());
+        if (batch.length(r) > 0) {
+          EXPECT_TRUE(at::allclose(batch.keys(r), alone[static_cast<size_t>(r)].keys(), 1e-5, 1e-6)) << r;
+          EXPECT_TRUE(at::allclose(batch.values(r), alone[static_cast<size_t>(r)].values(), 1e-5, 1e-6)) << r;
+        }
+      }
+    }
+    // Rows selected out keep the others' entries, in the new order.
+    batch.select(std::vector<int64_t>{2, 0});
+    ASSERT_EQ(batch.rows(), 2);
+    EXPECT_EQ(batch.end(0), alone[2].end());
+    EXPECT_TRUE(at::allclose(batch.keys(0), alone[2].keys(), 1e-5, 1e-6));
+    EXPECT_TRUE(at::allclose(batch.keys(1), alone[0].keys(), 1e-5, 1e-6));
+    test::expect_invalid([&] { batch.truncate(1, alone[0].end() + 1); }, {"position = ", "of row 1"});
+    test::expect_invalid([&] { (void)head.forward_rows(at::zeros({3, 1}, at::kLong), at::zeros({3, 1, config.dim}), batch, std::vector<int64_t>{1, 1, 1}); },
+                         {"ids must be [2, T]"});
+    test::expect_invalid([&] { (void)head.forward_rows(at::zeros({2, 1}, at::kLong), at::zeros({2, 1, config.dim}), batch, std::vector<int64_t>{1, 2}); },
+                         {"counts[1] = 2"});
   }
 }
 
@@ -1118,6 +1197,18 @@ TEST(HeadsInBatches, GreedyRowsEqualAutoregressiveDecodingAndEachRowAlone) {
       sequence.insert(sequence.end(), results[r].tokens.begin(), results[r].tokens.end());
       expect_cache_recomputes(head, reference, sequence, sources[r].cache());
     }
+    // One head drafting for every row in batched forwards: the same rows, drafts and acceptance.
+    SCOPED_TRACE("eagle_generate_batch");
+    std::vector<GenerationResult> batched;
+    const int64_t batched_copies = copies_during([&] { batched = eagle_generate_batch(head, target, prompts, options); });
+    check_rows(batched, eagle_generate_batch(head, target, short_rows, options), alone);
+    steps = 0;
+    for (size_t r = 0; r < batched.size(); ++r) {
+      steps = std::max(steps, batched[r].stats.steps);
+      EXPECT_EQ(batched[r].stats.drafted, results[r].stats.drafted) << r;
+      EXPECT_EQ(batched[r].stats.accepted, results[r].stats.accepted) << r;
+    }
+    EXPECT_EQ(batched_copies, steps) << "one host copy per batch step";
   }
   const models::MedusaConfig heads_config{.hidden_size = config.dim, .vocab_size = config.vocab_size, .num_heads = 3};
   const models::MedusaHeads heads(heads_config, models::MedusaHeads::random(heads_config, 3));
@@ -1133,6 +1224,15 @@ TEST(HeadsInBatches, GreedyRowsEqualAutoregressiveDecodingAndEachRowAlone) {
     SCOPED_TRACE("medusa");
     check_rows(generate_with_batch(std::span(medusa), target, prompts, options),
                generate_with_batch(std::span(short_medusa), target, short_rows, options), alone);
+  }
+  {
+    SCOPED_TRACE("medusa_generate_batch");
+    std::vector<GenerationResult> batched;
+    const int64_t copies = copies_during([&] { batched = medusa_generate_batch(heads, target, prompts, options); });
+    check_rows(batched, medusa_generate_batch(heads, target, short_rows, options), alone);
+    int64_t steps = 0;
+    for (const GenerationResult& result : batched) steps = std::max(steps, result.stats.steps);
+    EXPECT_EQ(copies, steps) << "one host copy per batch step";
   }
 
   // Bad input names the parameter.
@@ -1219,6 +1319,11 @@ TEST(HeadsInBatches, SampledRowsAreDistributedAsTheTarget) {
   EXPECT_TRUE(eagle_samples_fit(/*skip_sample_adjustment=*/false, /*batched=*/true));
   // Power: a verification that samples a rejected position from p instead of the residual fails.
   EXPECT_FALSE(eagle_samples_fit(/*skip_sample_adjustment=*/true, /*batched=*/true));
+}
+
+TEST(HeadsInBatches, OneHeadForAllRowsSamplesAsTheTarget) {
+  EXPECT_TRUE(eagle_samples_fit(/*skip_sample_adjustment=*/false, /*batched=*/true, /*one_head=*/true));
+  EXPECT_FALSE(eagle_samples_fit(/*skip_sample_adjustment=*/true, /*batched=*/true, /*one_head=*/true));
 }
 
 // --- Draft trees from heads (drafting/eagle.hpp, drafting/medusa.hpp) ---------------------------------------------

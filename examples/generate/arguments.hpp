@@ -4,6 +4,7 @@
 
 #include <specdec/distributed.hpp>
 #include <specdec/drafting/eagle.hpp>
+#include <specdec/drafting/head_batches.hpp>
 #include <specdec/drafting/medusa.hpp>
 #include <specdec/io/checkpoint.hpp>
 #include <specdec/io/eagle.hpp>

@@ -209,16 +209,9 @@ int run_batch_file(const Arguments& a, Model& target, Model* drafter, const mode
           for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(*cache, a.suffix_rule);
           return generate_with_batch(std::span(sources), target, prompts, options, p);
         }
-        if (eagle != nullptr) {
-          std::vector<EagleDraftSource> sources;
-          for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(*eagle, target);
-          return generate_with_batch(std::span(sources), target, prompts, options, p);
-        }
-        if (medusa != nullptr) {
-          std::vector<MedusaDraftSource> sources;
-          for (size_t r = 0; r < prompts.size(); ++r) sources.emplace_back(*medusa, target);
-          return generate_with_batch(std::span(sources), target, prompts, options, p);
-        }
+        // Heads draft for every row in one forward per draft position.
+        if (eagle != nullptr) return eagle_generate_batch(*eagle, target, prompts, options, p);
+        if (medusa != nullptr) return medusa_generate_batch(*medusa, target, prompts, options, p);
         return autoregressive_generate_batch(target, prompts,
                                              {.max_new_tokens = a.max_new_tokens, .eos_token_ids = eos,
                                               .stop_sequences = stops, .seed = a.seed},

@@ -5,7 +5,7 @@
 // leave the batch, so finished requests cost nothing. A step costs one device-to-host copy for
 // the whole batch. Drafts come from a drafter model (batched forwards), one shared n-gram storage,
 // or a draft source per row (generate_with_batch: EAGLE and Medusa heads, fed their row of the
-// target's hidden states).
+// target's hidden states). drafting/head_batches.hpp runs one head for all rows on this loop.
 //
 // Layout: rows are right-ragged. Row r's cached positions are its first row_lengths()[r], new
 // tokens of a forward are placed at each row's own positions, and a shorter input is padded at
@@ -889,7 +889,9 @@ template <Drafter D, Target T, LogitsProcessor P = GreedyProcessor>
 // each step's outcome as in generate_with. The target verifies every row's drafts in one forward
 // per step. Greedy output equals each row's generate_with (and autoregressive_generate) output
 // token for token; sampled output is distributed exactly as the target's, row by row. The sources
-// draft one row after another (a head's forwards are per row; its cost grows with the batch).
+// draft one row after another (a head's forwards are per row; its cost grows with the batch:
+// eagle_generate_batch and medusa_generate_batch, drafting/head_batches.hpp, draft for all rows in
+// one head forward per draft position).
 //
 // Requires: sources.size() == prompts.size(); each source models DraftSource<S, P>, with the
 //   target's vocabulary where it says, the same feature_taps() for all (the target then models

@@ -18,7 +18,8 @@
 // top-k tokens, deterministic given the context, so its verification is the deterministic rule of
 // drafting/model_tree.hpp: the output is the target's distribution under any sampling, and
 // autoregressive decoding token for token under greedy decoding. In batches (generate_with_batch)
-// each row has its own source, fed its row of the target's hidden states.
+// each row has its own source, fed its row of the target's hidden states; eagle_generate_batch
+// (drafting/head_batches.hpp) runs one head for all rows instead.
 #pragma once
 
 #include <algorithm>

@@ -36,6 +36,7 @@
 
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/torch_compat.hpp"
+#include "specdec/device.hpp"
 #include "specdec/models/detail/cpu_linear.hpp"
 #include "specdec/models/detail/llama_cpu.hpp"
 #include "specdec/models/llama.hpp"
@@ -175,16 +176,24 @@ class EagleCache {
   void append_host(const float* keys, const float* values, int64_t stride, int64_t count, int64_t kv_heads,
                    int64_t head_dim) {
     reserve(count, kv_heads, head_dim, at::TensorOptions().dtype(at::kFloat));
-    const int64_t capacity = keys_.size(1);
-    float* k = keys_.data_ptr<float>();
-    float* v = values_.data_ptr<float>();
+    write_host(keys, values, stride, count, kv_heads, head_dim, keys_.data_ptr<float>(),
+               values_.data_ptr<float>(), keys_.size(1), length_);
+    length_ += count;
+  }
+
+  // Writes `count` rows of fp32 keys and values (as append_host() takes them) into buffers
+  // [kv_heads, capacity, head_dim] at slot `at`.
+  static void write_host(const float* keys, const float* values, int64_t stride, int64_t count,
+                         int64_t kv_heads, int64_t head_dim, float* k, float* v, int64_t capacity,
+                         int64_t at) {
     for (int64_t t = 0; t < count; ++t) {
       for (int64_t h = 0; h < kv_heads; ++h) {
-        std::copy_n(keys + t * stride + h * head_dim, head_dim, k + (h * capacity + length_ + t) * head_dim);
-        std::copy_n(values + t * stride + h * head_dim, head_dim, v + (h * capacity + length_ + t) * head_dim);
+        std::copy_n(keys + t * stride + h * head_dim, head_dim,
+                    k + (h * capacity + at + t) * head_dim);
+        std::copy_n(values + t * stride + h * head_dim, head_dim,
+                    v + (h * capacity + at + t) * head_dim);
       }
     }
-    length_ += count;
   }
 
   // The whole buffers [kv_heads, capacity, head_dim], of which positions [0, length()) are held.
@@ -212,6 +221,136 @@ class EagleCache {
   at::Tensor keys_{}, values_{};
   int64_t start_ = 0;
   int64_t length_ = 0;
+};
+
+// The keys and values of a head over a batch of rows, each row's positions
+// [start(r), start(r) + length(r)) held from slot 0 of its row: buffers [rows, kv_heads,
+// capacity, head_dim] that grow by doubling, rows cut back by moving their length alone. A
+// batched forward (EagleHead::forward_rows) writes each row's new entries after its own length,
+// so rows of different lengths need no padding in the cache; slots past a row's length are stale
+// and never read.
+class EagleBatchCache {
+ public:
+  // `rows` empty rows, each starting at position 0.
+  explicit EagleBatchCache(int64_t rows = 0)
+      : starts_(static_cast<size_t>(std::max<int64_t>(rows, 0)), 0),
+        lengths_(static_cast<size_t>(std::max<int64_t>(rows, 0)), 0) {
+    if (rows < 0) detail::throw_invalid("rows", "be >= 0", rows);
+  }
+
+  [[nodiscard]] int64_t rows() const noexcept { return static_cast<int64_t>(lengths_.size()); }
+  [[nodiscard]] int64_t start(int64_t row) const { return starts_.at(index(row)); }
+  [[nodiscard]] int64_t length(int64_t row) const { return lengths_.at(index(row)); }
+  [[nodiscard]] int64_t end(int64_t row) const { return start(row) + length(row); }
+  [[nodiscard]] std::span<const int64_t> lengths() const noexcept { return lengths_; }
+  // Row `row`'s keys and values [kv_heads, length, head_dim] (views; undefined when empty).
+  [[nodiscard]] at::Tensor keys(int64_t row) const { return row_view(keys_, row); }
+  [[nodiscard]] at::Tensor values(int64_t row) const { return row_view(values_, row); }
+
+  // Forgets row `row`; its next entry will be at `position`.
+  void reset(int64_t row, int64_t position) {
+    starts_.at(index(row)) = position;
+    lengths_.at(index(row)) = 0;
+  }
+  // Keeps row `row`'s positions before `position` (in [start, end]).
+  void truncate(int64_t row, int64_t position) {
+    if (position < start(row) || position > end(row)) {
+      detail::throw_invalid_message("EagleBatchCache::truncate: position = ", position, " of row ",
+                                    row, " must be in [", start(row), ", ", end(row), "]");
+    }
+    lengths_[static_cast<size_t>(row)] = position - starts_[static_cast<size_t>(row)];
+  }
+  // Keeps the rows `rows` (indices in [0, rows()), in their new order).
+  void select(std::span<const int64_t> rows) {
+    std::vector<int64_t> starts, lengths;
+    for (const int64_t r : rows) {
+      starts.push_back(start(r));
+      lengths.push_back(length(r));
+    }
+    if (keys_.defined()) {
+      const at::Tensor index =
+          detail::to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, keys_.device());
+      keys_ = keys_.index_select(0, index);
+      values_ = values_.index_select(0, index);
+    }
+    starts_ = std::move(starts);
+    lengths_ = std::move(lengths);
+  }
+
+  // The whole buffers [rows, kv_heads, capacity, head_dim] (for EagleHead::forward_rows).
+  [[nodiscard]] const at::Tensor& key_buffer() const noexcept { return keys_; }
+  [[nodiscard]] const at::Tensor& value_buffer() const noexcept { return values_; }
+
+  // Room for `count` more slots after the longest row, of this shape and type (the buffers double
+  // when full; rows keep their entries).
+  void reserve(int64_t count, int64_t kv_heads, int64_t head_dim,
+               const at::TensorOptions& options) {
+    const int64_t need = longest() + count;
+    if (keys_.defined() && keys_.size(2) >= need && keys_.size(1) == kv_heads &&
+        keys_.size(3) == head_dim && keys_.scalar_type() == options.dtype().toScalarType() &&
+        keys_.device() == options.device()) {
+      return;
+    }
+    // Zeros: a batched forward reads slots past a short row's length (masked, but a product with a
+    // masked probability of 0 is still NaN where the slot is).
+    const int64_t capacity = std::max<int64_t>(64, 2 * need);
+    at::Tensor k = at::zeros({rows(), kv_heads, capacity, head_dim}, options);
+    at::Tensor v = at::zeros({rows(), kv_heads, capacity, head_dim}, options);
+    if (keys_.defined() && longest() > 0) {
+      k.narrow(2, 0, longest()).copy_(keys_.narrow(2, 0, longest()));
+      v.narrow(2, 0, longest()).copy_(values_.narrow(2, 0, longest()));
+    }
+    keys_ = k;
+    values_ = v;
+  }
+  // Adds counts[r] entries to row r (written by the forward after its old length).
+  void advance(std::span<const int64_t> counts) {
+    for (size_t r = 0; r < lengths_.size(); ++r) lengths_[r] += counts[r];
+  }
+  [[nodiscard]] int64_t longest() const noexcept {
+    return lengths_.empty() ? 0 : *std::max_element(lengths_.begin(), lengths_.end());
+  }
+
+  // One row as the head's CPU loops use a cache (EagleCache's interface; fp32 CPU buffers with
+  // room reserved beforehand).
+  class Row {
+   public:
+    Row(EagleBatchCache& cache, int64_t row) : cache_(cache), row_(row) {}
+    [[nodiscard]] int64_t start() const { return cache_.start(row_); }
+    [[nodiscard]] int64_t length() const { return cache_.length(row_); }
+    [[nodiscard]] int64_t end() const { return cache_.end(row_); }
+    [[nodiscard]] at::Tensor key_buffer() const { return cache_.keys_.select(0, row_); }
+    [[nodiscard]] at::Tensor value_buffer() const { return cache_.values_.select(0, row_); }
+    void append_host(const float* keys, const float* values, int64_t stride, int64_t count,
+                     int64_t kv_heads, int64_t head_dim) {
+      if (cache_.keys_.size(2) < length() + count) {
+        detail::throw_invalid_message("EagleBatchCache::Row: no room for ", count,
+                                      " entries after ", length());
+      }
+      EagleCache::write_host(keys, values, stride, count, kv_heads, head_dim,
+                             key_buffer().data_ptr<float>(), value_buffer().data_ptr<float>(),
+                             cache_.keys_.size(2), length());
+      cache_.lengths_[static_cast<size_t>(row_)] += count;
+    }
+
+   private:
+    EagleBatchCache& cache_;
+    int64_t row_;
+  };
+
+ private:
+  [[nodiscard]] size_t index(int64_t row) const {
+    if (row < 0 || row >= rows())
+      detail::throw_invalid_message("row = ", row, " must be in [0, ", rows(), ")");
+    return static_cast<size_t>(row);
+  }
+  [[nodiscard]] at::Tensor row_view(const at::Tensor& buffer, int64_t row) const {
+    const int64_t n = length(row);
+    return n == 0 ? at::Tensor() : buffer.select(0, row).narrow(1, 0, n);
+  }
+
+  at::Tensor keys_{}, values_{};
+  std::vector<int64_t> starts_, lengths_;
 };
 
 class EagleHead {
@@ -284,35 +423,12 @@ class EagleHead {
     const LlamaConfig& c = config_.layer;
     const int64_t count = ids.size(0);
     const int64_t heads = c.n_heads, kv_heads = c.n_kv_heads, head_dim = c.head_dim();
-    const at::Tensor embedded = at::embedding(w_.embedding, ids).to(dtype());
-    const at::Tensor h = hidden.to(dtype());
-    at::Tensor residual, attention_input;
-    if (config_.kind == EagleKind::eagle3) {
-      const at::Tensor normed = rms_norm(h, w_.hidden_norm);
-      residual = config_.norm_before_residual ? normed : h;
-      attention_input = at::cat({rms_norm(embedded, w_.input_norm), normed}, -1);
-    } else {
-      residual = at::linear(at::cat({embedded, h}, -1), w_.fc, w_.fc_bias);
-      attention_input = residual;
-    }
-    const at::Tensor positions = positions_of.to(at::kDouble);
-    const at::Tensor angles = positions.unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, hd/2]
-    const at::Tensor cos = angles.cos().to(dtype()).unsqueeze(1),
-                     sin = angles.sin().to(dtype()).unsqueeze(1);
-    const auto rotate = [&](const at::Tensor& x) {  // x [T, n, hd]: consecutive pairs
-      const at::Tensor pairs = x.reshape({count, x.size(1), head_dim / 2, 2});
-      const at::Tensor even = pairs.select(-1, 0), odd = pairs.select(-1, 1);
-      return at::stack({even * cos - odd * sin, even * sin + odd * cos}, -1).reshape(x.sizes());
-    };
-    const at::Tensor q = rotate(at::linear(attention_input, w_.wq).view({count, heads, head_dim}));
-    const at::Tensor k =
-        rotate(at::linear(attention_input, w_.wk).view({count, kv_heads, head_dim}));
-    const at::Tensor v = at::linear(attention_input, w_.wv).view({count, kv_heads, head_dim});
-    cache.append(k.transpose(0, 1), v.transpose(0, 1));
+    const Projected p = project(ids, hidden, positions_of);
+    cache.append(p.k.transpose(0, 1), p.v.transpose(0, 1));
     const int64_t length = cache.length();
     const int64_t group = heads / kv_heads;
     // Queries grouped by their key/value head: [kv_heads, group * T, hd].
-    const at::Tensor grouped = q.transpose(0, 1).reshape({kv_heads, group * count, head_dim});
+    const at::Tensor grouped = p.q.transpose(0, 1).reshape({kv_heads, group * count, head_dim});
     at::Tensor scores = at::matmul(grouped, cache.keys().transpose(1, 2))
                             .mul_(1.0 / std::sqrt(static_cast<double>(head_dim)));
     const at::Tensor hidden_keys = visible.to(device()).logical_not();  // [T, length]
@@ -327,9 +443,118 @@ class EagleHead {
                                     .view({heads, count, head_dim})
                                     .transpose(0, 1)
                                     .reshape({count, heads * head_dim});
-    at::Tensor x = residual + at::linear(attended, w_.wo);
-    const at::Tensor f = rms_norm(x, w_.ffn_norm);
-    return x + at::linear(at::silu(at::linear(f, w_.w_gate)) * at::linear(f, w_.w_up), w_.w_down);
+    return finish(p.residual, attended);
+  }
+
+  // forward() over a batch of rows in one pass: row r's tokens ids[r, t] (int64 [B, T], on the
+  // head's device) with hidden states hidden[r, t] ([B, T, H]) at positions cache.end(r) + t,
+  // each row attending to its own cache entries and causally to its own new tokens. Row r keeps
+  // the first counts[r] (in [0, T]) of its new entries; its later tokens are padding, whose
+  // outputs mean nothing. B must be cache.rows(). Returns the outputs [B, T, H]. One ATen pass
+  // over the batch, except where forward() takes the CPU loops: there they run row by row.
+  at::Tensor forward_rows(const at::Tensor& ids, const at::Tensor& hidden, EagleBatchCache& cache,
+                          std::span<const int64_t> counts) const {
+    const LlamaConfig& c = config_.layer;
+    if (ids.dim() != 2 || ids.size(0) != cache.rows() ||
+        static_cast<int64_t>(counts.size()) != cache.rows()) {
+      detail::throw_invalid_message("forward_rows: ids must be [", cache.rows(), ", T] with ",
+                                    cache.rows(), " counts, got ", ids.sizes(), " and ",
+                                    counts.size(), " counts");
+    }
+    const int64_t b = ids.size(0), count = ids.size(1);
+    const int64_t heads = c.n_heads, kv_heads = c.n_kv_heads, head_dim = c.head_dim();
+    if (hidden.dim() != 3 || hidden.size(0) != b || hidden.size(1) != count) {
+      detail::throw_invalid_message("forward_rows: hidden must be [", b, ", ", count, ", H], got ",
+                                    hidden.sizes());
+    }
+    for (size_t r = 0; r < counts.size(); ++r) {
+      if (counts[r] < 0 || counts[r] > count) {
+        detail::throw_invalid_message("forward_rows: counts[", r, "] = ", counts[r],
+                                      " must be in [0, ", count, "]");
+      }
+    }
+    cache.reserve(count, kv_heads, head_dim, w_.fc.options());
+    int64_t last_end = 0;
+    for (int64_t r = 0; r < b; ++r) last_end = std::max(last_end, cache.end(r));
+    if (kernels_apply(hidden) && last_end + count <= cpu_->positions) {
+      // A CPU fp32 head: its fused loops row by row, which on a CPU cost less than one ATen pass
+      // over the batch (bench_heads' BM_HeadsInBatches).
+      at::Tensor out = at::zeros({b, count, c.dim}, hidden.options());
+      for (int64_t r = 0; r < b; ++r) {
+        const int64_t n = counts[static_cast<size_t>(r)];
+        if (n == 0) continue;
+        EagleBatchCache::Row row(cache, r);
+        out[r].narrow(0, 0, n).copy_(
+            forward_cpu(ids[r].narrow(0, 0, n), hidden[r].narrow(0, 0, n), row));
+      }
+      return out;
+    }
+    const int64_t capacity = cache.key_buffer().size(2);
+    // Each (row, t): its position, and for each key/value head its slot in the flattened
+    // [B * kv_heads * capacity] buffers.
+    std::vector<int64_t> positions(static_cast<size_t>(b * count)),
+        slots(positions.size() * kv_heads), lengths(static_cast<size_t>(b));
+    for (int64_t r = 0; r < b; ++r) {
+      lengths[static_cast<size_t>(r)] = cache.length(r);
+      for (int64_t t = 0; t < count; ++t) {
+        positions[static_cast<size_t>(r * count + t)] = cache.end(r) + t;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          slots[static_cast<size_t>((r * count + t) * kv_heads + h)] =
+              (r * kv_heads + h) * capacity + cache.length(r) + t;
+        }
+      }
+    }
+    const at::Device where = device();
+    // Padding reads zeros, whatever the caller left there: its keys and values land in slots that
+    // later forwards read masked, which must hold finite numbers.
+    at::Tensor inputs = hidden.reshape({b * count, hidden.size(2)});
+    if (std::any_of(counts.begin(), counts.end(), [&](int64_t n) { return n < count; })) {
+      std::vector<uint8_t> padding(static_cast<size_t>(b * count));
+      for (int64_t r = 0; r < b; ++r) {
+        for (int64_t t = counts[static_cast<size_t>(r)]; t < count; ++t)
+          padding[static_cast<size_t>(r * count + t)] = 1;
+      }
+      inputs = inputs.masked_fill(
+          detail::to_device<uint8_t>(padding, {b * count, 1}, where).to(at::kBool), 0.0);
+    }
+    const Projected p = project(ids.reshape({b * count}), inputs,
+                                detail::to_device<int64_t>(positions, {b * count}, where));
+    const at::Tensor slot = detail::to_device<int64_t>(slots, {b * count * kv_heads}, where);
+    cache.key_buffer()
+        .view({b * kv_heads * capacity, head_dim})
+        .index_copy_(0, slot, p.k.reshape({-1, head_dim}));
+    cache.value_buffer()
+        .view({b * kv_heads * capacity, head_dim})
+        .index_copy_(0, slot, p.v.reshape({-1, head_dim}));
+    // Row r's query t sees its slots up to its own, length(r) + t; later slots are another
+    // step's or padding.
+    const int64_t span = cache.longest() + count;
+    const at::Tensor own =
+        detail::to_device<int64_t>(lengths, {b, 1, 1}, where) +
+        at::arange(count, at::TensorOptions(at::kLong).device(where)).view({1, count, 1});
+    const at::Tensor hidden_keys =
+        at::arange(span, at::TensorOptions(at::kLong).device(where)).view({1, 1, span}) >
+        own;  // [B, T, span]
+    const int64_t group = heads / kv_heads;
+    const at::Tensor keys =
+        cache.key_buffer().narrow(2, 0, span).transpose(2, 3);          // [B, kv, hd, span]
+    const at::Tensor values = cache.value_buffer().narrow(2, 0, span);  // [B, kv, span, hd]
+    // Queries grouped by their key/value head: [B, kv_heads, group * T, hd].
+    const at::Tensor grouped = p.q.view({b, count, heads, head_dim})
+                                   .permute({0, 2, 1, 3})
+                                   .reshape({b, kv_heads, group * count, head_dim});
+    at::Tensor scores =
+        at::matmul(grouped, keys).mul_(1.0 / std::sqrt(static_cast<double>(head_dim)));
+    scores.masked_fill_(hidden_keys.repeat({1, group, 1}).unsqueeze(1),
+                        -std::numeric_limits<double>::infinity());
+    const at::Tensor probabilities =
+        scores.softmax(-1, at::promote_types(scores.scalar_type(), at::kFloat)).to(dtype());
+    const at::Tensor attended = at::matmul(probabilities, values)
+                                    .view({b, heads, count, head_dim})
+                                    .permute({0, 2, 1, 3})
+                                    .reshape({b * count, heads * head_dim});
+    cache.advance(counts);
+    return finish(p.residual, attended).view({b, count, -1});
   }
 
   // Logits [T, draft_vocab] of layer outputs [T, H]: lm_head of their norm (EAGLE-3), or the
@@ -414,6 +639,50 @@ class EagleHead {
   }
 
  private:
+  // The layer's inputs of T tokens: the residual stream [T, H], rotated queries [T, heads, hd],
+  // rotated keys and values [T, kv_heads, hd].
+  struct Projected {
+    at::Tensor residual, q, k, v;
+  };
+  Projected project(const at::Tensor& ids, const at::Tensor& hidden,
+                    const at::Tensor& positions_of) const {
+    const LlamaConfig& c = config_.layer;
+    const int64_t count = ids.size(0);
+    const int64_t heads = c.n_heads, kv_heads = c.n_kv_heads, head_dim = c.head_dim();
+    const at::Tensor embedded = at::embedding(w_.embedding, ids).to(dtype());
+    const at::Tensor h = hidden.to(dtype());
+    Projected p;
+    at::Tensor attention_input;
+    if (config_.kind == EagleKind::eagle3) {
+      const at::Tensor normed = rms_norm(h, w_.hidden_norm);
+      p.residual = config_.norm_before_residual ? normed : h;
+      attention_input = at::cat({rms_norm(embedded, w_.input_norm), normed}, -1);
+    } else {
+      p.residual = at::linear(at::cat({embedded, h}, -1), w_.fc, w_.fc_bias);
+      attention_input = p.residual;
+    }
+    const at::Tensor positions = positions_of.to(at::kDouble);
+    const at::Tensor angles = positions.unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, hd/2]
+    const at::Tensor cos = angles.cos().to(dtype()).unsqueeze(1),
+                     sin = angles.sin().to(dtype()).unsqueeze(1);
+    const auto rotate = [&](const at::Tensor& x) {  // x [T, n, hd]: consecutive pairs
+      const at::Tensor pairs = x.reshape({count, x.size(1), head_dim / 2, 2});
+      const at::Tensor even = pairs.select(-1, 0), odd = pairs.select(-1, 1);
+      return at::stack({even * cos - odd * sin, even * sin + odd * cos}, -1).reshape(x.sizes());
+    };
+    p.q = rotate(at::linear(attention_input, w_.wq).view({count, heads, head_dim}));
+    p.k = rotate(at::linear(attention_input, w_.wk).view({count, kv_heads, head_dim}));
+    p.v = at::linear(attention_input, w_.wv).view({count, kv_heads, head_dim});
+    return p;
+  }
+  // The layer's output from its residual stream [T, H] and attention [T, heads * hd]: the output
+  // projection, then the SwiGLU block.
+  at::Tensor finish(const at::Tensor& residual, const at::Tensor& attended) const {
+    const at::Tensor x = residual + at::linear(attended, w_.wo);
+    const at::Tensor f = rms_norm(x, w_.ffn_norm);
+    return x + at::linear(at::silu(at::linear(f, w_.w_gate)) * at::linear(f, w_.w_up), w_.w_down);
+  }
+
   // The CPU fp32 forward's fused weights, products and rotary tables, for positions below
   // `positions` (later ones take the ATen forward).
   struct CpuParts {
@@ -444,7 +713,9 @@ class EagleHead {
   }
 
   // forward() as loops over fp32 rows around the products (see the top of this file).
-  at::Tensor forward_cpu(const at::Tensor& ids_in, const at::Tensor& hidden, EagleCache& cache) const {
+  // `Cache`: EagleCache, or one row of an EagleBatchCache.
+  template <class Cache>
+  at::Tensor forward_cpu(const at::Tensor& ids_in, const at::Tensor& hidden, Cache& cache) const {
     const LlamaConfig& c = config_.layer;
     const CpuParts& p = *cpu_;
     const bool eagle3 = config_.kind == EagleKind::eagle3;
@@ -488,8 +759,8 @@ class EagleHead {
       detail::rotate_heads(qkv.data() + t * width, heads + kv_heads, head_dim, first + t, cos, sin);
     }
     cache.append_host(qkv.data() + q_width, qkv.data() + q_width + kv_width, width, count, kv_heads, head_dim);
-    const float* key = cache.key_buffer().data_ptr<float>();
-    const float* value = cache.value_buffer().data_ptr<float>();
+    const float* key = cache.key_buffer().template data_ptr<float>();
+    const float* value = cache.value_buffer().template data_ptr<float>();
     const int64_t head_stride = cache.key_buffer().stride(0);  // between key/value heads; rows are head_dim apart
     const float scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
     std::vector<float> scores(static_cast<size_t>(cache.length()));

@@ -108,10 +108,19 @@ class MedusaHeads {
   // The first `count` heads' logits [count, vocab] at one hidden state [hidden] (any float dtype,
   // on the heads' device).
   [[nodiscard]] at::Tensor logits(const at::Tensor& hidden, int64_t count) const {
+    return logits_rows(hidden.view({1, config_.hidden_size}), count).select(0, 0);
+  }
+
+  // logits() of a batch of hidden states [B, hidden] in one pass per head: [B, count, vocab].
+  [[nodiscard]] at::Tensor logits_rows(const at::Tensor& hidden, int64_t count) const {
     if (count < 0 || count > config_.num_heads) {
       detail::throw_invalid_message("medusa: count = ", count, " must be in [0, ", config_.num_heads, "]");
     }
-    const at::Tensor x = hidden.to(heads_.front().classifier.scalar_type()).view({1, config_.hidden_size});
+    if (hidden.dim() != 2 || hidden.size(1) != config_.hidden_size) {
+      detail::throw_invalid_message("medusa: hidden must be [B, ", config_.hidden_size, "], got ",
+                                    hidden.sizes());
+    }
+    const at::Tensor x = hidden.to(heads_.front().classifier.scalar_type());
     std::vector<at::Tensor> rows;
     for (int64_t i = 0; i < count; ++i) {
       const MedusaHeadWeights& head = heads_[static_cast<size_t>(i)];
@@ -121,7 +130,8 @@ class MedusaHeads {
       }
       rows.push_back(at::linear(h, head.classifier));
     }
-    return count == 0 ? at::empty({0, config_.vocab_size}, x.options()) : at::cat(rows, 0);
+    return count == 0 ? at::empty({x.size(0), 0, config_.vocab_size}, x.options())
+                      : at::stack(rows, 1);
   }
 
  private:

@@ -1,0 +1,328 @@
+// Heads in batches, one head forward for all rows: eagle_generate_batch and
+// medusa_generate_batch. The target verifies every row's drafts in one forward per step, as in
+// generate_with_batch; here the head also drafts for every row at once.
+//
+//   EAGLE (-1 and -3): the rows' head caches live in one EagleBatchCache (models/eagle.hpp), each
+//   row's entries from slot 0 of its own row, so rows of different lengths need no padding in the
+//   cache. A step drafts gamma tokens for every row with gamma - 1 batched head forwards of one
+//   position per row (the first draft reads the head's output at each row's last verified
+//   position); after verification, one batched forward feeds every row's head the target's
+//   hidden states at the positions that row verified (ragged: each row keeps its own count of
+//   entries, padding positions are written past its length and never read). A step costs gamma
+//   head forwards whatever the batch, where one source per row (generate_with_batch) costs
+//   gamma * rows.
+//   Medusa: the heads read each row's final hidden state at its last accepted position; one pass
+//   of each head over all rows' hidden states drafts a step.
+//
+// The drafts are those each row's EagleDraftSource or MedusaDraftSource would propose alone (the
+// same head on the same verified positions; the batched products may round differently in the
+// last bits), drawn from the head's distribution under sampling, so verification is exact: greedy
+// rows equal autoregressive decoding token for token, and sampled rows are distributed as the
+// target's. One device-to-host copy per step for the whole batch. Each call starts the heads'
+// caches afresh (a batch has no sessions to continue).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "specdec/batch.hpp"
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/device.hpp"
+#include "specdec/drafting/eagle.hpp"
+#include "specdec/drafting/medusa.hpp"
+#include "specdec/logits_processor.hpp"
+#include "specdec/models/eagle.hpp"
+#include "specdec/models/medusa.hpp"
+#include "specdec/options.hpp"
+
+namespace specdec {
+namespace detail {
+
+// The drafts' finiteness per row [B] (bool): every one of row i's first valid[i] maxima [B, width]
+// is finite.
+inline at::Tensor finite_rows(const at::Tensor& maxima, std::span<const int64_t> valid) {
+  const int64_t b = maxima.size(0), width = maxima.size(1);
+  const at::Tensor counts = to_device<int64_t>(valid, {b, 1}, maxima.device());
+  const at::Tensor used =
+      at::arange(width, at::TensorOptions(at::kLong).device(maxima.device())).view({1, width}) <
+      counts;
+  return at::isfinite(maxima).logical_or(used.logical_not()).all(-1);
+}
+
+// Drafts of no tokens but their counts: row i may draft rooms[i] (at most `most`) where
+// drafts(i), none elsewhere.
+template <class Drafts>
+BatchDrafts draft_counts(std::span<const int64_t> rooms, int64_t most, Drafts&& drafts) {
+  BatchDrafts result{.valid = std::vector<int64_t>(rooms.size(), 0)};
+  for (size_t i = 0; i < rooms.size(); ++i) {
+    if (drafts(i)) result.valid[i] = std::clamp<int64_t>(rooms[i], 0, most);
+  }
+  return result;
+}
+
+// Row i's position `index[i]` of x [B, T, ...]: [B, ...].
+inline at::Tensor pick_positions(const at::Tensor& x, std::span<const int64_t> index) {
+  const int64_t b = x.size(0), t = x.size(1);
+  std::vector<int64_t> flat(index.size());
+  for (size_t i = 0; i < index.size(); ++i) flat[i] = static_cast<int64_t>(i) * t + index[i];
+  return x.flatten(0, 1).index_select(0, to_device<int64_t>(flat, {b}, x.device()));
+}
+
+// The rows `rows` of x (undefined stays undefined).
+inline at::Tensor pick_tensor_rows(const at::Tensor& x, std::span<const int64_t> rows) {
+  if (!x.defined()) return x;
+  return x.index_select(0,
+                        to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, x.device()));
+}
+
+// How many of the step's fed positions row i keeps for its head: those up to its last accepted
+// draft, within its sequence (a stop may have cut the step's tokens short; position p reads the
+// token at p + 1).
+inline int64_t verified_count(const BatchStep& step, size_t i) {
+  const int64_t from = step.features_from[i];
+  return std::min(step.positions[i] - from + step.accepted[i],
+                  static_cast<int64_t>(step.sequences[i].size()) - 1 - from);
+}
+
+// The drafting of run_batch from one EAGLE head for all rows (see the top of this file).
+class EagleBatchDrafts {
+ public:
+  template <FeatureTarget T>
+  EagleBatchDrafts(const models::EagleHead& head, const T& target, int64_t rows)
+      : head_(head), device_(target.device()), cache_(rows), ready_(static_cast<size_t>(rows), 0) {
+    const EagleHeadState fits(head, target);  // throws where the head does not fit the target
+  }
+
+  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept {
+    return head_.config().feature_layers;
+  }
+  [[nodiscard]] const models::EagleBatchCache& cache() const noexcept { return cache_; }
+
+  template <LogitsProcessor P>
+  BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences,
+                    std::span<const int64_t> rooms, int64_t /*k*/, const P& processor,
+                    at::Generator& gen, GenerationStats& /*shared*/) {
+    const auto b = static_cast<int64_t>(sequences.size());
+    // A row drafts where its head's last output is at the position before its last token.
+    BatchDrafts result = draft_counts(rooms, std::numeric_limits<int64_t>::max(), [&](size_t row) {
+      return ready_[row] != 0 && cache_.end(static_cast<int64_t>(row)) + 1 ==
+                                     static_cast<int64_t>(sequences[row].size());
+    });
+    const int64_t width =
+        result.valid.empty() ? 0 : *std::max_element(result.valid.begin(), result.valid.end());
+    if (width == 0) return result;
+    std::vector<at::Tensor> tokens, rows;
+    std::vector<int64_t> counts(static_cast<size_t>(b));
+    at::Tensor out = last_;  // [B, H]
+    for (int64_t j = 0; j < width; ++j) {
+      if (j > 0) {  // the rows that draft a j-th token keep the entry of the (j - 1)-th
+        for (size_t i = 0; i < counts.size(); ++i) counts[i] = result.valid[i] > j ? 1 : 0;
+        out = head_
+                  .forward_rows(tokens.back().to(head_.device()).view({b, 1}), out.unsqueeze(1),
+                                cache_, counts)
+                  .squeeze(1);
+      }
+      const at::Tensor logits = head_.logits(out);  // [B, draft_vocab]
+      if constexpr (std::is_same_v<P, GreedyProcessor>) {
+        tokens.push_back(head_.to_target(logits.argmax(-1)));
+        rows.push_back(logits.amax(-1));
+      } else {
+        const at::Tensor q = processor(head_.target_logits(logits));  // [B, V]
+        tokens.push_back(processor.sample(q, gen).view({b}));
+        rows.push_back(q);
+      }
+    }
+    result.tokens = at::stack(tokens, 1).to(device_);
+    if constexpr (std::is_same_v<P, GreedyProcessor>) {
+      result.finite = finite_rows(at::stack(rows, 1), result.valid).to(device_);
+    } else {
+      result.probs = at::stack(rows, 1).to(device_);
+    }
+    return result;
+  }
+
+  // Drops the step's draft entries and feeds every row's head the target's states at the
+  // positions that row verified, in one forward.
+  void after(const BatchStep& step) {
+    const auto b = static_cast<int64_t>(step.sequences.size());
+    std::vector<int64_t> counts(static_cast<size_t>(b)), lasts(static_cast<size_t>(b));
+    int64_t width = 0;
+    for (int64_t i = 0; i < b; ++i) {
+      const auto row = static_cast<size_t>(i);
+      const int64_t from = step.features_from[row];
+      const int64_t n = std::max<int64_t>(verified_count(step, row), 0);
+      if (n == 0) {
+        cache_.reset(i, 0);
+      } else if (from < cache_.start(i) || from > cache_.end(i)) {
+        cache_.reset(i, from);  // a gap: the row's head starts over at `from`
+      } else {
+        cache_.truncate(i, from);  // drops the draft entries
+      }
+      counts[row] = n;
+      lasts[row] = std::max<int64_t>(n - 1, 0);
+      ready_[row] = n > 0 ? 1 : 0;
+      width = std::max(width, n);
+    }
+    if (width == 0) return;
+    ids_.assign(static_cast<size_t>(b * width), 0);
+    for (int64_t i = 0; i < b; ++i) {
+      const auto sequence = step.sequences[static_cast<size_t>(i)];
+      const int64_t from = step.features_from[static_cast<size_t>(i)];
+      for (int64_t t = 0; t < counts[static_cast<size_t>(i)]; ++t) {
+        ids_[static_cast<size_t>(i * width + t)] = sequence[static_cast<size_t>(from + 1 + t)];
+      }
+    }
+    const at::Tensor ids = to_device<int64_t>(ids_, {b, width}, head_.device());
+    const at::Tensor outputs =
+        head_.forward_rows(ids, head_.fuse(step.features.narrow(1, 0, width)), cache_, counts);
+    last_ = pick_positions(outputs, lasts);
+  }
+
+  void select(std::span<const int64_t> rows) {
+    cache_.select(rows);
+    ready_ = pick_rows(ready_, rows);
+    last_ = pick_tensor_rows(last_, rows);
+  }
+
+ private:
+  const models::EagleHead& head_;
+  at::Device device_;
+  models::EagleBatchCache cache_;
+  std::vector<uint8_t> ready_;  // rows whose last_ is the head's output at their cache's end - 1
+  at::Tensor last_{};           // [B, H]
+  std::vector<int64_t> ids_;
+};
+
+// The drafting of run_batch from Medusa heads for all rows (see the top of this file).
+class MedusaBatchDrafts {
+ public:
+  template <FeatureTarget T>
+  MedusaBatchDrafts(const models::MedusaHeads& heads, const T& target, int64_t rows)
+      : heads_(heads),
+        device_(target.device()),
+        taps_{static_cast<int64_t>(target.num_hidden_layers())},
+        positions_(static_cast<size_t>(rows), -1) {
+    const MedusaHeadState fits(heads, target);  // throws where the heads do not fit the target
+  }
+
+  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept { return taps_; }
+
+  template <LogitsProcessor P>
+  BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences,
+                    std::span<const int64_t> rooms, int64_t /*k*/, const P& processor,
+                    at::Generator& gen, GenerationStats& /*shared*/) {
+    const auto b = static_cast<int64_t>(sequences.size());
+    // A row drafts where its hidden state is the one of the token before its last.
+    BatchDrafts result = draft_counts(rooms, heads_.config().num_heads, [&](size_t row) {
+      return positions_[row] >= 0 &&
+             positions_[row] == static_cast<int64_t>(sequences[row].size()) - 2;
+    });
+    const int64_t width =
+        result.valid.empty() ? 0 : *std::max_element(result.valid.begin(), result.valid.end());
+    if (width == 0) return result;
+    const at::Tensor logits =
+        heads_.logits_rows(hidden_.to(heads_.device()), width);  // [B, width, V]
+    const int64_t vocab = logits.size(2);
+    if constexpr (std::is_same_v<P, GreedyProcessor>) {
+      result.tokens = logits.argmax(-1).to(device_);
+      result.finite = finite_rows(logits.amax(-1), result.valid).to(device_);
+    } else {
+      const at::Tensor q = processor(logits.reshape({b * width, vocab}));
+      result.tokens = processor.sample(q, gen).view({b, width}).to(device_);
+      result.probs = q.view({b, width, vocab}).to(device_);
+    }
+    return result;
+  }
+
+  // Keeps each row's final hidden state at its last accepted position.
+  void after(const BatchStep& step) {
+    const auto b = static_cast<int64_t>(step.sequences.size());
+    std::vector<int64_t> lasts(static_cast<size_t>(b));
+    bool any = false;
+    for (size_t i = 0; i < lasts.size(); ++i) {
+      const int64_t n = step.positions[i] - step.features_from[i] + step.accepted[i];
+      lasts[i] = std::max<int64_t>(n - 1, 0);
+      positions_[i] = n > 0 ? step.features_from[i] + n - 1 : -1;
+      any = any || n > 0;
+    }
+    if (!any) return;
+    hidden_ = pick_positions(step.features, lasts);
+    if (std::any_of(positions_.begin(), positions_.end(), [](int64_t p) { return p < 0; })) {
+      // Rows without a hidden state read zeros (their drafts are never used, but a sampler
+      // refuses NaN).
+      std::vector<uint8_t> none;
+      for (const int64_t p : positions_) none.push_back(p < 0 ? 1 : 0);
+      hidden_ = hidden_.masked_fill(
+          to_device<uint8_t>(none, {b, 1}, hidden_.device()).to(at::kBool), 0.0);
+    }
+  }
+
+  void select(std::span<const int64_t> rows) {
+    positions_ = pick_rows(positions_, rows);
+    hidden_ = pick_tensor_rows(hidden_, rows);
+  }
+
+ private:
+  const models::MedusaHeads& heads_;
+  at::Device device_;
+  std::vector<int64_t> taps_;
+  std::vector<int64_t> positions_;  // each row's hidden state's position (-1: none)
+  at::Tensor hidden_{};             // [B, hidden]
+};
+
+// The batch generation of eagle_generate_batch and medusa_generate_batch: the options checked, then
+// run_batch with Drafts(heads, target, rows).
+template <class Drafts, class Heads, class T, class P>
+std::vector<GenerationResult> run_heads_batch(const Heads& heads, T& target,
+                                              std::span<const std::vector<int64_t>> prompts,
+                                              const SpeculativeOptions& options,
+                                              const P& processor) {
+  check_batch_options(options);
+  const int64_t limit = sequence_limit(target);
+  check_batch(options, prompts, static_cast<int64_t>(target.vocab_size()), limit);
+  Drafts drafts(heads, target, static_cast<int64_t>(prompts.size()));
+  return run_batch(target, prompts, options, processor, drafts, limit, /*draft=*/true);
+}
+
+}  // namespace detail
+
+// Speculative decoding of a batch with one EAGLE head (EAGLE-1 or EAGLE-3) drafting for every row
+// in batched head forwards (see the top of this file). Greedy output equals each row's
+// autoregressive decoding token for token; sampled output is distributed exactly as the target's,
+// row by row.
+//
+// Requires: the target models FeatureTarget and fits the head (hidden size, vocabulary, feature
+//   layers); options as speculative_generate_batch (a fixed gamma, rejection verification).
+// Returns: one GenerationResult per prompt, in order.
+// Throws: std::invalid_argument naming the parameter, or the row and its problem.
+template <Target T, LogitsProcessor P = GreedyProcessor>
+  requires BatchedLanguageModel<T> && FeatureTarget<T>
+[[nodiscard]] std::vector<GenerationResult> eagle_generate_batch(
+    const models::EagleHead& head, T& target, std::span<const std::vector<int64_t>> prompts,
+    const SpeculativeOptions& options = {}, const P& processor = {}) {
+  return detail::run_heads_batch<detail::EagleBatchDrafts>(head, target, prompts, options,
+                                                           processor);
+}
+
+// Speculative decoding of a batch with Medusa heads drafting for every row in one pass of each
+// head (see the top of this file); exact as eagle_generate_batch.
+//
+// Requires: the target models FeatureTarget and fits the heads (hidden size, vocabulary); options
+//   as speculative_generate_batch. A step drafts at most as many tokens as there are heads.
+// Returns: one GenerationResult per prompt, in order.
+// Throws: std::invalid_argument naming the parameter, or the row and its problem.
+template <Target T, LogitsProcessor P = GreedyProcessor>
+  requires BatchedLanguageModel<T> && FeatureTarget<T>
+[[nodiscard]] std::vector<GenerationResult> medusa_generate_batch(
+    const models::MedusaHeads& heads, T& target, std::span<const std::vector<int64_t>> prompts,
+    const SpeculativeOptions& options = {}, const P& processor = {}) {
+  return detail::run_heads_batch<detail::MedusaBatchDrafts>(heads, target, prompts, options,
+                                                            processor);
+}
+
+}  // namespace specdec
