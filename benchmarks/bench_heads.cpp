@@ -11,8 +11,19 @@
 // a one-token target forward (c: for a head, its whole time per step over its drafts, its
 // forward over the verified positions included) and the speedup the cost model of Leviathan et
 // al. (2023) predicts from the measured acceptance, gamma and c.
+//
+// BM_HeadsInBatches: the same head drafting for a batch of 1 to 16 rows (the prompts repeated),
+// greedy, 64 new tokens per row, two ways in one run, alternated with batched autoregressive
+// decoding of the same rows: one source per row (generate_with_batch: gamma head forwards per row
+// and step) and one head for all rows (eagle_generate_batch, medusa_generate_batch: gamma head
+// forwards per step). Counters: tokens/s of each, the head's milliseconds per step of each, and
+// one head's speedup over the sources and over autoregressive decoding. The *_aten runs switch the
+// EAGLE head's CPU loops off on both sides: every head forward is then an ATen pass, as on a GPU,
+// where a forward's cost is its kernel launches more than its rows.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -21,6 +32,7 @@
 #include "bench_pairs.hpp"
 #include "bench_support.hpp"
 #include "specdec/drafting/eagle.hpp"
+#include "specdec/drafting/head_batches.hpp"
 #include "specdec/drafting/medusa.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
@@ -107,6 +119,103 @@ void gammas(benchmark::internal::Benchmark* b, int64_t most) {
   for (int64_t g = 1; g <= most; ++g) b->Arg(g);
   b->Unit(benchmark::kMillisecond)->Iterations(1);
 }
+
+// The batch's tokens, wall seconds and the head's seconds per step of one batched generation.
+struct BatchRun {
+  int64_t tokens = 0;
+  double seconds = 0.0, head_seconds = 0.0;
+  int64_t steps = 0;
+  void add(const std::vector<GenerationResult>& results, double wall) {
+    seconds += wall;
+    const GenerationResult* longest = &results.front();
+    for (const GenerationResult& r : results) {
+      tokens += r.stats.generated;
+      if (r.stats.steps > longest->stats.steps) longest = &r;
+    }
+    // Every row's stats count the batch's shared drafting whole: the longest row's is the batch's.
+    head_seconds += longest->stats.drafter_seconds;
+    steps += longest->stats.steps;
+  }
+};
+
+template <class Run>
+std::vector<GenerationResult> timed(BatchRun& into, Run&& run) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<GenerationResult> results = run();
+  into.add(results, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return results;
+}
+
+void BM_HeadsInBatches(benchmark::State& state, Setup& (*setup)(), Method method, bool aten) {
+  Setup& s = setup();
+  if (!s.target) return state.SkipWithError(s.missing.c_str());
+  if ((method == Method::eagle && !s.eagle) || (method == Method::medusa && !s.medusa)) {
+    return state.SkipWithError("no head of this kind for this target");
+  }
+  // `aten`: the EAGLE head's ATen forward both ways (its CPU loops off), as on a device.
+  struct Restore {
+    models::EagleHead* head;
+    ~Restore() {
+      if (head != nullptr) head->use_cpu_kernels(true);
+    }
+  } restore{aten && s.eagle ? &*s.eagle : nullptr};
+  if (restore.head != nullptr) restore.head->use_cpu_kernels(false);
+  const int64_t batch = state.range(0);
+  std::vector<std::vector<int64_t>> prompts;
+  for (int64_t r = 0; r < batch; ++r) prompts.push_back(s.prompts[static_cast<size_t>(r) % s.prompts.size()]);
+  Model& target = *s.target;
+  const SpeculativeOptions options{.max_new_tokens = 64, .gamma = method == Method::eagle ? 4 : 3};
+  const auto per_row = [&] {
+    if (method == Method::eagle) {
+      std::vector<EagleDraftSource> sources;
+      for (int64_t r = 0; r < batch; ++r) sources.emplace_back(*s.eagle, target);
+      return generate_with_batch(std::span(sources), target, prompts, options);
+    }
+    std::vector<MedusaDraftSource> sources;
+    for (int64_t r = 0; r < batch; ++r) sources.emplace_back(*s.medusa, target);
+    return generate_with_batch(std::span(sources), target, prompts, options);
+  };
+  const auto one_head = [&] {
+    return method == Method::eagle ? eagle_generate_batch(*s.eagle, target, prompts, options)
+                                   : medusa_generate_batch(*s.medusa, target, prompts, options);
+  };
+  const auto alone = [&] { return autoregressive_generate_batch(target, prompts, {.max_new_tokens = 64}); };
+  (void)per_row();  // warm-up
+  (void)one_head();
+  (void)alone();
+  BatchRun rows, head, autoregressive;
+  bool same = true;
+  int64_t round = 0;
+  for (auto _ : state) {
+    const bool head_first = round++ % 2 == 1;  // each order in turn
+    std::vector<GenerationResult> a, b;
+    if (head_first) b = timed(head, one_head);
+    a = timed(rows, per_row);
+    if (!head_first) b = timed(head, one_head);
+    (void)timed(autoregressive, alone);
+    for (size_t r = 0; r < a.size(); ++r) same = same && a[r].tokens == b[r].tokens;
+  }
+  if (!same) return state.SkipWithError("one head's rows differ from the sources' rows");
+  const auto tps = [](const BatchRun& run) { return static_cast<double>(run.tokens) / run.seconds; };
+  state.counters["rows_tokens_per_second"] = tps(rows);
+  state.counters["head_tokens_per_second"] = tps(head);
+  state.counters["autoregressive_tokens_per_second"] = tps(autoregressive);
+  state.counters["rows_head_ms_per_step"] = 1e3 * rows.head_seconds / static_cast<double>(rows.steps);
+  state.counters["head_head_ms_per_step"] = 1e3 * head.head_seconds / static_cast<double>(head.steps);
+  state.counters["head_over_rows"] = tps(head) / tps(rows);
+  state.counters["head_over_autoregressive"] = tps(head) / tps(autoregressive);
+}
+
+void batches(benchmark::internal::Benchmark* b) {
+  for (const int64_t rows : {1, 2, 4, 8, 16}) b->Arg(rows);
+  b->Unit(benchmark::kMillisecond)->Iterations(2);
+}
+
+BENCHMARK_CAPTURE(BM_HeadsInBatches, bundled_eagle3, &bundled, Method::eagle, false)->Apply(batches);
+BENCHMARK_CAPTURE(BM_HeadsInBatches, bundled_eagle3_aten, &bundled, Method::eagle, true)->Apply(batches);
+BENCHMARK_CAPTURE(BM_HeadsInBatches, bundled_medusa, &bundled, Method::medusa, false)->Apply(batches);
+BENCHMARK_CAPTURE(BM_HeadsInBatches, stories_eagle3, &stories, Method::eagle, false)->Apply(batches);
+BENCHMARK_CAPTURE(BM_HeadsInBatches, stories_eagle3_aten, &stories, Method::eagle, true)->Apply(batches);
 
 BENCHMARK_CAPTURE(BM_Drafting, bundled_eagle3, &bundled, Method::eagle)->Apply([](auto* b) { gammas(b, 8); });
 BENCHMARK_CAPTURE(BM_Drafting, bundled_medusa, &bundled, Method::medusa)->Apply([](auto* b) { gammas(b, 3); });
