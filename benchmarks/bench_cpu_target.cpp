@@ -48,6 +48,7 @@
 #include "specdec/io/tokenizer.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/threads.hpp"
+#include "story_openings.hpp"
 
 namespace {
 
@@ -195,10 +196,7 @@ std::vector<std::vector<int64_t>> story_prompts(const Model& model) {
   if (folder.empty() || !std::filesystem::exists(file) || model.vocab_size() != 512) return {prompt_for(model)};
   const auto tokenizer = io::Llama2cTokenizer::load(file, 512);
   std::vector<std::vector<int64_t>> prompts;
-  for (const char* text :
-       {"Once upon a time", "The little dog", "Tom and Sue went to the park", "One day, a girl named Mia"}) {
-    prompts.push_back(tokenizer.encode(text));
-  }
+  for (const char* text : bench::kStoryOpenings) prompts.push_back(tokenizer.encode(text));
   return prompts;
 }
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bench_support.hpp"
+#include "story_openings.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
 #include "specdec/io/medusa.hpp"
@@ -90,10 +91,7 @@ inline Setup& stories() {
     s.drafter.emplace(load_pair_model(models / "llama2xs/model.bin"));
     load_heads(s, std::filesystem::path(SPECDEC_BUNDLED_MODELS_DIR).parent_path() / "stories260K");
     const auto tokenizer = io::Llama2cTokenizer::load(models / "stories260K/tok512.bin", 512);
-    for (const char* text : {"Once upon a time", "The little dog", "Tom and Sue went to the park",
-                             "One day, a girl named Mia"}) {
-      s.prompts.push_back(tokenizer.encode(text));
-    }
+    for (const char* text : kStoryOpenings) s.prompts.push_back(tokenizer.encode(text));
     for (const char* text :
          {"The cat sat on the mat", "Jack found a big box", "It was a rainy day",
           "Mia and her dad baked a cake", "A small bunny lived in the woods",
