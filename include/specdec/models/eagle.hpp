@@ -450,8 +450,9 @@ class EagleHead {
   // head's device) with hidden states hidden[r, t] ([B, T, H]) at positions cache.end(r) + t,
   // each row attending to its own cache entries and causally to its own new tokens. Row r keeps
   // the first counts[r] (in [0, T]) of its new entries; its later tokens are padding, whose
-  // outputs mean nothing. B must be cache.rows(). Returns the outputs [B, T, H]. One ATen pass
-  // over the batch, except where forward() takes the CPU loops: there they run row by row.
+  // outputs mean nothing. B must be cache.rows(). Returns the outputs [B, T, H]. One pass over
+  // the batch: the ATen forward, or where forward() takes the CPU loops, those loops over every
+  // row's tokens (padding skipped; its outputs are zeros).
   at::Tensor forward_rows(const at::Tensor& ids, const at::Tensor& hidden, EagleBatchCache& cache,
                           std::span<const int64_t> counts) const {
     const LlamaConfig& c = config_.layer;
@@ -477,17 +478,25 @@ class EagleHead {
     int64_t last_end = 0;
     for (int64_t r = 0; r < b; ++r) last_end = std::max(last_end, cache.end(r));
     if (kernels_apply(hidden) && last_end + count <= cpu_->positions) {
-      // A CPU fp32 head: its fused loops row by row, which on a CPU cost less than one ATen pass
-      // over the batch (bench_heads' BM_HeadsInBatches).
-      at::Tensor out = at::zeros({b, count, c.dim}, hidden.options());
+      // A CPU fp32 head: its fused loops, the rows' real tokens as segments of one pass (the
+      // products read the weights once for all rows; each row attends to its own entries).
+      std::vector<EagleBatchCache::Row> rows;
+      std::vector<int64_t> segments, real;
       for (int64_t r = 0; r < b; ++r) {
         const int64_t n = counts[static_cast<size_t>(r)];
         if (n == 0) continue;
-        EagleBatchCache::Row row(cache, r);
-        out[r].narrow(0, 0, n).copy_(
-            forward_cpu(ids[r].narrow(0, 0, n), hidden[r].narrow(0, 0, n), row));
+        rows.emplace_back(cache, r);
+        segments.push_back(n);
+        for (int64_t t = 0; t < n; ++t) real.push_back(r * count + t);
       }
-      return out;
+      at::Tensor out = at::zeros({b * count, c.dim}, hidden.options());
+      if (real.empty()) return out.view({b, count, c.dim});
+      const at::Tensor index = at::tensor(real, at::kLong);
+      const at::Tensor outputs =
+          forward_cpu(ids.reshape({b * count}).index_select(0, index),
+                      hidden.reshape({b * count, hidden.size(2)}).index_select(0, index),
+                      std::span<EagleBatchCache::Row>(rows), std::span<const int64_t>(segments));
+      return out.index_copy_(0, index, outputs).view({b, count, c.dim});
     }
     const int64_t capacity = cache.key_buffer().size(2);
     // Each (row, t): its position, and for each key/value head its slot in the flattened
@@ -713,14 +722,23 @@ class EagleHead {
   }
 
   // forward() as loops over fp32 rows around the products (see the top of this file).
-  // `Cache`: EagleCache, or one row of an EagleBatchCache.
+  at::Tensor forward_cpu(const at::Tensor& ids, const at::Tensor& hidden, EagleCache& cache) const {
+    const int64_t count = ids.size(0);
+    return forward_cpu(ids, hidden, std::span<EagleCache>(&cache, 1), std::span<const int64_t>(&count, 1));
+  }
+
+  // forward_cpu() over segments of the T tokens: the first counts[0] extend caches[0], the next
+  // counts[1] caches[1], and so on, each attending to its own cache; the products run once over
+  // all T (one pass over the weights for every segment). `Cache`: EagleCache, or a row of an
+  // EagleBatchCache.
   template <class Cache>
-  at::Tensor forward_cpu(const at::Tensor& ids_in, const at::Tensor& hidden, Cache& cache) const {
+  at::Tensor forward_cpu(const at::Tensor& ids_in, const at::Tensor& hidden, std::span<Cache> caches,
+                         std::span<const int64_t> counts) const {
     const LlamaConfig& c = config_.layer;
     const CpuParts& p = *cpu_;
     const bool eagle3 = config_.kind == EagleKind::eagle3;
     const int64_t count = ids_in.size(0), h = c.dim, in = config_.attention_inputs();
-    const int64_t heads = c.n_heads, kv_heads = c.n_kv_heads, head_dim = c.head_dim(), group = heads / kv_heads;
+    const int64_t heads = c.n_heads, kv_heads = c.n_kv_heads, head_dim = c.head_dim();
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, width = q_width + 2 * kv_width;
     const int64_t ffn = c.hidden_dim;
     const auto onednn = detail::ProductChoice::automatic;  // the measured fastest route
@@ -752,39 +770,29 @@ class EagleHead {
       std::copy_n(x, count * h, input.data());
     }
     p.qkv.into(input.data(), count, qkv.data(), onednn);
-    const int64_t first = cache.end();
     const float* cos = p.cos.data_ptr<float>();
     const float* sin = p.sin.data_ptr<float>();
-    for (int64_t t = 0; t < count; ++t) {
-      detail::rotate_heads(qkv.data() + t * width, heads + kv_heads, head_dim, first + t, cos, sin);
-    }
-    cache.append_host(qkv.data() + q_width, qkv.data() + q_width + kv_width, width, count, kv_heads, head_dim);
-    const float* key = cache.key_buffer().template data_ptr<float>();
-    const float* value = cache.value_buffer().template data_ptr<float>();
-    const int64_t head_stride = cache.key_buffer().stride(0);  // between key/value heads; rows are head_dim apart
     const float scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
-    std::vector<float> scores(static_cast<size_t>(cache.length()));
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t visible = first - cache.start() + t + 1;  // causal: keys up to this position
-      for (int64_t head = 0; head < heads; ++head) {
-        const float* q = qkv.data() + t * width + head * head_dim;
-        const float* k = key + (head / group) * head_stride;
-        const float* v = value + (head / group) * head_stride;
-        float best = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < visible; ++j) {
-          scores[static_cast<size_t>(j)] = detail::dot(q, k + j * head_dim, head_dim) * scale;
-          best = std::max(best, scores[static_cast<size_t>(j)]);
-        }
-        float total = 0.0F;
-        for (int64_t j = 0; j < visible; ++j) total += scores[static_cast<size_t>(j)] = std::exp(scores[static_cast<size_t>(j)] - best);
-        float* o = attended.data() + t * q_width + head * head_dim;
-        std::fill_n(o, head_dim, 0.0F);
-        for (int64_t j = 0; j < visible; ++j) {
-          const float weight = scores[static_cast<size_t>(j)] / total;
-          const float* row = v + j * head_dim;
-          for (int64_t i = 0; i < head_dim; ++i) o[i] += weight * row[i];
-        }
+    std::vector<float> scores;
+    int64_t offset = 0;  // the segment's first token
+    for (size_t segment = 0; segment < caches.size(); ++segment) {
+      Cache& cache = caches[segment];
+      const int64_t n = counts[segment];
+      float* const rows = qkv.data() + offset * width;
+      const int64_t first = cache.end();
+      for (int64_t t = 0; t < n; ++t) {
+        detail::rotate_heads(rows + t * width, heads + kv_heads, head_dim, first + t, cos, sin);
       }
+      cache.append_host(rows + q_width, rows + q_width + kv_width, width, n, kv_heads, head_dim);
+      const float* key = cache.key_buffer().template data_ptr<float>();
+      const float* value = cache.value_buffer().template data_ptr<float>();
+      const int64_t head_stride = cache.key_buffer().stride(0);  // between key/value heads; rows are head_dim apart
+      scores.resize(static_cast<size_t>(cache.length()));
+      for (int64_t t = 0; t < n; ++t) {
+        attend_cpu(rows + t * width, key, value, head_stride, first - cache.start() + t + 1, scale, scores,
+                   attended.data() + (offset + t) * q_width);
+      }
+      offset += n;
     }
     std::vector<float> projected(static_cast<size_t>(count * h));
     p.wo.into(attended.data(), count, projected.data(), onednn);
@@ -798,6 +806,36 @@ class EagleHead {
     p.down.into(act.data(), count, projected.data(), onednn);
     detail::add_into(x, projected.data(), count * h);
     return out;
+  }
+
+  // One token's attention in forward_cpu(): each query head of the token's rotated q (qkv_row's
+  // first heads * head_dim floats) over the first `visible` keys and values of its key/value head
+  // (rows head_dim apart, heads head_stride apart); writes heads * head_dim floats at `out`.
+  void attend_cpu(const float* qkv_row, const float* key, const float* value, int64_t head_stride, int64_t visible,
+                  float scale, std::vector<float>& scores, float* out) const {
+    const LlamaConfig& c = config_.layer;
+    const int64_t heads = c.n_heads, group = heads / c.n_kv_heads, head_dim = c.head_dim();
+    for (int64_t head = 0; head < heads; ++head) {
+      const float* q = qkv_row + head * head_dim;
+      const float* k = key + (head / group) * head_stride;
+      const float* v = value + (head / group) * head_stride;
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < visible; ++j) {
+        scores[static_cast<size_t>(j)] = detail::dot(q, k + j * head_dim, head_dim) * scale;
+        best = std::max(best, scores[static_cast<size_t>(j)]);
+      }
+      float total = 0.0F;
+      for (int64_t j = 0; j < visible; ++j) {
+        total += scores[static_cast<size_t>(j)] = std::exp(scores[static_cast<size_t>(j)] - best);
+      }
+      float* o = out + head * head_dim;
+      std::fill_n(o, head_dim, 0.0F);
+      for (int64_t j = 0; j < visible; ++j) {
+        const float weight = scores[static_cast<size_t>(j)] / total;
+        const float* row = v + j * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) o[i] += weight * row[i];
+      }
+    }
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
