@@ -10,6 +10,7 @@
 #include <limits>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -106,6 +107,58 @@ TYPED_TEST(LlamaWithCache, TreeAttentionEqualsEachPathFromScratch) {
     sequence.insert(sequence.end(), paths[node].begin(), paths[node].end());
     const at::Tensor expected = this->scratch(sequence)[static_cast<int64_t>(sequence.size()) - 1];
     EXPECT_TRUE(at::allclose(tree[static_cast<int64_t>(node)], expected, 1e-9, 1e-9)) << "node " << node;
+  }
+}
+
+// CachedMaskTreeModel: a dynamic tree's rounds kept in the cache. Round r feeds its k frontier
+// nodes at position context + r - 2, each seeing the context and its ancestors among the earlier
+// rounds' entries: every node's logits equal its path's from scratch. For the ATen forward (a
+// float64 model) and the CPU loops (float32: k = 3 through the loops, k = 10 through batched
+// products); bad shapes are refused naming the parameter.
+TYPED_TEST(LlamaWithCache, TreeRoundsInTheCacheEqualEachPathFromScratch) {
+  const LlamaConfig config = test::small_llama_config();
+  LlamaModel<TypeParam> fp32(config, LlamaWeights::random(config, 11));
+  const std::vector<int64_t> context{3, 17, 5, 40};
+  for (const bool loops : {false, true}) {
+    for (const int64_t k : {3, 10}) {
+      SCOPED_TRACE(std::string(loops ? "cpu loops" : "aten") + ", k " + std::to_string(k));
+      LlamaModel<TypeParam>& model = loops ? fp32 : this->model_;
+      const double tolerance = loops ? 1e-4 : 1e-9;
+      auto cache = model.make_cache(1);
+      (void)model.forward(ids_of(context), cache);
+      std::vector<std::vector<int64_t>> paths(static_cast<size_t>(k));  // each frontier node's path
+      at::Tensor lineage;
+      for (int64_t round = 2; round <= 4; ++round) {
+        std::vector<int64_t> tokens(static_cast<size_t>(k)), parent_rows(static_cast<size_t>(k));
+        std::vector<std::vector<int64_t>> next(static_cast<size_t>(k));
+        for (int64_t i = 0; i < k; ++i) {
+          tokens[static_cast<size_t>(i)] = (7 * i + 3 * round) % config.vocab_size;
+          parent_rows[static_cast<size_t>(i)] = (i * 5 + round) % k;
+          next[static_cast<size_t>(i)] = round == 2 ? std::vector<int64_t>{} : paths[static_cast<size_t>(parent_rows[static_cast<size_t>(i)])];
+          next[static_cast<size_t>(i)].push_back(tokens[static_cast<size_t>(i)]);
+        }
+        paths = next;
+        const at::Tensor own = at::eye(k, at::kBool);
+        lineage = round == 2 ? own : at::cat({lineage.index_select(0, at::tensor(parent_rows, at::kLong)), own}, 1);
+        const at::Tensor logits = model.forward_with_cached_mask(
+            ids_of(tokens), cache, at::full({k}, static_cast<int64_t>(context.size()) + round - 2, at::kLong), lineage)[0];
+        for (int64_t i = 0; i < k; ++i) {
+          std::vector<int64_t> sequence = context;
+          sequence.insert(sequence.end(), paths[static_cast<size_t>(i)].begin(), paths[static_cast<size_t>(i)].end());
+          auto fresh = model.make_cache(1);
+          const at::Tensor expected = model.forward(ids_of(sequence), fresh)[0][static_cast<int64_t>(sequence.size()) - 1];
+          EXPECT_TRUE(at::allclose(logits[i], expected, tolerance, tolerance))
+              << "round " << round << " node " << i << ": " << (logits[i] - expected).abs().max().item<double>();
+        }
+      }
+      EXPECT_EQ(cache.length(), static_cast<int64_t>(context.size()) + 3 * k);
+      test::expect_invalid(
+          [&] { (void)model.forward_with_cached_mask(ids_of({1, 2}), cache, at::zeros({2}, at::kLong), at::ones({2, 1}, at::kBool)); },
+          {"visible must be bool [2, W]"});
+      test::expect_invalid(
+          [&] { (void)model.forward_with_cached_mask(ids_of({1, 2}), cache, at::zeros({3}, at::kLong), at::ones({2, 2}, at::kBool)); },
+          {"positions must be int64 [2]"});
+    }
   }
 }
 

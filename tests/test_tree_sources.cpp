@@ -370,4 +370,44 @@ TYPED_TEST(TreeSources, SampledOutputIsTheTargetsAndTheHarnessHasPower) {
   }
 }
 
+// A drafter model that keeps a dynamic tree's rounds in its cache (CachedMaskTreeModel: one
+// forward of top_k tokens per round) grows the trees that feeding each round's paths again grows
+// (what it does without a cache): step for step the same drafts and acceptance, for the ATen
+// forward (float64) and the CPU loops (float32; a frontier of 10 goes through batched products).
+TEST(DynamicTrees, RoundsKeptInTheCacheGrowTheTreesOfPathsFedAgain) {
+  models::LlamaConfig config = test::small_llama_config();
+  const std::vector<int64_t> prompt{1, 7, 3, 22, 5, 1, 7};
+  for (const auto dtype : {at::kDouble, at::kFloat}) {
+    const models::LlamaWeights weights = models::LlamaWeights::random(config, 12, dtype);
+    Model target(config, weights);
+    Model drafter(config, test::perturbed(weights, 0.14, 4));
+    for (const DynamicTreeOptions options : {DynamicTreeOptions{.depth = 4, .top_k = 3, .total_tokens = 10},
+                                             DynamicTreeOptions{.depth = 3, .top_k = 10, .total_tokens = 24}}) {
+      SCOPED_TRACE(::testing::Message() << dtype << " " << options);
+      std::vector<std::vector<int64_t>> steps[2];
+      int64_t drafter_calls[2] = {0, 0};
+      std::vector<int64_t> tokens[2];
+      for (const bool use_cache : {true, false}) {
+        auto& into = steps[use_cache ? 0 : 1];
+        DynamicTreeSource<Model> source(drafter, options);
+        const GenerationResult result = generate_with(
+            source, target, prompt,
+            {.max_new_tokens = 30,
+             .use_cache = use_cache,
+             .on_step = [&into](const StepInfo& step) {
+               std::vector<int64_t> seen(step.drafts.begin(), step.drafts.end());
+               seen.push_back(step.accepted);
+               into.push_back(std::move(seen));
+             }});
+        drafter_calls[use_cache ? 0 : 1] = result.stats.drafter_calls;
+        tokens[use_cache ? 0 : 1] = result.tokens;
+      }
+      EXPECT_EQ(steps[0], steps[1]);
+      EXPECT_EQ(tokens[0], tokens[1]);
+      EXPECT_EQ(tokens[0], autoregressive_generate(target, prompt, {.max_new_tokens = 30}).tokens);
+      EXPECT_EQ(drafter_calls[0], drafter_calls[1]) << "one forward per round either way";
+    }
+  }
+}
+
 }  // namespace

@@ -151,6 +151,20 @@ concept MaskedTreeTarget =
       { m.forward_with_mask(ids, cache, depth, visible) } -> std::convertible_to<at::Tensor>;
     };
 
+// A TreeTarget that keeps a draft tree's earlier rounds in its cache (a drafter growing a dynamic
+// tree one round per forward): forward_with_cached_mask(ids [1, T], cache, positions, visible)
+// places new token i at position positions[i] (int64 [T]) and lets it see the cache's entries
+// before its newest W - T, and of the last W key columns (those W - T entries, then the T new
+// tokens) the ones visible[i] marks (bool [T, W]); it returns logits [1, T, vocab] and appends the
+// T tokens to the cache. cached_mask_applies(keys) says whether a forward over that many keys may
+// run (false where attention reads the keys' positions, e.g. a sliding window shorter than them).
+template <class M>
+concept CachedMaskTreeModel =
+    TreeTarget<M> && requires(M& m, const M& cm, const at::Tensor& t, typename M::cache_type& cache, int64_t keys) {
+      { m.forward_with_cached_mask(t, cache, t, t) } -> std::convertible_to<at::Tensor>;
+      { cm.cached_mask_applies(keys) } -> std::convertible_to<bool>;
+    };
+
 // What a FeatureTarget's forward returns: the logits forward() returns, and the hidden states
 // asked for, side by side.
 struct TargetOutput {

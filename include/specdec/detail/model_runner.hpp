@@ -175,6 +175,18 @@ class ModelRunner {
     return timed(u + n, ".forward_tree", [&] { return model_.forward_tree(all, cache, tree_parents_); })[0];
   }
 
+  // One round of a tree kept in the cache (CachedMaskTreeModel): nodes `ids` int64 [n] on the
+  // device at `positions` (int64 [n]), seeing the cached entries before the newest W - n and,
+  // of the last W key columns, those `visible` (bool [n, W]) marks. Returns logits [n, V].
+  at::Tensor forward_cached_mask(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& visible)
+    requires CachedMaskTreeModel<M>
+  {
+    cache_type& cache = active_cache();
+    const int64_t n = ids.numel();
+    return timed(n, ".forward_tree",
+                 [&] { return model_.forward_with_cached_mask(ids.view({1, n}), cache, positions, visible); })[0];
+  }
+
   // forward_tree() for a tree laid out on the device (MaskedTreeTarget): nodes `ids` int64 [n],
   // node i below node parents[i] (int64 [n], parents[i] < i) or, for -1, below the context's last
   // token; no node deeper than max_depth. Depths and visibility are built on the device by

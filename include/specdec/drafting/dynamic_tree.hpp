@@ -207,11 +207,16 @@ inline void check_tree_fits_target(int64_t nodes, std::string_view name, int64_t
 }  // namespace detail
 
 // Draws a dynamic tree per step from a drafter model, for generate_with and sessions (a
-// TreeDraftSource). Round r feeds the drafter the paths of the top_k frontier nodes, as top_k
-// chains of r - 1 tokens below the context (a TreeTarget attends to every cached position, so the
-// frontier's branches cannot stay cached side by side): a tree of depth D costs D drafter forwards
-// of at most top_k (D - 1) tokens each. Afterwards the drafter's cache holds the context; the
-// accepted tokens are fed with the next step's first forward.
+// TreeDraftSource). After the context's forward, round r feeds the drafter the top_k frontier
+// nodes:
+//   - a CachedMaskTreeModel keeps every round's nodes in its cache and feeds only the frontier,
+//     top_k tokens at their own positions, each seeing the context and its own ancestors among the
+//     earlier rounds' entries: a tree of depth D costs D - 1 forwards of top_k tokens;
+//   - another TreeTarget attends to every cached position, so the frontier's branches cannot stay
+//     cached side by side: round r feeds the frontier's paths again, as top_k chains of r - 1
+//     tokens below the context, D - 1 forwards of up to top_k (D - 1) tokens.
+// The trees are the same either way. The step's verified tokens are fed with the next step's
+// first forward (the draft entries are cut off first).
 //
 // Near the end of the sequence the tree is cut (fewer rounds and nodes): an ordinary end.
 //
@@ -264,6 +269,13 @@ class DynamicTreeSource : public detail::DeviceTreeVerifier {
     }
     int64_t uncached = 0;
     const at::Tensor context = forward(request.sequence, at::Tensor(), {}, &uncached);
+    if constexpr (CachedMaskTreeModel<D>) {
+      // (Without a cache every forward starts empty: the rounds' entries would be gone.)
+      if (runner_.uses_cache() && runner_.model().cached_mask_applies(length + k * (depth - 1))) {
+        grow_in_cache(context, length, depth, n);
+        return tree_.drafts(request.device, calls_);
+      }
+    }
     tree_.build(
         context.narrow(0, context.size(0) - 1, 1), depth, options_, n,
         [&](int64_t round, const at::Tensor& paths, const at::Tensor& /*parent_rows*/) {
@@ -287,6 +299,25 @@ class DynamicTreeSource : public detail::DeviceTreeVerifier {
   }
 
  private:
+  // The rounds of a CachedMaskTreeModel: the frontier of round r (its nodes at depth r - 1, at
+  // position length + r - 2) attends to the context and, among the k (r - 2) entries of the rounds
+  // before, to its ancestors; the cache keeps every round.
+  void grow_in_cache(const at::Tensor& context, int64_t length, int64_t depth, int64_t n)
+    requires CachedMaskTreeModel<D>
+  {
+    const int64_t k = options_.top_k;
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(runner_.device());
+    at::Tensor lineage;  // [k, entries]: each frontier node's ancestors among the draft entries, and itself
+    tree_.build(context.narrow(0, context.size(0) - 1, 1), depth, options_, n,
+                [&](int64_t round, const at::Tensor& paths, const at::Tensor& parent_rows) {
+                  const at::Tensor own = at::eye(k, longs.dtype(at::kBool));
+                  lineage = round == 2 ? own : at::cat({lineage.index_select(0, parent_rows), own}, 1);
+                  ++calls_;
+                  return runner_.forward_cached_mask(paths.select(1, round - 2).contiguous(),
+                                                     at::full({k}, length + round - 2, longs), lineage);
+                });
+  }
+
   at::Tensor forward(std::span<const int64_t> context, const at::Tensor& ids,
                      std::span<const int64_t> parents, int64_t* uncached) {
     ++calls_;

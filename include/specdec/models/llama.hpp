@@ -486,6 +486,47 @@ class LlamaModel {
     return run(ids, cache, positions, new_token_bias(visible.to(device())).repeat({group, 1}));
   }
 
+  // CachedMaskTreeModel: a round of a draft tree whose earlier rounds stay in the cache. New token
+  // i sits at position positions[i] (int64 [T] on device(), below max_seq_len) and sees the
+  // cache's entries before its newest W - T, and of the last W key columns (those W - T entries,
+  // then the T new tokens) the ones where visible[i][j] (bool [T, W], T <= W <= cache.length() +
+  // T). Requires cached_mask_applies(cache.length() + T).
+  at::Tensor forward_with_cached_mask(const at::Tensor& ids, Cache& cache, const at::Tensor& positions,
+                                      const at::Tensor& visible) {
+    check_ids(ids, cache);
+    const int64_t count = ids.size(1), past = cache.length();
+    if (!positions.defined() || positions.dim() != 1 || positions.size(0) != count ||
+        positions.scalar_type() != at::kLong) {
+      detail::throw_invalid_message("positions must be int64 [", count, "]");
+    }
+    if (!visible.defined() || visible.dim() != 2 || visible.size(0) != count || visible.size(1) < count ||
+        visible.size(1) > past + count || visible.scalar_type() != at::kBool) {
+      detail::throw_invalid_message("visible must be bool [", count, ", W] with ", count, " <= W <= ", past + count,
+                                    ", got ", visible.sizes());
+    }
+    if (!cached_mask_applies(past + count)) {
+      detail::throw_invalid_message("forward_with_cached_mask: a sliding window of ", config_.sliding_window,
+                                    " needs every key's position (", past + count, " keys)");
+    }
+    const int64_t group = config_.n_heads / config_.n_kv_heads;
+    const at::Tensor bias = new_token_bias(visible.to(device())).repeat({group, 1});
+    if (cpu_kernels()) {
+      const at::Tensor host_positions = positions.to(at::kCPU).contiguous();
+      std::vector<int64_t> host(host_positions.data_ptr<int64_t>(), host_positions.data_ptr<int64_t>() + count);
+      for (const int64_t position : host) {
+        if (position < 0 || position >= config_.max_seq_len) {
+          detail::throw_invalid_message("positions must be in [0, ", config_.max_seq_len, "), got ", position);
+        }
+      }
+      return run_cpu(ids, cache, host, bias);
+    }
+    return run(ids, cache, positions.to(device()), bias);
+  }
+
+  // Whether forward_with_cached_mask() may run with `keys` keys: attention that reads no key's
+  // position (no sliding window shorter than them).
+  [[nodiscard]] bool cached_mask_applies(int64_t keys) const noexcept { return !windowed(keys); }
+
   // TreeTarget: the draft tree given by parent indices (see concepts.hpp), through
   // forward_with_mask. Requires: ids [1, T]; parents.size() == T, parents[i] in [-1, i).
   at::Tensor forward_tree(const at::Tensor& ids, Cache& cache, std::span<const int64_t> parents) {
@@ -664,8 +705,9 @@ class LlamaModel {
 
   // The forward of the CPU fp32 path: the same computation as run() for rows of one length, new
   // token t of every row at positions[t] (validated by the caller), seeing the cached positions and
-  // the new tokens that `grouped_bias` [group * T, T] leaves at 0 (needed for T > 1; contiguous,
-  // its first T rows are the [T, T] bias). Up to kLoopAttentionTokens new tokens attend through
+  // the new tokens that `grouped_bias` [group * T, W] leaves at 0 over the last W key columns
+  // (W = T: the new tokens'; needed for T > 1 or W > T; contiguous, its first T rows are the
+  // [T, W] bias). Up to kLoopAttentionTokens new tokens attend through
   // the loops of detail::attend, more through batched products. The keys and
   // values of a layer reach the cache in one write where the cache takes them stacked
   // (StaticKVCache::update_stacked).
@@ -679,7 +721,8 @@ class LlamaModel {
     const int64_t dim = config_.dim, hidden = hidden_;
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     const detail::AttentionShape shape{.batch = batch, .count = count, .past = cache.length(), .heads = heads,
-                                       .kv_heads = kv_heads, .head_dim = head_dim};
+                                       .kv_heads = kv_heads, .head_dim = head_dim,
+                                       .bias_width = grouped_bias.defined() ? grouped_bias.size(1) : 0};
     // Every activation of the forward lies in one scratch buffer (see Scratch): the residual
     // stream x, its norm, q | k | v, the attention's output, a product's output, gate | up and
     // the gated hidden state, [rows, width] each.
@@ -724,7 +767,7 @@ class LlamaModel {
       if (keys.scalar_type() != at::kFloat || keys.stride(3) != 1) keys = keys.to(at::kFloat).contiguous();
       if (values.scalar_type() != at::kFloat || values.stride(3) != 1) values = values.to(at::kFloat).contiguous();
       if (count <= kLoopAttentionTokens) {
-        detail::attend(shape, qkv, qkv_width, keys, values, count > 1 ? grouped_bias.data_ptr<float>() : nullptr,
+        detail::attend(shape, qkv, qkv_width, keys, values, grouped_bias.defined() ? grouped_bias.data_ptr<float>() : nullptr,
                        attended);
       } else {
         detail::attend_batched(shape, at::from_blob(qkv, {rows, q_width}, {qkv_width, 1}, fp32), keys, values,
@@ -861,7 +904,7 @@ class LlamaModel {
       if (full_bias) {
         scores.add_(bias);
       } else if (bias.defined()) {
-        scores.narrow(-1, scores.size(-1) - count, count).add_(bias);
+        scores.narrow(-1, scores.size(-1) - bias.size(-1), bias.size(-1)).add_(bias);
       }
       // Softmax in at least float32, as the reference implementations do for fp16 and bf16.
       const at::Tensor weights = scores.softmax(-1, at::promote_types(scores.scalar_type(), at::kFloat));
@@ -1081,5 +1124,6 @@ static_assert(FeatureTreeTarget<LlamaModel<DynamicKVCache>>);
 static_assert(FeatureTreeTarget<LlamaModel<StaticKVCache>>);
 static_assert(MaskedFeatureTreeTarget<LlamaModel<DynamicKVCache>> && MaskedFeatureTreeTarget<LlamaModel<StaticKVCache>>);
 static_assert(MaskedTreeTarget<LlamaModel<DynamicKVCache>> && MaskedTreeTarget<LlamaModel<StaticKVCache>>);
+static_assert(CachedMaskTreeModel<LlamaModel<DynamicKVCache>> && CachedMaskTreeModel<LlamaModel<StaticKVCache>>);
 
 }  // namespace specdec::models

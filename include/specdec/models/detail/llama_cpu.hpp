@@ -275,6 +275,9 @@ struct AttentionShape {
   int64_t heads = 1;
   int64_t kv_heads = 1;
   int64_t head_dim = 1;
+  // The keys the bias covers: the last bias_width (0: the count new tokens'). Every key before
+  // them is visible.
+  int64_t bias_width = 0;
 };
 
 // A softmax weight below this (2^-60) cannot change an fp32 sum of fewer than 2^30 terms that
@@ -289,14 +292,15 @@ inline constexpr float kNegligibleWeight = 0x1p-60F;
 //
 // Requires: queries at query_rows + (b * count + t) * query_stride + h * head_dim (head h of new
 //   token t of row b); keys and values [batch, kv_heads, past + count, head_dim] fp32 with a
-//   contiguous last dimension; new_bias [count, count] (row t: 0 where token t sees new token u,
-//   -inf where not), or null when every new token is visible (one new token). Every cached
-//   position is visible.
+//   contiguous last dimension; new_bias [count, W] over the last W = shape.bias_width (or count)
+//   keys (row t: 0 where token t sees that key, -inf where not), or null when every key is
+//   visible (one new token). Every key before those W is visible.
 // Writes: out [batch * count, heads * head_dim], head h of query head h's attention (query head h
 //   reads key/value head h / (heads / kv_heads)).
 inline void attend(const AttentionShape& shape, const float* query_rows, int64_t query_stride, const at::Tensor& keys,
                    const at::Tensor& values, const float* new_bias, float* out) {
   const int64_t count = shape.count, past = shape.past, keys_total = past + count;
+  const int64_t width = shape.bias_width > 0 ? shape.bias_width : count, biased = keys_total - width;
   const int64_t group = shape.heads / shape.kv_heads;
   const int64_t head_dim = shape.head_dim;
   const float scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
@@ -325,7 +329,7 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
         query_scores_avx2(query_rows + token_row * query_stride + h * head_dim, keys_of(b, h), key_step, keys_total,
                           head_dim, scale, row);
         if (new_bias != nullptr) {
-          for (int64_t u = 0; u < count; ++u) row[past + u] += new_bias[t * count + u];
+          for (int64_t u = 0; u < width; ++u) row[biased + u] += new_bias[t * width + u];
         }
         softmax_row_avx2(row, padded);
         weighted_sum_avx2(row, values_of(b, h), value_step, keys_total, head_dim, kNegligibleWeight,
@@ -344,12 +348,12 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
       const float* query = query_rows + token_row * query_stride + h * head_dim;
       const float* k = keys_of(b, h);
       float* row = score_rows + task * keys_total;
-      for (int64_t j = 0; j < past; ++j) row[j] = dot(query, k + j * key_step, head_dim) * scale;
-      for (int64_t u = 0; u < count; ++u) {
-        const float bias = new_bias == nullptr ? 0.0F : new_bias[t * count + u];
-        row[past + u] = bias == -std::numeric_limits<float>::infinity()
-                            ? bias
-                            : dot(query, k + (past + u) * key_step, head_dim) * scale + bias;
+      for (int64_t j = 0; j < biased; ++j) row[j] = dot(query, k + j * key_step, head_dim) * scale;
+      for (int64_t u = 0; u < width; ++u) {
+        const float bias = new_bias == nullptr ? 0.0F : new_bias[t * width + u];
+        row[biased + u] = bias == -std::numeric_limits<float>::infinity()
+                              ? bias
+                              : dot(query, k + (biased + u) * key_step, head_dim) * scale + bias;
       }
     }
   });
@@ -376,8 +380,9 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
 }
 
 // attend() through batched matrix products, for several new tokens: one bmm for the scores of
-// every query head over its key/value head, the additive `grouped_bias` [group * T, T] over the
-// new tokens' columns (causal or a tree; rows ordered query head within the group, then token),
+// every query head over its key/value head, the additive `grouped_bias` [group * T, W] over the
+// last W key columns (the new tokens' for W = T; causal or a tree; rows ordered query head within
+// the group, then token),
 // the softmax, and one bmm with the values. For T new tokens the loops of attend() repeat every
 // key's products T times at the compiler's vector width; BLAS does them at the CPU's. Same
 // requirements and result as attend(), with the queries given as `queries` [batch * T, heads *
@@ -393,7 +398,7 @@ inline void attend_batched(const AttentionShape& shape, const at::Tensor& querie
   for (int64_t b = 0; b < shape.batch; ++b) {
     const at::Tensor q = layout(queries.narrow(0, b * count, count)).reshape({shape.kv_heads, group * count, head_dim});
     at::Tensor scores = at::bmm(q, keys[b].transpose(1, 2)).mul_(scale);  // [kv_heads, group * T, keys]
-    scores.narrow(2, scores.size(2) - count, count).add_(grouped_bias);
+    scores.narrow(2, scores.size(2) - grouped_bias.size(1), grouped_bias.size(1)).add_(grouped_bias);
     const at::Tensor attended = at::bmm(scores.softmax(-1), values[b]);  // [kv_heads, group * T, hd]
     layout(out.narrow(0, b * count, count)).copy_(attended.view({shape.kv_heads, group, count, head_dim}));
   }
