@@ -301,21 +301,21 @@ class DynamicTreeSource : public detail::DeviceTreeVerifier {
  private:
   // The rounds of a CachedMaskTreeModel: the frontier of round r (its nodes at depth r - 1, at
   // position length + r - 2) attends to the context and, among the k (r - 2) entries of the rounds
-  // before, to its ancestors; the cache keeps every round.
-  void grow_in_cache(const at::Tensor& context, int64_t length, int64_t depth, int64_t n)
-    requires CachedMaskTreeModel<D>
-  {
+  // before, to its ancestors; the cache keeps every round. (Called for a CachedMaskTreeModel only.)
+  void grow_in_cache(const at::Tensor& context, int64_t length, int64_t depth, int64_t n) {
     const int64_t k = options_.top_k;
     const auto longs = at::TensorOptions().dtype(at::kLong).device(runner_.device());
-    at::Tensor lineage;  // [k, entries]: each frontier node's ancestors among the draft entries, and itself
-    tree_.build(context.narrow(0, context.size(0) - 1, 1), depth, options_, n,
-                [&](int64_t round, const at::Tensor& paths, const at::Tensor& parent_rows) {
-                  const at::Tensor own = at::eye(k, longs.dtype(at::kBool));
-                  lineage = round == 2 ? own : at::cat({lineage.index_select(0, parent_rows), own}, 1);
-                  ++calls_;
-                  return runner_.forward_cached_mask(paths.select(1, round - 2).contiguous(),
-                                                     at::full({k}, length + round - 2, longs), lineage);
-                });
+    // [k, entries]: each frontier node's ancestors among the draft entries, and itself.
+    at::Tensor lineage;
+    tree_.build(
+        context.narrow(0, context.size(0) - 1, 1), depth, options_, n,
+        [&](int64_t round, const at::Tensor& paths, const at::Tensor& parent_rows) {
+          const at::Tensor own = at::eye(k, longs.dtype(at::kBool));
+          lineage = round == 2 ? own : at::cat({lineage.index_select(0, parent_rows), own}, 1);
+          ++calls_;
+          return runner_.forward_cached_mask(paths.select(1, round - 2).contiguous(),
+                                             at::full({k}, length + round - 2, longs), lineage);
+        });
   }
 
   at::Tensor forward(std::span<const int64_t> context, const at::Tensor& ids,
