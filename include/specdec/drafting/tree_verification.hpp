@@ -117,6 +117,12 @@ struct TreeLayout {
 // children (undefined for deterministic). Returns (accept [P, width] bool, token [P] int64): for
 // each child whether it is accepted, given its earlier siblings were rejected, and the token
 // drawn from the residual after every child of the position is rejected.
+//
+// Deterministic children are verified in closed form, in a fixed handful of operations over the
+// whole tree: a position's children are distinct tokens, so once x_1 .. x_{j-1} are rejected, r is
+// p without them and x_j is accepted with probability p(x_j) / (1 - p(x_1) - ... - p(x_{j-1})),
+// and the residual after all of them is p without every child. (The loop over siblings below,
+// which sampled children need, computes the same in a dozen operations per sibling.)
 template <LogitsProcessor P>
 std::pair<at::Tensor, at::Tensor> verify_tree_children(const at::Tensor& p,
                                                        const at::Tensor& child_tokens,
@@ -127,6 +133,23 @@ std::pair<at::Tensor, at::Tensor> verify_tree_children(const at::Tensor& p,
   const int64_t width = child_tokens.size(1);
   const bool sampled = q.defined();
   const at::Tensor uniform = at::rand({positions, std::max<int64_t>(width, 1)}, gen, p.options());
+  if (!sampled && width > 0) {
+    const at::Tensor total = p.sum(1, /*keepdim=*/true);
+    const at::Tensor px = p.gather(1, child_tokens) * valid;  // 0 where no child
+    // The mass left before each child: all of it when a rejection leaves r as it was.
+    const at::Tensor left = rule == ModelTreeRule::no_residual ? total : total - (px.cumsum(1) - px);
+    const at::Tensor accept = uniform.lt(px / left.clamp_min(1e-30)).logical_and(valid);
+    at::Tensor r = p;
+    if (rule != ModelTreeRule::no_residual) {
+      // Each valid child's probability taken away exactly (distinct tokens, so once each). A
+      // position whose children held all of r accepts one of them surely; it keeps p.
+      const at::Tensor rest = p - at::zeros_like(p).scatter_add(1, child_tokens, px);
+      r = at::where(rest.sum(1, /*keepdim=*/true) > 0, rest, p);
+    }
+    const at::Tensor token =
+        processor.sample(r / r.sum(1, /*keepdim=*/true).clamp_min(1e-30), gen).view({positions});
+    return {accept, token};
+  }
   at::Tensor r = p;
   at::Tensor left = sampled ? q : at::Tensor();  // q without the children tried so far
   std::vector<at::Tensor> accepted;
@@ -219,9 +242,9 @@ class TreeVerifier {
   }
   // The drafter logits [r, V] that chose this step's tokens must be finite (NaN or +inf anywhere,
   // or a row of only -inf, leaves its maximum non-finite); checked at walk().
-  void check_finite(const at::Tensor& logits) {
-    finite_.push_back(at::isfinite(logits.amax(-1)).all());
-  }
+  void check_finite(const at::Tensor& logits) { record_finite(at::isfinite(logits.amax(-1)).all()); }
+  // Records a bool scalar saying whether the drafter's logits were finite, checked at walk().
+  void record_finite(const at::Tensor& finite) { finite_.push_back(finite); }
 
   // The children's acceptance under `rule`, a residual token per position, the tree's tokens
   // and layout and the finiteness of both models, as one float64 tensor for the step's copy.
