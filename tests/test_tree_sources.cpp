@@ -6,10 +6,15 @@
 // with the target alone past its drafter's context; and sample exactly the target's distribution
 // (chi-square against every continuation's probability), while the same harness rejects a
 // verification that leaves a rejected child in the residual. A new tree source is one Kind below.
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
+#include <set>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -408,6 +413,239 @@ TEST(DynamicTrees, RoundsKeptInTheCacheGrowTheTreesOfPathsFedAgain) {
       EXPECT_EQ(drafter_calls[0], drafter_calls[1]) << "one forward per round either way";
     }
   }
+}
+
+// Logits for a path of tokens, the same whenever the path is the same: V values from a generator
+// seeded by the path (continuous, so that no two candidates' scores tie).
+std::vector<double> logits_of_path(const std::vector<int64_t>& path, int64_t vocab) {
+  uint64_t seed = 1469598103934665603ull;
+  for (const int64_t t : path) seed = (seed ^ static_cast<uint64_t>(t + 1)) * 1099511628211ull;
+  std::mt19937_64 random(seed);
+  std::normal_distribution<double> normal(0.0, 2.0);
+  std::vector<double> row(static_cast<size_t>(vocab));
+  for (double& x : row) x = normal(random);
+  return row;
+}
+
+std::vector<double> log_softmax_of(std::vector<double> row) {
+  const double top = *std::max_element(row.begin(), row.end());
+  double sum = 0.0;
+  for (const double x : row) sum += std::exp(x - top);
+  for (double& x : row) x = x - top - std::log(sum);
+  return row;
+}
+
+// A dynamic tree grown over logits_of_path: the drafter the rounds call is a function of each
+// frontier node's path, which the test follows through parent_rows. Returns the tree's nodes as
+// paths, root to node, after checking that parents come before their children.
+std::set<std::vector<int64_t>> device_tree(const DynamicTreeOptions& options, int64_t vocab,
+                                           int64_t n) {
+  const int64_t k = options.top_k;
+  const auto row_tensor = [&](const std::vector<std::vector<int64_t>>& paths) {
+    std::vector<double> values;
+    for (const auto& path : paths) {
+      const auto row = logits_of_path(path, vocab);
+      values.insert(values.end(), row.begin(), row.end());
+    }
+    return at::tensor(values, at::kDouble).view({static_cast<int64_t>(paths.size()), vocab});
+  };
+  std::vector<std::vector<int64_t>> frontier;
+  specdec::detail::DeviceDraftTree tree;
+  tree.build(row_tensor({{}}), options.depth, options, n,
+             [&](int64_t /*round*/, const at::Tensor& tokens, const at::Tensor& parent_rows) {
+               std::vector<std::vector<int64_t>> next;
+               for (int64_t i = 0; i < k; ++i) {
+                 std::vector<int64_t> path =
+                     frontier.empty() ? std::vector<int64_t>{} : frontier[static_cast<size_t>(parent_rows[i].item<int64_t>())];
+                 path.push_back(tokens[i].item<int64_t>());
+                 next.push_back(std::move(path));
+               }
+               frontier = std::move(next);
+               return row_tensor(frontier);
+             });
+  const TreeDrafts drafts = tree.drafts(at::kCPU, 0);
+  std::vector<std::vector<int64_t>> paths;
+  std::set<std::vector<int64_t>> nodes;
+  for (int64_t i = 0; i < drafts.ids.numel(); ++i) {
+    const int64_t parent = drafts.device_parents[i].item<int64_t>();
+    EXPECT_LT(parent, i) << "parents come before their children";
+    std::vector<int64_t> path = parent < 0 ? std::vector<int64_t>{} : paths[static_cast<size_t>(parent)];
+    path.push_back(drafts.ids[i].item<int64_t>());
+    nodes.insert(path);
+    paths.push_back(std::move(path));
+  }
+  return nodes;
+}
+
+// EAGLE-2's selection on the host, in plain C++: each round the frontier's top_k children by the
+// drafter's log-probability, scored by their paths' sums; the top_k best of them the next
+// frontier; the n best candidates of all rounds the tree.
+std::set<std::vector<int64_t>> host_tree(const DynamicTreeOptions& options, int64_t vocab,
+                                         int64_t n) {
+  struct Candidate {
+    std::vector<int64_t> path;
+    double score;
+  };
+  const auto children = [&](const Candidate& parent) {
+    const auto lp = log_softmax_of(logits_of_path(parent.path, vocab));
+    std::vector<int64_t> order(static_cast<size_t>(vocab));
+    for (int64_t t = 0; t < vocab; ++t) order[static_cast<size_t>(t)] = t;
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lp[static_cast<size_t>(a)] > lp[static_cast<size_t>(b)]; });
+    std::vector<Candidate> out;
+    for (int64_t j = 0; j < options.top_k; ++j) {
+      Candidate c{parent.path, parent.score + lp[static_cast<size_t>(order[static_cast<size_t>(j)])]};
+      c.path.push_back(order[static_cast<size_t>(j)]);
+      out.push_back(std::move(c));
+    }
+    return out;
+  };
+  const auto by_score = [](const Candidate& a, const Candidate& b) { return a.score > b.score; };
+  std::vector<Candidate> all = children(Candidate{{}, 0.0});
+  std::vector<Candidate> frontier = all;
+  for (int64_t round = 2; round <= options.depth; ++round) {
+    std::vector<Candidate> round_candidates;
+    for (const Candidate& node : frontier) {
+      for (Candidate& c : children(node)) round_candidates.push_back(std::move(c));
+    }
+    all.insert(all.end(), round_candidates.begin(), round_candidates.end());
+    std::sort(round_candidates.begin(), round_candidates.end(), by_score);
+    round_candidates.resize(static_cast<size_t>(options.top_k));
+    frontier = std::move(round_candidates);
+  }
+  std::stable_sort(all.begin(), all.end(), by_score);
+  std::set<std::vector<int64_t>> nodes;
+  for (int64_t i = 0; i < n; ++i) nodes.insert(all[static_cast<size_t>(i)].path);
+  return nodes;
+}
+
+// The device's frontiers, selection and numbering choose the tree EAGLE-2's procedure chooses.
+TEST(DynamicTrees, TheDeviceSelectionIsTheProcedureOnTheHost) {
+  for (const auto& [options, n] : std::vector<std::pair<DynamicTreeOptions, int64_t>>{
+           {{.depth = 1, .top_k = 3}, 2},
+           {{.depth = 2, .top_k = 2}, 6},
+           {{.depth = 4, .top_k = 3}, 9},
+           {{.depth = 5, .top_k = 4}, 16},
+           {{.depth = 6, .top_k = 2}, 11},
+           {{.depth = 3, .top_k = 5}, 55}}) {
+    SCOPED_TRACE(::testing::Message() << options << " n=" << n);
+    const auto got = device_tree(options, 13, n);
+    EXPECT_EQ(got.size(), static_cast<size_t>(n));
+    EXPECT_EQ(got, host_tree(options, 13, n));
+  }
+}
+
+// A drafter whose logits are not finite in any round (NaN, +inf, a row of only -inf) makes the
+// step throw; -inf entries beside finite ones are zero probabilities, not an error.
+TEST(DynamicTrees, NonFiniteDrafterLogitsInAnyRoundAreReported) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const DynamicTreeOptions options{.depth = 4, .top_k = 3};
+  const int64_t vocab = 9, n = 12;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  for (int64_t spoil_round = 1; spoil_round <= options.depth; ++spoil_round) {
+    for (int kind = 0; kind < 4; ++kind) {
+      SCOPED_TRACE(::testing::Message() << "round " << spoil_round << ", kind " << kind);
+      const auto spoil = [&](at::Tensor logits, int64_t round) {
+        if (round != spoil_round) return logits;
+        const int64_t row = logits.size(0) - 1;
+        switch (kind) {
+          case 0: logits[row][4] = NAN; break;
+          case 1: logits[row][7] = inf; break;
+          case 2: logits[row].fill_(-inf); break;
+          default: logits[row].narrow(0, 0, 5).fill_(-inf); break;  // finite: zero probabilities
+        }
+        return logits;
+      };
+      specdec::detail::DeviceDraftTree tree;
+      tree.build(spoil(at::randn({1, vocab}, gen), 1), options.depth, options, n,
+                 [&](int64_t round, const at::Tensor& /*tokens*/, const at::Tensor& /*parent_rows*/) {
+                   return spoil(at::randn({options.top_k, vocab}, gen), round);
+                 });
+      const at::Tensor values =
+          specdec::detail::to_host(tree.score(at::randn({1 + n, vocab}, gen), 1, GreedyProcessor(), gen, Rule::exact));
+      if (kind == 3) {
+        EXPECT_NO_THROW((void)tree.walk(values.data_ptr<double>()));
+      } else {
+        EXPECT_THROW((void)tree.walk(values.data_ptr<double>()), std::invalid_argument);
+      }
+    }
+  }
+}
+
+// Counts the top-level ATen calls made on this thread while it lives (nested calls, an operator
+// calling others, are not counted).
+class AtenCallCounter {
+ public:
+  AtenCallCounter()
+      : handle_(at::addThreadLocalCallback(
+            at::RecordFunctionCallback(&AtenCallCounter::enter, &AtenCallCounter::leave)
+                .scopes({at::RecordScope::FUNCTION}))) {
+    calls() = 0;
+    depth() = 0;
+  }
+  ~AtenCallCounter() { at::removeCallback(handle_); }
+  AtenCallCounter(const AtenCallCounter&) = delete;
+  AtenCallCounter& operator=(const AtenCallCounter&) = delete;
+
+  [[nodiscard]] static int64_t& calls() {
+    thread_local int64_t count = 0;
+    return count;
+  }
+
+ private:
+  static int64_t& depth() {
+    thread_local int64_t level = 0;
+    return level;
+  }
+  static std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& /*fn*/) {
+    if (depth()++ == 0) ++calls();
+    return nullptr;
+  }
+  static void leave(const at::RecordFunction& /*fn*/, at::ObserverContext* /*context*/) { --depth(); }
+
+  at::CallbackHandle handle_;
+};
+
+// The library's own work in a dynamic tree step, counted in ATen calls (each a few microseconds
+// of dispatch on a CPU, whatever the tensor's size): growing the tree costs a fixed handful per
+// round and verifying it a fixed handful per step, whatever the width. (The drafter's and the
+// target's forwards are not part of it: the rounds' logits here are made before counting.)
+TEST(DynamicTrees, TheLibrarysOwnWorkIsAFewAtenCallsPerRound) {
+  const int64_t vocab = 64;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  const auto count = [&](int64_t depth, int64_t top_k, int64_t n, int64_t* verify_calls) {
+    const DynamicTreeOptions options{.depth = depth, .top_k = top_k};
+    std::vector<at::Tensor> rounds;
+    for (int64_t r = 0; r <= depth; ++r) rounds.push_back(at::randn({r == 0 ? 1 : top_k, vocab}, gen));
+    const at::Tensor target = at::randn({1 + n, vocab}, gen);
+    specdec::detail::DeviceDraftTree tree;
+    int64_t calls = 0;
+    for (int repeat = 0; repeat < 2; ++repeat) {  // the second build finds the shape's constants kept
+      AtenCallCounter counter;
+      tree.build(rounds[0], depth, options, n,
+                 [&](int64_t round, const at::Tensor& /*tokens*/, const at::Tensor& /*parent_rows*/) {
+                   return rounds[static_cast<size_t>(round - 1)];
+                 });
+      calls = AtenCallCounter::calls();
+    }
+    {
+      AtenCallCounter counter;
+      (void)tree.score(target, 1, GreedyProcessor(), gen, Rule::exact);
+      *verify_calls = AtenCallCounter::calls();
+    }
+    return calls;
+  };
+  int64_t verify_5 = 0, verify_6 = 0, verify_wide = 0;
+  const int64_t depth_5 = count(5, 4, 16, &verify_5);
+  const int64_t depth_6 = count(6, 4, 16, &verify_6);
+  (void)count(3, 10, 24, &verify_wide);
+  std::cout << "dynamic tree, top_k 4, 16 nodes: " << depth_5 << " ATen calls to grow 5 rounds, "
+            << depth_6 - depth_5 << " per round, " << verify_5 << " to verify (" << verify_wide
+            << " for top_k 10)\n";
+  EXPECT_GT(depth_6 - depth_5, 0) << "the counter sees the calls";
+  EXPECT_LE(depth_6 - depth_5, 12) << "ATen calls per round";
+  EXPECT_LE(depth_5, 75) << "ATen calls to grow a tree of 5 rounds";
+  EXPECT_LE(verify_5, 60) << "ATen calls to verify a tree";
+  EXPECT_LE(verify_wide, verify_5 + 2) << "verification does not grow with the children per node";
 }
 
 }  // namespace

@@ -83,10 +83,17 @@ namespace detail {
 
 // The drafter-independent part of a dynamic tree: the candidates, the frontier and the final
 // selection, verified as every tree is (TreeVerifier). A source supplies the drafter's logits:
-// build() takes the root's row (scored at options.score_temperature) and calls expand(round, paths,
-// parent_rows) for rounds 2 .. depth, which returns the logits [top_k, V] after each frontier node;
-// paths [top_k, round - 1] holds the frontier's tokens root to node and parent_rows [top_k] which
-// row of the round before each node's parent was (its row there). Everything stays on the device.
+// build() takes the root's row (scored at options.score_temperature) and calls expand(round,
+// tokens, parent_rows) for rounds 2 .. depth, which returns the logits [top_k, V] after each
+// frontier node; tokens [top_k] holds the frontier's tokens (the nodes at depth round - 1) and
+// parent_rows [top_k] which row of the round before each node's parent was. Everything stays on
+// the device.
+//
+// The library's own work is a fixed handful of ATen calls per round (a log-softmax, two top-k
+// selections, the path scores and the next frontier: 11 calls) and about 20 for the selection;
+// what the selection needs of every round (each candidate's parent and rank) is worked out from
+// the candidates' numbering at the end instead of being built round by round. Constant index
+// tensors are kept between steps.
 class DeviceDraftTree : public TreeVerifier {
  public:
   // The most candidates a tree of `depth` rounds of `top_k` has.
@@ -103,51 +110,56 @@ class DeviceDraftTree : public TreeVerifier {
     set(at::empty({0}, longs), at::full({1, top_k}, -1, longs));
   }
 
-  // A tree of n nodes (n <= candidates(depth, top_k)) from the root's logits [1, V].
+  // A tree of n nodes (1 <= n <= candidates(depth, top_k)) from the root's logits [1, V].
+  //
+  // Candidates are numbered in the order they are proposed: the root's top_k children 0 .. k - 1,
+  // then round r's k * k children from k + (r - 2) k^2 on, child j of frontier row i at offset
+  // i * k + j. So a candidate's rank among its siblings is its number mod k, and its parent is
+  // row (c - k) / k of the frontiers of rounds 2 .. depth laid end to end.
   template <class Expand>
   void build(const at::Tensor& root, int64_t depth, const DynamicTreeOptions& options, int64_t n,
              Expand expand) {
     const int64_t k = options.top_k;
-    clear(k, root.device());
+    start();
     depth_ = depth;
     temperature_ = options.score_temperature;
-    const auto longs = at::TensorOptions().dtype(at::kLong).device(root.device());
+    const Constants& constants = constants_for(k, depth, n, root.device());
     auto [root_scores, root_tokens] = log_probs(root).topk(k, -1);  // [1, k]
-    std::vector<at::Tensor> tokens{root_tokens.view({k})}, scores{root_scores.view({k}) - kStep},
-        parents{at::full({k}, -1, longs)}, slots{at::arange(k, longs)};
-    at::Tensor frontier = at::arange(k, longs);  // candidate indices
+    at::Tensor frontier_tokens = root_tokens.view({k});
+    std::vector<at::Tensor> tokens{frontier_tokens}, scores{root_scores.view({k}) - kStep};
+    // The candidate number of every round's frontier, after -1 (the root) and the root's children.
+    std::vector<at::Tensor> frontiers{constants.root_parent, constants.first_frontier};
     at::Tensor frontier_scores = scores.back();
-    at::Tensor paths = root_tokens.view({k, 1});
-    at::Tensor parent_rows = at::zeros({k}, longs);
+    at::Tensor parent_rows = constants.first_parent_rows;
     int64_t total = k;
     for (int64_t round = 2; round <= depth; ++round) {
-      const at::Tensor logits = expand(round, paths, parent_rows);
+      const at::Tensor logits = expand(round, frontier_tokens, parent_rows);
       const auto [child_scores, child_tokens] = log_probs(logits).topk(k, -1);  // [k, k]
-      const at::Tensor path_scores =
-          (frontier_scores.view({k, 1}) + child_scores - kStep).flatten();
-      tokens.push_back(child_tokens.flatten());
+      const at::Tensor path_scores = (frontier_scores.view({k, 1}) + child_scores - kStep).view({k * k});
+      const at::Tensor children = child_tokens.view({k * k});
+      tokens.push_back(children);
       scores.push_back(path_scores);
-      parents.push_back(frontier.repeat_interleave(k));
-      slots.push_back(at::arange(k, longs).repeat({k}));
       const auto [best, index] = path_scores.topk(k);
-      frontier = index + total;
       frontier_scores = best;
       parent_rows = at::floor_divide(index, k);
-      paths = at::cat({paths.index_select(0, parent_rows),
-                       child_tokens.flatten().index_select(0, index).view({k, 1})},
-                      1);
+      frontier_tokens = children.index_select(0, index);
+      if (round < depth) frontiers.push_back(index + total);
       total += k * k;
     }
+    const at::Tensor all_scores = at::cat(scores);
+    // Log-probabilities are never NaN for finite logits; a NaN or +inf logit, or a row of only
+    // -inf, makes its row's log-softmax NaN, and top-k ranks NaN first.
+    record_finite(all_scores.isnan().any().logical_not());
     // The n best candidates, in candidate order (parents before children), renumbered.
-    const at::Tensor chosen = std::get<0>(std::get<1>(at::cat(scores).topk(n)).sort());
-    const at::Tensor number = at::full({total}, -1, longs).scatter(0, chosen, at::arange(n, longs));
-    const at::Tensor parent_candidate = at::cat(parents).index_select(0, chosen);
-    parents_ = at::where(parent_candidate.ge(0),
-                         number.index_select(0, parent_candidate.clamp_min(0)), parent_candidate);
-    const at::Tensor place = (parents_ + 1) * k + at::cat(slots).index_select(0, chosen);
-    set(at::cat(tokens).index_select(0, chosen), at::full({(n + 1) * k}, -1, longs)
-                                                     .scatter(0, place, at::arange(n, longs))
-                                                     .view({n + 1, k}));
+    const at::Tensor chosen = std::get<0>(std::get<1>(all_scores.topk(n)).sort());
+    const at::Tensor parent_candidate =
+        at::cat(frontiers).index_select(0, constants.parent_slot.index_select(0, chosen));
+    // number[c + 1] is candidate c's node number, number[0] the root's -1.
+    const at::Tensor number = constants.unnumbered.scatter(0, chosen + 1, constants.nodes);
+    parents_ = number.index_select(0, parent_candidate + 1);
+    const at::Tensor place = (parents_ + 1) * k + chosen.remainder(k);
+    set(at::cat(tokens).index_select(0, chosen),
+        constants.no_children.scatter(0, place, constants.nodes).view({n + 1, k}));
   }
 
   // A tree of a static shape whose tokens are on the device: ids int64 [n], node i of rank
@@ -172,22 +184,54 @@ class DeviceDraftTree : public TreeVerifier {
                       .depth = depth_};
   }
 
+
  private:
   // Each level's score falls by this much more than its log-probability, so that a child never
   // ties with its parent (a drafter certain of a token) and the selection stays connected.
   static constexpr double kStep = 1e-9;
 
-  // Log-probabilities of logits rows [r, V] / temperature_ in float64; remembers whether they are
-  // finite (NaN or +inf anywhere, or a row of only -inf, leaves a row maximum non-finite).
-  at::Tensor log_probs(const at::Tensor& rows) {
-    check_finite(rows);
-    const at::Tensor wide = rows.to(at::kDouble);
-    return at::log_softmax(temperature_ == 1.0 ? wide : wide / temperature_, -1);
+  // The index tensors of a tree shape (top_k, depth, n on a device), made once and kept while
+  // the shape stays.
+  struct Constants {
+    int64_t k = 0, depth = 0, n = 0;
+    at::Device device = at::kCPU;
+    at::Tensor root_parent;        // [1]: -1
+    at::Tensor first_frontier;     // [k]: 0 .. k - 1, the root's children
+    at::Tensor first_parent_rows;  // [k]: zeros, the root's row
+    at::Tensor parent_slot;        // [candidates]: where candidate c's parent is in the frontiers
+    at::Tensor unnumbered;         // [candidates + 1]: -1
+    at::Tensor no_children;        // [(n + 1) k]: -1
+    at::Tensor nodes;              // [n]: 0 .. n - 1
+  };
+
+  const Constants& constants_for(int64_t k, int64_t depth, int64_t n, const at::Device& device) {
+    Constants& c = constants_;
+    if (c.k == k && c.depth == depth && c.n == n && c.device == device) return c;
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+    const int64_t total = candidates(depth, k);
+    std::vector<int64_t> slot(static_cast<size_t>(total));
+    for (int64_t i = 0; i < total; ++i) slot[static_cast<size_t>(i)] = i < k ? 0 : 1 + (i - k) / k;
+    c = Constants{.k = k, .depth = depth, .n = n, .device = device,
+                  .root_parent = at::full({1}, -1, longs),
+                  .first_frontier = at::arange(k, longs),
+                  .first_parent_rows = at::zeros({k}, longs),
+                  .parent_slot = to_device<int64_t>(slot, {total}, device),
+                  .unnumbered = at::full({total + 1}, -1, longs),
+                  .no_children = at::full({(n + 1) * k}, -1, longs),
+                  .nodes = at::arange(n, longs)};
+    return c;
+  }
+
+  // Log-probabilities of logits rows [r, V] / temperature_ in float64.
+  [[nodiscard]] at::Tensor log_probs(const at::Tensor& rows) const {
+    return temperature_ == 1.0 ? at::log_softmax(rows, -1, at::kDouble)
+                               : at::log_softmax(rows.to(at::kDouble) / temperature_, -1);
   }
 
   int64_t depth_ = 0;
   double temperature_ = 1.0;
   at::Tensor parents_;
+  Constants constants_;
 };
 
 // The verification half of the sources whose step tree is a DeviceDraftTree (the dynamic trees,
@@ -276,9 +320,12 @@ class DynamicTreeSource : public detail::DeviceTreeVerifier {
         return tree_.drafts(request.device, calls_);
       }
     }
+    at::Tensor paths;  // [k, round - 1]: the frontier's tokens, root to node
     tree_.build(
         context.narrow(0, context.size(0) - 1, 1), depth, options_, n,
-        [&](int64_t round, const at::Tensor& paths, const at::Tensor& /*parent_rows*/) {
+        [&](int64_t round, const at::Tensor& tokens, const at::Tensor& parent_rows) {
+          paths = round == 2 ? tokens.view({k, 1})
+                             : at::cat({paths.index_select(0, parent_rows), tokens.view({k, 1})}, 1);
           const int64_t chain = round - 1;
           chains_.resize(static_cast<size_t>(k * chain));
           for (int64_t c = 0; c < k; ++c) {
@@ -305,16 +352,16 @@ class DynamicTreeSource : public detail::DeviceTreeVerifier {
   void grow_in_cache(const at::Tensor& context, int64_t length, int64_t depth, int64_t n) {
     const int64_t k = options_.top_k;
     const auto longs = at::TensorOptions().dtype(at::kLong).device(runner_.device());
+    const at::Tensor own = at::eye(k, longs.dtype(at::kBool));
     // [k, entries]: each frontier node's ancestors among the draft entries, and itself.
     at::Tensor lineage;
     tree_.build(
         context.narrow(0, context.size(0) - 1, 1), depth, options_, n,
-        [&](int64_t round, const at::Tensor& paths, const at::Tensor& parent_rows) {
-          const at::Tensor own = at::eye(k, longs.dtype(at::kBool));
+        [&](int64_t round, const at::Tensor& tokens, const at::Tensor& parent_rows) {
           lineage = round == 2 ? own : at::cat({lineage.index_select(0, parent_rows), own}, 1);
           ++calls_;
-          return runner_.forward_cached_mask(paths.select(1, round - 2).contiguous(),
-                                             at::full({k}, length + round - 2, longs), lineage);
+          return runner_.forward_cached_mask(tokens, at::full({k}, length + round - 2, longs),
+                                             lineage);
         });
   }
 

@@ -281,13 +281,13 @@ class EagleTreeSource : public detail::DeviceTreeVerifier {
     at::Tensor outputs = last;  // the outputs of the frontier's parents, by row
     at::Tensor lineage;         // [k, draft entries]: each frontier node's ancestors and itself
     int64_t calls = 1;
+    const at::Tensor own = at::eye(k, longs.dtype(at::kBool));
+    const at::Tensor verified = at::ones({k, context}, own.options());
     tree_.build(
         head.target_logits(head.logits(last)), depth, options_, n,
-        [&](int64_t round, const at::Tensor& paths, const at::Tensor& parent_rows) {
-          const at::Tensor own = at::eye(k, longs.dtype(at::kBool));
+        [&](int64_t round, const at::Tensor& tokens, const at::Tensor& parent_rows) {
           lineage = round == 2 ? own : at::cat({lineage.index_select(0, parent_rows), own}, 1);
-          const at::Tensor visible = at::cat({at::ones({k, context}, own.options()), lineage}, 1);
-          const at::Tensor tokens = paths.select(1, paths.size(1) - 1).contiguous();
+          const at::Tensor visible = at::cat({verified, lineage}, 1);
           outputs = head.forward_masked(tokens, outputs.index_select(0, parent_rows), cache,
                                         at::full({k}, base + round - 2, longs), visible);
           ++calls;
