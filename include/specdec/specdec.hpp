@@ -10,6 +10,7 @@
 #include "specdec/draft_source.hpp"
 #include "specdec/drafting/dynamic_tree.hpp"
 #include "specdec/drafting/model_tree.hpp"
+#include "specdec/drafting/parallel.hpp"
 #include "specdec/drafting/stand.hpp"
 #include "specdec/drafting/suffix.hpp"
 #include "specdec/generate.hpp"

@@ -126,16 +126,18 @@ PendingStep verify_drafts_pending(const at::Tensor& target_probs, const at::Tens
 
 // The first maximum of a row of n fp32 logits (`stride` apart) and whether the row is finite as
 // GreedyProcessor sees it: no NaN, no +inf, and not every entry -inf. Where the row is finite the
-// index is what at::argmax returns (the first among ties).
+// index is what at::argmax returns (the first among ties). Entry `skip` (if in [0, n)) is left
+// out, as if its logit were -inf.
 struct RowMax {
   int64_t index = 0;
   bool finite = false;
 };
-inline RowMax row_max(const float* row, int64_t n, int64_t stride) {
+inline RowMax row_max(const float* row, int64_t n, int64_t stride, int64_t skip = -1) {
   RowMax best;
   float value = -std::numeric_limits<float>::infinity();
   bool nan = false;
   for (int64_t j = 0; j < n; ++j) {
+    if (j == skip) continue;
     const float x = row[j * stride];
     nan = nan || x != x;
     if (x > value) {
