@@ -101,7 +101,11 @@ std::vector<torch::Tensor> parameters(const LlamaWeights& w) {
   return p;
 }
 
-torch::Tensor logits_of(LlamaModel<>& model, const torch::Tensor& inputs) {
+// The logits of a model of `weights` as they are now. LlamaModel lays its products out (and fuses
+// q|k|v, gate|up) once, when it is made, so a model made before an optimizer step would still
+// compute with the weights of before; gradients flow through the layout to the leaves.
+torch::Tensor logits_of(const LlamaConfig& config, const LlamaWeights& weights, const torch::Tensor& inputs) {
+  LlamaModel<> model(config, weights);
   auto cache = model.make_cache(inputs.size(0));
   return model.forward(inputs, cache);
 }
@@ -150,23 +154,23 @@ int main(int argc, char** argv) {
     const LlamaConfig drafter_config{.dim = 96, .hidden_dim = 256, .n_layers = 2, .n_heads = 3,
                                      .n_kv_heads = 3, .vocab_size = 256, .max_seq_len = args.seq_len};
     LlamaWeights target_weights = initial_weights(target_config, args.seed);
-    LlamaModel<> target(target_config, target_weights);
     train("target", target_weights, args.target_steps, 3e-3, args, corpus.train, rng,
           [&](const torch::Tensor& inputs, const torch::Tensor& targets) {
-            return torch::nn::functional::cross_entropy(logits_of(target, inputs).view({-1, 256}),
+            return torch::nn::functional::cross_entropy(logits_of(target_config, target_weights, inputs).view({-1, 256}),
                                                         targets.view({-1}));
           });
 
+    LlamaModel<> target(target_config, target_weights);  // trained: its weights stay as they are
     LlamaWeights drafter_weights = initial_weights(drafter_config, args.seed + 1);
-    LlamaModel<> drafter(drafter_config, drafter_weights);
     train("drafter", drafter_weights, args.drafter_steps, 3e-3, args, corpus.train, rng,
           [&](const torch::Tensor& inputs, const torch::Tensor&) {
             torch::Tensor teacher;
             {
               torch::NoGradGuard no_grad;
-              teacher = logits_of(target, inputs).log_softmax(-1);
+              auto cache = target.make_cache(inputs.size(0));
+              teacher = target.forward(inputs, cache).log_softmax(-1);
             }
-            const torch::Tensor student = logits_of(drafter, inputs).log_softmax(-1);
+            const torch::Tensor student = logits_of(drafter_config, drafter_weights, inputs).log_softmax(-1);
             // KL(target || drafter), averaged over positions.
             return (teacher.exp() * (teacher - student)).sum(-1).mean();
           });
