@@ -104,7 +104,9 @@ TEST(ParallelDrafting, GreedyEqualsAutoregressiveForEveryGammaWithOneForwardAndO
         for (const int64_t token : result.tokens) EXPECT_NE(token, pair.options.mask_token);
         accepted += result.stats.accepted;
       }
-      if (gamma > 1) EXPECT_GT(accepted, 0) << "drafts were accepted";
+      if (gamma > 1) {
+        EXPECT_GT(accepted, 0) << "drafts were accepted";
+      }
     }
   }
 }
@@ -194,7 +196,7 @@ TEST(ParallelDrafting, BatchRowsEqualTheirOwnAutoregressiveDecoding) {
 TEST(ParallelDrafting, DraftLengthPoliciesCutTheRowsOfOneForward) {
   Pair pair(8, true, 12);
   const auto reference = autoregressive_generate(pair.target, kPrompt, {.max_new_tokens = 40});
-  for (const SpeculativeOptions options :
+  for (const SpeculativeOptions& options :
        {SpeculativeOptions{.max_new_tokens = 40, .gamma = 6, .gamma_policy = GammaPolicy::egag, .gamma_min = 1},
         SpeculativeOptions{.max_new_tokens = 40, .gamma = 6, .p_min = 0.4},
         SpeculativeOptions{.max_new_tokens = 40, .gamma = 2, .gamma_policy = GammaPolicy::schedule, .gamma_max = 7}}) {

@@ -11,7 +11,9 @@
 #include <specdec/io/eagle.hpp>
 #include <specdec/io/hf_llama.hpp>
 #include <specdec/io/hf_tokenizer.hpp>
+#include <specdec/drafting/parallel.hpp>
 #include <specdec/io/medusa.hpp>
+#include <specdec/io/parallel_drafter.hpp>
 #include <specdec/io/safetensors.hpp>
 #include <specdec/models/llama.hpp>
 
@@ -208,6 +210,40 @@ TEST_P(EagleReference, LogitsAndGreedyDraftsEqualThePublishedHeads) {
   }
 }
 INSTANTIATE_TEST_SUITE_P(Eagle, EagleReference, ::testing::Values("eagle3", "speculators", "eagle1"));
+
+// Parallel drafters loaded from the published PARD layout (io/parallel_drafter.hpp) against
+// transformers running the same random checkpoint through PARD's procedure
+// (tests/reference/pard_drafters.py): the logits at the context's last token and at each mask
+// within 1e-4, through both forwards, and ParallelDraftSource's greedy drafts from one forward.
+class ParallelDrafterReference : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ParallelDrafterReference, MaskLogitsAndDraftsEqualTransformersRunningPard) {
+  const fs::path folder = reference_dir() / "pard" / GetParam();
+  SPECDEC_REQUIRE_REFERENCE(folder);
+  const auto reference = specdec::io::load_safetensors(folder / "reference.safetensors").tensors;
+  const at::Tensor& ids = reference.at("input_ids");  // [1, P + K - 1]
+  const at::Tensor& expected = reference.at("logits");  // [K, V]
+  const int64_t k = expected.size(0);
+  auto checkpoint = specdec::io::load_parallel_drafter(folder);
+  EXPECT_EQ(checkpoint.mask_token, ids[0][ids.size(1) - 1].item<int64_t>());
+  for (const bool loops : {true, false}) {
+    SCOPED_TRACE(loops ? "CPU loops" : "ATen forward");
+    LlamaModel<StaticKVCache> drafter(checkpoint.config, checkpoint.weights);
+    drafter.use_cpu_kernels(loops);
+    auto cache = drafter.make_cache(1);
+    const at::Tensor logits = drafter.forward(ids, cache)[0].narrow(0, ids.size(1) - k, k);
+    EXPECT_TRUE(at::allclose(logits, expected, 0.0, kLogitTolerance)) << worst(logits, expected);
+    specdec::ParallelDraftSource<LlamaModel<StaticKVCache>> source(
+        drafter, {.mask_token = checkpoint.mask_token, .vocab_size = checkpoint.config.vocab_size});
+    const Ids context = to_ids(ids[0].narrow(0, 0, ids.size(1) - (k - 1)));
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
+    const specdec::Drafts drafts = source.draft({.sequence = context, .gamma = k, .room = k},
+                                                specdec::GreedyProcessor(), gen);
+    EXPECT_EQ(drafts.calls, 1);
+    EXPECT_EQ(to_ids(drafts.tokens), to_ids(reference.at("drafts")));
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Pard, ParallelDrafterReference, ::testing::Values("qwen2", "llama_untied"));
 
 // The same sequence fed in pieces of 5, 1, 7, 3 and the rest, each attending to the cache the
 // earlier ones left (for the Mistral case, across its sliding window).
