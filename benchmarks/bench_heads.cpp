@@ -20,6 +20,10 @@
 // one head's speedup over the sources and over autoregressive decoding. The *_aten runs switch the
 // EAGLE head's CPU loops off on both sides: every head forward is then an ATen pass, as on a GPU,
 // where a forward's cost is its kernel launches more than its rows.
+//
+// BM_ParallelDrafting: a parallel drafter (models/<pair>/pard, adapted from the pair's drafter by
+// tools/train_pard) at gamma 2 to 8 beside the unadapted drafter drafting one token at a time and
+// the EAGLE-3 head, in one run; see the function's comment for its counters.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -28,12 +32,15 @@
 #include <filesystem>
 #include <functional>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "bench_pairs.hpp"
 #include "bench_support.hpp"
 #include "specdec/drafting/eagle.hpp"
 #include "specdec/drafting/head_batches.hpp"
 #include "specdec/drafting/medusa.hpp"
+#include "specdec/drafting/parallel.hpp"
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
 #include "specdec/io/medusa.hpp"
@@ -51,7 +58,7 @@ using bench::Setup;
 using bench::bundled;
 using bench::stories;
 
-enum class Method { eagle, medusa, drafter, ngram, stand };
+enum class Method { eagle, medusa, drafter, ngram, stand, parallel };
 
 // One generation of `method` (speculative options with gamma), for the step statistics.
 GenerationResult run(Setup& s, Method method, const std::vector<int64_t>& prompt, SpeculativeOptions options) {
@@ -66,6 +73,10 @@ GenerationResult run(Setup& s, Method method, const std::vector<int64_t>& prompt
       return generate_with(source, target, prompt, options);
     }
     case Method::drafter: return speculative_generate(*s.drafter, target, prompt, options);
+    case Method::parallel: {
+      ParallelDraftSource source(*s.pard, {.mask_token = s.pard_mask, .vocab_size = target.vocab_size()});
+      return generate_with(source, target, prompt, options);
+    }
     case Method::ngram: {
       NGramStorage storage(3, target.vocab_size());
       NGramDraftSource source(storage);
@@ -113,6 +124,48 @@ void BM_Drafting(benchmark::State& state, Setup& (*setup)(), Method method) {
   state.counters["theoretical_speedup"] =
       method == Method::stand ? 0.0 : bench::theoretical_speedup(with.acceptance_rate(), static_cast<double>(gamma), c);
   state.counters["library_ms_per_step"] = 1e3 * with.library_seconds() / static_cast<double>(with.steps);
+}
+
+// Parallel drafting against the same drafter (before its adaptation) drafting one token at a time
+// and the EAGLE-3 head, in one run: each prompt through every way in turn, then autoregressively.
+// Per way: drafts accepted per step, drafter forwards per step, tokens/s and the speedup over
+// autoregressive decoding; parallel_over_chain compares the parallel drafter's acceptance with the
+// chain's.
+void BM_ParallelDrafting(benchmark::State& state, Setup& (*setup)()) {
+  Setup& s = setup();
+  if (!s.target) return state.SkipWithError(s.missing.c_str());
+  if (!s.pard) return state.SkipWithError("no parallel drafter for this target (models/<pair>/pard)");
+  const SpeculativeOptions options{.max_new_tokens = kNewTokens, .gamma = state.range(0)};
+  struct Way {
+    const char* name;
+    Method method;
+    GenerationStats stats{};
+  };
+  std::vector<Way> ways{{"parallel", Method::parallel}, {"chain", Method::drafter}};
+  if (s.eagle) ways.push_back({"eagle3", Method::eagle});
+  for (const Way& way : ways) (void)run(s, way.method, s.prompts.front(), options);  // warm-up
+  (void)autoregressive_generate(*s.target, s.prompts.front(), {.max_new_tokens = kNewTokens});
+  GenerationStats alone;
+  for (auto _ : state) {
+    for (const auto& prompt : s.prompts) {
+      for (Way& way : ways) way.stats += run(s, way.method, prompt, options).stats;
+      alone += autoregressive_generate(*s.target, prompt, {.max_new_tokens = kNewTokens}).stats;
+    }
+  }
+  const double alone_per_second = static_cast<double>(alone.generated) / alone.total_seconds;
+  state.counters["autoregressive_tokens_per_second"] = alone_per_second;
+  for (const Way& way : ways) {
+    const auto steps = static_cast<double>(way.stats.steps);
+    const double per_second = static_cast<double>(way.stats.generated) / way.stats.total_seconds;
+    const std::string name = way.name;
+    state.counters[name + "_accepted_per_step"] = static_cast<double>(way.stats.accepted) / steps;
+    state.counters[name + "_drafter_forwards_per_step"] = static_cast<double>(way.stats.drafter_calls) / steps;
+    state.counters[name + "_tokens_per_second"] = per_second;
+    state.counters[name + "_speedup"] = per_second / alone_per_second;
+  }
+  state.counters["parallel_over_chain"] = static_cast<double>(ways[0].stats.accepted) /
+                                          static_cast<double>(std::max<int64_t>(1, ways[1].stats.accepted)) *
+                                          static_cast<double>(ways[1].stats.steps) / static_cast<double>(ways[0].stats.steps);
 }
 
 void gammas(benchmark::internal::Benchmark* b, int64_t most) {
@@ -217,6 +270,8 @@ BENCHMARK_CAPTURE(BM_HeadsInBatches, bundled_medusa, &bundled, Method::medusa, f
 BENCHMARK_CAPTURE(BM_HeadsInBatches, stories_eagle3, &stories, Method::eagle, false)->Apply(batches);
 BENCHMARK_CAPTURE(BM_HeadsInBatches, stories_eagle3_aten, &stories, Method::eagle, true)->Apply(batches);
 
+BENCHMARK_CAPTURE(BM_ParallelDrafting, bundled, &bundled)->DenseRange(2, 8)->Unit(benchmark::kMillisecond)->Iterations(1);
+BENCHMARK_CAPTURE(BM_ParallelDrafting, stories, &stories)->DenseRange(2, 8)->Unit(benchmark::kMillisecond)->Iterations(1);
 BENCHMARK_CAPTURE(BM_Drafting, bundled_eagle3, &bundled, Method::eagle)->Apply([](auto* b) { gammas(b, 8); });
 BENCHMARK_CAPTURE(BM_Drafting, bundled_medusa, &bundled, Method::medusa)->Apply([](auto* b) { gammas(b, 3); });
 BENCHMARK_CAPTURE(BM_Drafting, bundled_drafter, &bundled, Method::drafter)->Apply([](auto* b) { gammas(b, 8); });

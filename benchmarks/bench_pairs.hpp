@@ -1,8 +1,8 @@
 // The target/drafter pairs that bench_heads and bench_trees run, each with its heads and prompts:
 //   bundled: the bundled pair on held-out Python (needs /usr/lib/python3.11), its EAGLE-3 and
-//            Medusa heads (models/bundled);
-//   stories: stories260K and llama2xs from SPECDEC_MODELS_DIR, four story openings, the heads in
-//            models/stories260K.
+//            Medusa heads and parallel drafter (models/bundled);
+//   stories: stories260K and llama2xs from SPECDEC_MODELS_DIR, four story openings, the heads and
+//            the parallel drafter in models/stories260K.
 // stories also has eight more openings for benchmarks whose figures need more steps than four
 // prompts give (bench_trees measures on all twelve). Each pair has calibration prompts, disjoint
 // from the measured ones, for benchmarks that choose options before they measure (eight other
@@ -21,6 +21,7 @@
 #include "specdec/io/checkpoint.hpp"
 #include "specdec/io/eagle.hpp"
 #include "specdec/io/medusa.hpp"
+#include "specdec/io/parallel_drafter.hpp"
 #include "specdec/io/tokenizer.hpp"
 #include "specdec/text/prompts.hpp"
 #include "text/python_corpus.hpp"
@@ -33,6 +34,8 @@ struct Setup {
   std::optional<PairModel> target, drafter;
   std::optional<models::EagleHead> eagle;
   std::optional<models::MedusaHeads> medusa;
+  std::optional<PairModel> pard;  // a parallel drafter (models/<pair>/pard), its mask token below
+  int64_t pard_mask = -1;
   std::vector<std::vector<int64_t>> prompts;
   std::vector<std::vector<int64_t>> more_prompts;  // further measured prompts (bench_trees)
   std::vector<std::vector<int64_t>> calibration;   // other prompts, for choosing options
@@ -47,6 +50,11 @@ inline PairModel load_pair_model(const std::filesystem::path& path) {
 inline void load_heads(Setup& s, const std::filesystem::path& folder) {
   if (std::filesystem::exists(folder / "eagle3")) {
     s.eagle.emplace(io::load_eagle(folder / "eagle3", io::EagleTarget::of(*s.target), on_device()));
+  }
+  if (std::filesystem::exists(folder / "pard")) {
+    const io::ParallelDrafterCheckpoint pard = io::load_parallel_drafter(folder / "pard", on_device());
+    s.pard.emplace(pard.config, pard.weights);
+    s.pard_mask = pard.mask_token;
   }
   if (std::filesystem::exists(folder / "medusa")) {
     s.medusa.emplace(io::load_medusa(folder / "medusa", s.target->hidden_size(),

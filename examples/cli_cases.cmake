@@ -29,6 +29,12 @@ specdec_cli_case(thresholds_empty_item 2 "--thresholds: '' in '0.1,,0.2' is not 
   --thresholds 0.1,,0.2)
 specdec_cli_case(medusa_head_not_a_folder 2 "--drafter .*README.md: not a folder" ${G} --mode medusa
   --drafter "${PROJECT_SOURCE_DIR}/README.md")
+specdec_cli_case(parallel_drafter_not_a_folder 2 "--drafter .*README.md: not a folder \\(--mode parallel reads a parallel drafter's folder\\)"
+  ${G} --mode parallel --drafter "${PROJECT_SOURCE_DIR}/README.md")
+specdec_cli_case(parallel_drafter_without_mask 2 "config.json: missing key 'pard_token'" ${G} --mode parallel
+  --drafter "${_bundled}/drafter")
+specdec_cli_case(tree_in_parallel 2 "--tree applies to --mode speculative, eagle or medusa, not --mode parallel" ${G}
+  --mode parallel --tree dynamic)
 specdec_cli_case(eagle_head_of_another_target 2 "config.json: hidden_size = 192 but the target's hidden size is 96" ${G}
   --mode eagle --target "${_bundled}/drafter")
 specdec_cli_case(num_beams_bound 2 "--num-beams: 1000 is outside \\[1, 64\\]" ${G} --mode beam --num-beams 1000)
@@ -77,7 +83,7 @@ specdec_cli_case(trace_in_beam 2 "--trace applies to" ${G} --mode beam --trace)
 specdec_cli_case(compare_in_beam 2 "--compare applies to" ${G} --mode beam --compare)
 specdec_cli_case(temperature_in_beam 2 "--temperature applies to" ${G} --mode beam --temperature 0.5)
 foreach(_mode autoregressive beam stand)
-  specdec_cli_case(gamma_in_${_mode} 2 "--gamma applies to --mode speculative, ngram, prompt-lookup, suffix, eagle or medusa" ${G}
+  specdec_cli_case(gamma_in_${_mode} 2 "--gamma applies to --mode speculative, ngram, prompt-lookup, suffix, eagle, medusa or parallel" ${G}
     --mode ${_mode} --gamma 3)
 endforeach()
 specdec_cli_case(top_p_without_temperature 2 "--top-k and --top-p apply when sampling" ${G} --top-p 0.9)

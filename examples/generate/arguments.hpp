@@ -10,6 +10,7 @@
 #include <specdec/io/eagle.hpp>
 #include <specdec/io/hf_tokenizer.hpp>
 #include <specdec/io/medusa.hpp>
+#include <specdec/io/parallel_drafter.hpp>
 #include <specdec/io/regular_file.hpp>
 #include <specdec/io/tokenizer.hpp>
 #include <specdec/models/llama.hpp>
@@ -156,14 +157,14 @@ struct FlagModes {
 const std::vector<FlagModes>& flag_modes() {
   static const std::vector<std::string> drafting{"speculative", "ngram", "prompt-lookup"};
   static const std::vector<FlagModes> table{
-      {"--drafter", {"speculative", "eagle", "medusa"}},
-      {"--gamma", {"speculative", "ngram", "prompt-lookup", "suffix", "eagle", "medusa"}},
-      {"--gamma-policy", {"speculative"}},
-      {"--gamma-min", {"speculative"}},
-      {"--gamma-max", {"speculative"}},
-      {"--egag-beta", {"speculative"}},
-      {"--p-min", {"speculative"}},
-      {"--entropy-gate", {"speculative"}},
+      {"--drafter", {"speculative", "eagle", "medusa", "parallel"}},
+      {"--gamma", {"speculative", "ngram", "prompt-lookup", "suffix", "eagle", "medusa", "parallel"}},
+      {"--gamma-policy", {"speculative", "parallel"}},
+      {"--gamma-min", {"speculative", "parallel"}},
+      {"--gamma-max", {"speculative", "parallel"}},
+      {"--egag-beta", {"speculative", "parallel"}},
+      {"--p-min", {"speculative", "parallel"}},
+      {"--entropy-gate", {"speculative", "parallel"}},
       {"--verify", {"speculative"}},
       {"--threshold", {"speculative"}},
       {"--calibrate", {"speculative"}},
@@ -192,13 +193,13 @@ const std::vector<FlagModes>& flag_modes() {
       {"--num-beams", {"beam"}},
       {"--length-penalty", {"beam"}},
       {"--batch-file", {"speculative", "autoregressive", "ngram", "suffix", "eagle", "medusa"}},
-      {"--temperature", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa"}},
-      {"--top-k", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa"}},
-      {"--top-p", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa"}},
-      {"--seed", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa"}},
-      {"--stop", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "eagle", "medusa"}},
-      {"--compare", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa"}},
-      {"--trace", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "eagle", "medusa"}},
+      {"--temperature", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa", "parallel"}},
+      {"--top-k", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa", "parallel"}},
+      {"--top-p", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa", "parallel"}},
+      {"--seed", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa", "parallel"}},
+      {"--stop", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "eagle", "medusa", "parallel"}},
+      {"--compare", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "stand", "eagle", "medusa", "parallel"}},
+      {"--trace", {"speculative", "autoregressive", "ngram", "suffix", "prompt-lookup", "eagle", "medusa", "parallel"}},
   };
   return table;
 }
@@ -264,7 +265,8 @@ Arguments parse(int argc, char** argv) {
       ->group(models);
   app.add_option("--drafter", a.drafter,
                  "drafter, same formats (default: the bundled drafter); with --mode eagle or medusa, the head's "
-                 "folder in its published layout (default: the bundled target's)")
+                 "folder in its published layout (default: the bundled target's); with --mode parallel, a parallel "
+                 "drafter's folder (config.json naming pard_token; default: the bundled target's)")
       ->group(models);
   app.add_option("--tokenizer", a.tokenizer,
                  "llama2.c tokenizer file, or tokenizer.json or its folder (default: the target folder's "
@@ -301,8 +303,9 @@ Arguments parse(int argc, char** argv) {
   const std::string common = "Decoding (every mode)";
   app.add_option("--mode", a.mode,
                  "speculative (default), autoregressive, ngram, prompt-lookup, suffix (suffix decoding), stand, beam, eagle (an EAGLE-3 or "
-                 "EAGLE-1 head) or medusa (Medusa heads)")
-      ->check(in({"speculative", "autoregressive", "ngram", "prompt-lookup", "suffix", "stand", "beam", "eagle", "medusa"}))
+                 "EAGLE-1 head), medusa (Medusa heads) or parallel (a parallel drafter: every draft from one forward)")
+      ->check(in({"speculative", "autoregressive", "ngram", "prompt-lookup", "suffix", "stand", "beam", "eagle", "medusa",
+                  "parallel"}))
       ->group(common);
   app.add_option("--prompt", a.prompt, "the prompt (default: a line of Python)")->group(common);
   app.add_option("--max-new-tokens", a.max_new_tokens, "tokens to generate (default 200)")
@@ -466,8 +469,10 @@ Arguments parse(int argc, char** argv) {
   // The heads trained for the bundled target, unless --drafter names others.
   if (a.mode == "medusa" && app.count("--drafter") == 0) a.drafter = SPECDEC_BUNDLED_MODELS_DIR "/medusa";
   if (a.mode == "eagle" && app.count("--drafter") == 0) a.drafter = SPECDEC_BUNDLED_MODELS_DIR "/eagle3";
-  if ((a.mode == "eagle" || a.mode == "medusa") && !std::filesystem::is_directory(a.drafter)) {
-    throw std::invalid_argument("--drafter " + a.drafter + ": not a folder (--mode " + a.mode + " reads a head's folder)");
+  if (a.mode == "parallel" && app.count("--drafter") == 0) a.drafter = SPECDEC_BUNDLED_MODELS_DIR "/pard";
+  if ((a.mode == "eagle" || a.mode == "medusa" || a.mode == "parallel") && !std::filesystem::is_directory(a.drafter)) {
+    throw std::invalid_argument("--drafter " + a.drafter + ": not a folder (--mode " + a.mode + " reads a " +
+                                (a.mode == "parallel" ? "parallel drafter's" : "head's") + " folder)");
   }
   if (a.temperature == 0 && (app.count("--top-k") > 0 || app.count("--top-p") > 0)) {
     throw std::invalid_argument("--top-k and --top-p apply when sampling: give --temperature > 0 too");

@@ -89,6 +89,15 @@ int run(const Arguments& a) {
     drafter.emplace(drafter_checkpoint.config, drafter_checkpoint.weights);
     (void)apply_weights(a, *drafter);
   }
+  // --mode parallel: a drafter whose mask tokens give every draft of a step in one forward.
+  std::optional<ParallelDraftOptions> parallel_drafting;
+  if (a.mode == "parallel") {
+    io::ParallelDrafterCheckpoint checkpoint = io::load_parallel_drafter(a.drafter, weights, limits);
+    drafter.emplace(checkpoint.config, checkpoint.weights);
+    (void)apply_weights(a, *drafter);
+    parallel_drafting = ParallelDraftOptions{.mask_token = checkpoint.mask_token, .vocab_size = target.vocab_size()};
+    specdec::detail::check_parallel_draft_options(*parallel_drafting, drafter->vocab_size());
+  }
   const Processor processor = make_processor(a);
   if (!a.batch_file.empty()) {
     return run_batch_file(a, target, drafter ? &*drafter : nullptr, eagle ? &*eagle : nullptr,
@@ -158,7 +167,12 @@ int run(const Arguments& a) {
               << (target.onednn() ? "; products: " + specdec::detail::onednn_version() : std::string())
               << (target_weights.empty() ? std::string() : "; weights: " + target_weights)
               << (group ? "; split over " + std::to_string(group->world_size()) + " ranks" : std::string()) << ")\n";
-    if (drafter) std::cout << "drafter: " << a.drafter << " (" << drafter->config() << ")\n";
+    if (drafter) {
+      std::cout << "drafter: " << a.drafter << " (" << drafter->config()
+                << (parallel_drafting ? "; parallel, mask token " + std::to_string(parallel_drafting->mask_token)
+                                      : std::string())
+                << ")\n";
+    }
     if (eagle) {
       const models::EagleConfig& c = eagle->config();
       std::cout << "head:    " << a.drafter << " (" << models::to_string(c.kind) << ", hidden " << c.hidden_size()
@@ -244,6 +258,10 @@ int run(const Arguments& a) {
           const auto shape = [&](int64_t most_depth) {
             return TreeTemplate::default_tree(a.tree_nodes.value_or(16), std::min(a.tree_depth, most_depth));
           };
+          if (parallel_drafting) {
+            ParallelDraftSource source(*drafter, *parallel_drafting);
+            return generate_with(source, target, prompt, options, p);
+          }
           if (drafter) {
             if (a.tree == "static") {
               ModelTreeSource source(*drafter, shape(a.tree_depth),
