@@ -22,6 +22,7 @@
 #include "specdec/session.hpp"
 #include "support/exact_continuations.hpp"
 #include "support/expect_invalid.hpp"
+#include "support/host_copies.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/statistics.hpp"
 
@@ -75,12 +76,7 @@ struct Pair {
 
 const std::vector<int64_t> kPrompt{1, 7, 3, 2, 5, 1, 7};
 
-template <class Run>
-int64_t copies_during(Run&& run) {
-  const int64_t before = device_to_host_copies();
-  run();
-  return device_to_host_copies() - before;
-}
+using test::copies_during;
 
 TEST(ParallelDrafting, GreedyEqualsAutoregressiveForEveryGammaWithOneForwardAndOneCopyAStep) {
   for (const bool added_row : {true, false}) {

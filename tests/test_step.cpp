@@ -26,6 +26,7 @@
 #include "support/exact_continuations.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/head_fixtures.hpp"
+#include "support/host_copies.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/markov_fixtures.hpp"
 #include "support/statistics.hpp"
@@ -41,12 +42,7 @@ using test::random_eagle;
 const std::vector<int64_t> kPrompt{1, 7, 3, 22, 5};
 
 // The device-to-host copies `run` makes.
-template <class Run>
-int64_t copies_during(Run&& run) {
-  const int64_t before = device_to_host_copies();
-  run();
-  return device_to_host_copies() - before;
-}
+using test::copies_during;
 
 // Drafts the continuation in which the last `period` tokens repeat (examples/custom_drafter.cpp).
 class RepeatDrafter {

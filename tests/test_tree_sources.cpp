@@ -31,6 +31,7 @@
 #include "specdec/session.hpp"
 #include "support/exact_continuations.hpp"
 #include "support/head_fixtures.hpp"
+#include "support/host_copies.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/statistics.hpp"
 
@@ -243,12 +244,7 @@ TYPED_TEST_SUITE(TreeSources, Kinds, KindNames);
 
 const std::vector<int64_t> kPrompt{1, 7, 3, 2, 5, 1, 7};
 
-template <class Run>
-int64_t copies_during(Run&& run) {
-  const int64_t before = device_to_host_copies();
-  run();
-  return device_to_host_copies() - before;
-}
+using test::copies_during;
 
 // Greedy decoding through the source's trees is autoregressive decoding, with and without the
 // caches, and every step costs one device-to-host copy; a second generation from the caches the

@@ -146,36 +146,71 @@ struct NoDrafts {
 };
 static_assert(DraftSource<NoDrafts, GreedyProcessor>);
 
+namespace detail {
+
+// What the sources that draft with a drafter model share: the model with its cache (the source's
+// own or the caller's, living across generations: a session's next turn feeds the drafter only
+// what it has not seen), the draft-length policy of the generation, and the hooks that keep both:
+// start() resumes the cache and takes the options' policy, verified() prunes the cache to the
+// accepted prefix and tells the policy, finish() records what the cache holds.
+template <Drafter D>
+class DrafterModelState {
+ public:
+  // The drafter's limit, or its cache's capacity where that is smaller.
+  [[nodiscard]] int64_t max_sequence_length() const { return sequence_limit(runner_.model(), runner_.cache()); }
+  [[nodiscard]] const typename D::cache_type& cache() const noexcept { return runner_.cache(); }
+
+  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) {
+    check_draft_length_options(options);
+    policy_.emplace(options);
+    runner_.set_use_cache(options.use_cache);
+    runner_.resume(sequence);
+  }
+  void verified(const VerifiedDrafts& verified) {
+    runner_.truncate(verified.position + verified.accepted);
+    if (policy_) policy_->after(verified.drafted, verified.accepted);
+  }
+  void finish(std::span<const int64_t> sequence) { runner_.record(sequence); }
+
+ protected:
+  DrafterModelState(D& drafter, bool use_cache) : runner_(drafter, "drafter", use_cache) {}
+  DrafterModelState(D& drafter, typename D::cache_type& cache) : runner_(drafter, "drafter", cache) {}
+
+  // The generation's policy; a fixed gamma where the source is driven without start().
+  DraftLength& policy(int64_t gamma) {
+    if (!policy_) policy_.emplace(SpeculativeOptions{.gamma = gamma});
+    return *policy_;
+  }
+
+  ModelRunner<D> runner_;
+  std::optional<DraftLength> policy_;
+};
+
+}  // namespace detail
+
 // Drafts from a drafter model (seeds 001, 002): gamma tokens sampled one by one through the
 // processor, with the draft-length policies of SpeculativeOptions (fixed, EGAG, schedule, the
 // confidence stop). The drafter's cache is the source's own or the caller's, and lives across
 // generations: a session's next turn feeds the drafter only what it has not seen.
 template <Drafter D>
-class ModelDraftSource {
+class ModelDraftSource : public detail::DrafterModelState<D> {
+  using State = detail::DrafterModelState<D>;
+  using State::policy_;
+  using State::runner_;
+
  public:
   // A source with a cache of its own (use_cache false recomputes the sequence at every forward).
-  explicit ModelDraftSource(D& drafter, bool use_cache = true)
-      : runner_(drafter, "drafter", use_cache) {}
+  explicit ModelDraftSource(D& drafter, bool use_cache = true) : State(drafter, use_cache) {}
   // A source on the caller's cache (which must outlive it).
-  ModelDraftSource(D& drafter, typename D::cache_type& cache) : runner_(drafter, "drafter", cache) {}
+  ModelDraftSource(D& drafter, typename D::cache_type& cache) : State(drafter, cache) {}
 
   [[nodiscard]] int64_t vocab_size() const { return static_cast<int64_t>(runner_.model().vocab_size()); }
-  // The drafter's limit, or its cache's capacity where that is smaller.
-  [[nodiscard]] int64_t max_sequence_length() const { return detail::sequence_limit(runner_.model(), runner_.cache()); }
-  [[nodiscard]] const typename D::cache_type& cache() const noexcept { return runner_.cache(); }
   // The drafter with its cache, for a step that runs the drafter itself (a CUDA graph step).
   [[nodiscard]] detail::ModelRunner<D>& runner() noexcept { return runner_; }
 
-  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) {
-    detail::check_draft_length_options(options);
-    policy_.emplace(options);
-    runner_.set_use_cache(options.use_cache);
-    runner_.resume(sequence);
-  }
-
   template <LogitsProcessor P>
   Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
-    if (!policy_) policy_.emplace(SpeculativeOptions{.gamma = request.gamma});
+    this->policy(request.gamma);
     Drafts result;
     const ForwardCounters counters{.calls = &result.calls};
     runner_.set_counters(counters);
@@ -226,13 +261,6 @@ class ModelDraftSource {
     return result;
   }
 
-  void verified(const VerifiedDrafts& verified) {
-    runner_.truncate(verified.position + verified.accepted);
-    if (policy_) policy_->after(verified.drafted, verified.accepted);
-  }
-
-  void finish(std::span<const int64_t> sequence) { runner_.record(sequence); }
-
  private:
   // draft() under greedy decoding on the CPU, with a fixed draft length (no policy signal): the
   // same drafts, each the first maximum of its logits row, read by the host.
@@ -261,8 +289,6 @@ class ModelDraftSource {
   }
 
   using ForwardCounters = detail::ForwardCounters;
-  detail::ModelRunner<D> runner_;
-  std::optional<detail::DraftLength> policy_;
   std::vector<at::Tensor> probs_;  // each draft's q, or under greedy decoding its logits' maximum
 };
 

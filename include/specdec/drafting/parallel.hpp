@@ -82,39 +82,34 @@ inline void check_parallel_draft_options(const ParallelDraftOptions& options, in
 // drafter's nor one less with the mask as the extra row; draft() throws when a draft-length option
 // is out of range (check_draft_length_options).
 template <Drafter D>
-class ParallelDraftSource {
+class ParallelDraftSource : public detail::DrafterModelState<D> {
+  using State = detail::DrafterModelState<D>;
+  using State::policy_;
+  using State::runner_;
+
  public:
   // A source with a cache of its own (use_cache false recomputes the sequence at every forward).
   ParallelDraftSource(D& drafter, const ParallelDraftOptions& options, bool use_cache = true)
-      : runner_(drafter, "drafter", use_cache), options_(options) {
+      : State(drafter, use_cache), options_(options) {
     detail::check_parallel_draft_options(options, static_cast<int64_t>(drafter.vocab_size()));
   }
   // A source on the caller's cache (which must outlive it).
   ParallelDraftSource(D& drafter, typename D::cache_type& cache, const ParallelDraftOptions& options)
-      : runner_(drafter, "drafter", cache), options_(options) {
+      : State(drafter, cache), options_(options) {
     detail::check_parallel_draft_options(options, static_cast<int64_t>(drafter.vocab_size()));
   }
 
   // The target's vocabulary, which the drafts are ids of.
   [[nodiscard]] int64_t vocab_size() const noexcept { return options_.vocab_size; }
   [[nodiscard]] const ParallelDraftOptions& options() const noexcept { return options_; }
-  // The drafter's limit, or its cache's capacity where that is smaller: drafting k tokens feeds it
-  // the sequence and k - 1 mask tokens, as a chain of k feeds it k - 1 drafts.
-  [[nodiscard]] int64_t max_sequence_length() const { return detail::sequence_limit(runner_.model(), runner_.cache()); }
-  [[nodiscard]] const typename D::cache_type& cache() const noexcept { return runner_.cache(); }
-
-  void start(std::span<const int64_t> sequence, const SpeculativeOptions& options) {
-    detail::check_draft_length_options(options);
-    policy_.emplace(options);
-    runner_.set_use_cache(options.use_cache);
-    runner_.resume(sequence);
-  }
+  // (max_sequence_length(): drafting k tokens feeds the drafter the sequence and k - 1 mask
+  // tokens, as a chain of k feeds it k - 1 drafts; start(), verified() and finish() as
+  // ModelDraftSource's.)
 
   template <LogitsProcessor P>
   Drafts draft(const DraftRequest& request, const P& processor, at::Generator& gen) {
-    if (!policy_) policy_.emplace(SpeculativeOptions{.gamma = request.gamma});
     Drafts result;
-    const int64_t rows = policy_->limit(request.room);
+    const int64_t rows = this->policy(request.gamma).limit(request.room);
     if (rows <= 0) return result;
     const auto length = static_cast<int64_t>(request.sequence.size());
     runner_.set_counters({.calls = &result.calls});
@@ -143,13 +138,6 @@ class ParallelDraftSource {
     }
     return result;
   }
-
-  void verified(const VerifiedDrafts& verified) {
-    runner_.truncate(verified.position + verified.accepted);
-    if (policy_) policy_->after(verified.drafted, verified.accepted);
-  }
-
-  void finish(std::span<const int64_t> sequence) { runner_.record(sequence); }
 
  private:
   // `count` mask tokens [1, count] on the drafter's device, made once for the largest count asked.
@@ -207,9 +195,7 @@ class ParallelDraftSource {
     result.finite = at::scalar_tensor(finite, at::TensorOptions().dtype(at::kBool));
   }
 
-  detail::ModelRunner<D> runner_;
   ParallelDraftOptions options_;
-  std::optional<detail::DraftLength> policy_;
   at::Tensor masks_;
 };
 
