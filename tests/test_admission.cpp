@@ -287,8 +287,11 @@ TEST(RemoteFrontDoor, ARapidResetFloodLeavesTokenHoldersServed) {
   EXPECT_GT(front.refused_for_resets, 0) << "no connection of the flooding host was refused";
   EXPECT_EQ(stats.live_calls, 0) << "calls of the flood still held";
   // Two clients, each with one call at a time: a worker may not be idle again yet when its
-  // client's next call comes, so up to two threads each.
-  EXPECT_LE(server.handler_threads(), std::max<size_t>(threads, 4)) << "the flood took handler threads";
+  // client's next call comes, so up to two threads each; the flood's few calls that reach gRPC
+  // (at most the reset budget's, refused on their headers) may each hold a worker for a moment
+  // (6 were seen in a run beside other work). A flood that took threads would take one per
+  // stream, up to max_concurrent_requests.
+  EXPECT_LE(server.handler_threads(), std::max<size_t>(threads, 8)) << "the flood took handler threads";
   if (kMemoryIsMeasured) {
     EXPECT_LT(growth, 128.0);
   }
