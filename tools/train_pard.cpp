@@ -199,21 +199,6 @@ std::vector<int64_t> chain_starts(int64_t length, double fraction, std::mt19937_
   return starts;
 }
 
-// Held-out acceptance of a draft source, greedy (text::measure_held_out), and drafter forwards per step.
-template <class MakeSource>
-std::pair<specdec::text::HeldOut, double> held_out(Model& target, const std::vector<std::vector<int64_t>>& prompts,
-                                                   MakeSource make_source, int64_t gamma) {
-  int64_t calls = 0, steps = 0;
-  for (const auto& prompt : prompts) {
-    auto source = make_source();
-    const auto result = specdec::generate_with(source, target, prompt, {.max_new_tokens = 128, .gamma = gamma});
-    calls += result.stats.drafter_calls;
-    steps += result.stats.steps;
-  }
-  return {specdec::text::measure_held_out(target, prompts, make_source, gamma),
-          static_cast<double>(calls) / static_cast<double>(std::max<int64_t>(1, steps))};
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -337,15 +322,16 @@ int main(int argc, char** argv) {
     Model original(drafter_checkpoint.config, drafter_checkpoint.weights);
     const auto prompts = specdec::text::held_out_prompts(target, corpus ? &corpus->held_out_paths : nullptr, args.bos, 8);
     const specdec::ParallelDraftOptions options{.mask_token = loaded.mask_token, .vocab_size = vocab};
-    const auto [adapted, adapted_calls] = held_out(
+    const specdec::text::HeldOut adapted = specdec::text::measure_held_out(
         target, prompts, [&] { return specdec::ParallelDraftSource<Model>(parallel, options); }, args.gamma);
-    const auto [chain, chain_calls] = held_out(
+    const specdec::text::HeldOut chain = specdec::text::measure_held_out(
         target, prompts, [&] { return specdec::ModelDraftSource<Model>(original); }, args.gamma);
     std::printf("original drafter, one token at a time: %.4g drafts accepted per step, %.3g drafter forwards per step\n",
-                chain.accepted_per_step, chain_calls);
+                chain.accepted_per_step, chain.drafter_calls_per_step);
     std::printf("parallel drafter: %.4g drafts accepted per step, %.3g drafter forwards per step (%.3g of the original's "
                 "acceptance)\n",
-                adapted.accepted_per_step, adapted_calls, adapted.accepted_per_step / chain.accepted_per_step);
+                adapted.accepted_per_step, adapted.drafter_calls_per_step,
+                adapted.accepted_per_step / chain.accepted_per_step);
     specdec::text::print_held_out(adapted, args.gamma);
     std::cout << "wrote " << args.out << std::endl;
     return adapted.identical ? 0 : 1;

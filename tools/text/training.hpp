@@ -110,12 +110,13 @@ std::vector<std::vector<int64_t>> held_out_prompts(Model& target, const std::vec
 struct HeldOut {
   double accepted_per_step = 0;
   double tokens_per_call = 0;
+  double drafter_calls_per_step = 0;
   bool identical = true;
 };
 template <class Model, class MakeSource>
 HeldOut measure_held_out(Model& target, const std::vector<std::vector<int64_t>>& prompts, MakeSource make_source,
                          int64_t gamma) {
-  int64_t steps = 0, accepted = 0, tokens = 0;
+  int64_t steps = 0, accepted = 0, tokens = 0, calls = 0;
   HeldOut result;
   for (const auto& prompt : prompts) {
     auto source = make_source();
@@ -123,10 +124,12 @@ HeldOut measure_held_out(Model& target, const std::vector<std::vector<int64_t>>&
     result.identical = result.identical && spec.tokens == autoregressive_generate(target, prompt, {.max_new_tokens = 128}).tokens;
     steps += spec.stats.steps;
     accepted += spec.stats.accepted;
+    calls += spec.stats.drafter_calls;
     tokens += static_cast<int64_t>(spec.tokens.size());
   }
   result.accepted_per_step = static_cast<double>(accepted) / static_cast<double>(std::max<int64_t>(1, steps));
   result.tokens_per_call = static_cast<double>(tokens) / static_cast<double>(std::max<int64_t>(1, steps));
+  result.drafter_calls_per_step = static_cast<double>(calls) / static_cast<double>(std::max<int64_t>(1, steps));
   return result;
 }
 

@@ -149,13 +149,13 @@ class ParallelDraftSource : public detail::DrafterModelState<D> {
     return masks_.narrow(1, 0, count);
   }
 
-  // The drafter's rows over the target's vocabulary, the mask token's logit removed.
+  // The drafter's rows over the target's vocabulary, the mask token's logit set to -inf in place
+  // (the rows are this step's own logits: no copy, no index tensor).
   [[nodiscard]] at::Tensor proposable(const at::Tensor& rows) const {
     const int64_t vocab = options_.vocab_size;
     at::Tensor out = rows.narrow(1, 0, vocab);
     if (options_.mask_token < vocab) {
-      out = out.index_fill(1, at::full({1}, options_.mask_token, at::TensorOptions().dtype(at::kLong).device(rows.device())),
-                           -std::numeric_limits<double>::infinity());
+      out.narrow(1, options_.mask_token, 1).fill_(-std::numeric_limits<double>::infinity());
     }
     return out;
   }
