@@ -4,7 +4,8 @@
 // turns and batches, with one device-to-host copy and one drafter forward a step; the drafter's
 // cache keeps only verified positions (drafts with a cache equal those recomputed without one);
 // sampled output is the target's (chi-square, and the same harness rejects a wrong q); bad
-// options and checkpoints are refused naming the field.
+// options and checkpoints are refused naming the field. Static trees from the same forward (top-k
+// per position) are exact too, and a chain-shaped tree is the chain.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -31,18 +32,7 @@ namespace {
 using namespace specdec;
 using Model = models::LlamaModel<StaticKVCache>;
 
-// The weights with one more token row (embedding and classifier) drawn at random: a drafter's
-// mask row, after the target's vocabulary.
-models::LlamaWeights with_mask_row(const models::LlamaWeights& w, uint64_t seed) {
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  const auto row = [&](const at::Tensor& t) {
-    return at::cat({t, at::normal(0.0, 0.5, {1, t.size(1)}, gen, at::TensorOptions(at::kFloat)).to(t.options())});
-  };
-  models::LlamaWeights out = w;
-  out.token_embedding = row(w.token_embedding);
-  out.output = row(w.output);
-  return out;
-}
+using test::with_mask_row;
 
 // A float64 target and a parallel drafter: the target's weights with noise, and either a mask row
 // added (mask id = the target's vocabulary) or a mask id inside the shared vocabulary.
@@ -266,6 +256,57 @@ TEST(ParallelDrafting, BadOptionsAreRefusedNamingTheField) {
   Pair other(12, true, 3);
   ParallelDraftSource<Model> source(pair.drafter, pair.options);
   EXPECT_THROW((void)generate_with(source, other.target, kPrompt, {.max_new_tokens = 4}), std::invalid_argument);
+}
+
+// A tree shaped as a chain drafts what the chain source drafts, step for step (both from the one
+// forward); wider trees decode greedily as autoregressive decoding with one drafter forward and
+// one host copy a step, for either kind of mask token. (Trees from parallel drafters also run the
+// conformance suite of tests/test_tree_sources.cpp.)
+TEST(ParallelTrees, AChainShapedTreeIsTheChainAndWiderTreesAreExact) {
+  for (const bool added_row : {true, false}) {
+    SCOPED_TRACE(::testing::Message() << "added row " << added_row);
+    Pair pair(8, added_row, 12);
+    const auto record = [](std::vector<std::vector<int64_t>>& into) {
+      return [&into](const StepInfo& step) {  // the accepted drafts and the step's own token
+        std::vector<int64_t> seen(step.drafts.begin(), step.drafts.begin() + step.accepted);
+        seen.push_back(step.token);
+        into.push_back(std::move(seen));
+      };
+    };
+    std::vector<std::vector<int64_t>> chain_steps, tree_steps;
+    ParallelDraftSource<Model> chain(pair.drafter, pair.options);
+    ParallelTreeSource<Model> chain_tree(pair.drafter, pair.options, TreeTemplate::chain(4));
+    const auto a = generate_with(chain, pair.target, kPrompt,
+                                 {.max_new_tokens = 40, .on_step = record(chain_steps), .gamma = 4, .first_target = false});
+    const auto b = generate_with(chain_tree, pair.target, kPrompt, {.max_new_tokens = 40, .on_step = record(tree_steps)});
+    EXPECT_EQ(chain_steps, tree_steps);
+    EXPECT_EQ(a.tokens, b.tokens);
+
+    const auto reference = autoregressive_generate(pair.target, kPrompt, {.max_new_tokens = 40});
+    for (const TreeTemplate& shape : {TreeTemplate::full(3, 2), TreeTemplate::from_paths({{0}, {1}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}, {0, 0, 0, 0}})}) {
+      ParallelTreeSource<Model> source(pair.drafter, pair.options, shape);
+      GenerationResult result;
+      const int64_t copies = copies_during([&] { result = generate_with(source, pair.target, kPrompt, {.max_new_tokens = 40}); });
+      EXPECT_EQ(result.tokens, reference.tokens);
+      EXPECT_EQ(copies, result.stats.steps);
+      // One drafter forward a step; a last step with one token of room left drafts nothing.
+      EXPECT_LE(result.stats.drafter_calls, result.stats.steps);
+      EXPECT_GE(result.stats.drafter_calls, result.stats.steps - 1);
+      EXPECT_GT(result.stats.accepted, 0);
+      for (const int64_t token : result.tokens) EXPECT_NE(token, pair.options.mask_token);
+    }
+  }
+}
+
+TEST(ParallelTrees, AShapeWiderThanTheProposableIdsIsRefused) {
+  Pair added(8, true, 12), inside(8, false, 12);
+  test::expect_invalid([&] { (void)ParallelTreeSource<Model>(added.drafter, added.options, TreeTemplate::full(9, 1)); },
+                       {"shape has a node with 9 children, more than the 8 ids a draft may be"});
+  test::expect_invalid([&] { (void)ParallelTreeSource<Model>(inside.drafter, inside.options, TreeTemplate::full(8, 1)); },
+                       {"shape has a node with 8 children, more than the 7 ids a draft may be"});
+  test::expect_invalid([&] { (void)ParallelTreeSource<Model>(added.drafter, {.mask_token = 3, .vocab_size = 8}, TreeTemplate::chain(2)); },
+                       {"mask_token must be 8"});
+  (void)ParallelTreeSource<Model>(inside.drafter, inside.options, TreeTemplate::full(7, 1));
 }
 
 std::filesystem::path scratch_folder(const std::string& name) {

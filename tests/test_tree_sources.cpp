@@ -1,7 +1,8 @@
 // One conformance suite over every tree source of the drafting room: static trees from a drafter
-// model (top-k and sampled children), dynamic trees, the EAGLE and Medusa heads' trees, suffix
-// trees and STAND. Each runs on the same small Llama target and must: decode greedily exactly as
-// autoregressive decoding with one device-to-host copy a step, and again on the caches it kept;
+// model (top-k and sampled children), dynamic trees, the EAGLE and Medusa heads' trees, parallel
+// drafters' trees, suffix trees and STAND. Each runs on the same small Llama target and must:
+// decode greedily exactly as autoregressive decoding with one device-to-host copy a step, and
+// again on the caches it kept;
 // take a session's turns up to the context's last position (trees cut to the room left); go on
 // with the target alone past its drafter's context; and sample exactly the target's distribution
 // (chi-square against every continuation's probability), while the same harness rejects a
@@ -24,6 +25,7 @@
 #include "specdec/drafting/eagle.hpp"
 #include "specdec/drafting/medusa.hpp"
 #include "specdec/drafting/model_tree.hpp"
+#include "specdec/drafting/parallel.hpp"
 #include "specdec/drafting/stand.hpp"
 #include "specdec/drafting/suffix.hpp"
 #include "specdec/generate.hpp"
@@ -168,6 +170,30 @@ struct MedusaTree : Kind {
   }
 };
 
+// Static trees from one forward of a parallel drafter: the target's weights with noise and a
+// mask row.
+struct ParallelTree : Kind {
+  static constexpr bool has_drafter_context = true;
+  static constexpr bool samples_children = false;
+  struct Parts {
+    Model drafter;
+    Parts(const World& w, int64_t context)
+        : drafter(with_mask(DrafterParts::with_context(w.config, context)),
+                  test::with_mask_row(test::perturbed(w.weights, 0.14, 4), 9)) {}
+    static models::LlamaConfig with_mask(models::LlamaConfig c) {
+      ++c.vocab_size;
+      return c;
+    }
+  };
+  template <Rule rule>
+  static auto make(Parts& parts, World& world) {
+    const int64_t vocab = world.config.vocab_size;
+    return Verified<ParallelTreeSource<Model>, rule>(
+        parts.drafter, ParallelDraftOptions{.mask_token = vocab, .vocab_size = vocab},
+        TreeTemplate::from_paths({{0}, {1}, {2}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}}));
+  }
+};
+
 struct SuffixTree : Kind {
   static constexpr bool has_drafter_context = false;
   static constexpr bool samples_children = false;
@@ -227,7 +253,7 @@ struct Stand : Kind {
 template <class Kind>
 class TreeSources : public testing::Test {};
 using Kinds =
-    testing::Types<StaticTopK, StaticSampled, Dynamic, EagleTree, MedusaTree, SuffixTree, Stand>;
+    testing::Types<StaticTopK, StaticSampled, Dynamic, EagleTree, MedusaTree, ParallelTree, SuffixTree, Stand>;
 struct KindNames {
   template <class Kind>
   static std::string GetName(int) {
@@ -236,6 +262,7 @@ struct KindNames {
     if constexpr (std::is_same_v<Kind, Dynamic>) return "Dynamic";
     if constexpr (std::is_same_v<Kind, EagleTree>) return "EagleTree";
     if constexpr (std::is_same_v<Kind, MedusaTree>) return "MedusaTree";
+    if constexpr (std::is_same_v<Kind, ParallelTree>) return "ParallelTree";
     if constexpr (std::is_same_v<Kind, SuffixTree>) return "SuffixTree";
     return "Stand";
   }
