@@ -58,7 +58,19 @@ using bench::Setup;
 using bench::bundled;
 using bench::stories;
 
-enum class Method { eagle, medusa, drafter, ngram, stand, parallel };
+enum class Method { eagle, medusa, drafter, ngram, stand, parallel, parallel_tree };
+
+// The parallel drafter's tree of depth `gamma`: its chain of top tokens, the second and third
+// choices at the first position and the second at the second (gamma + 3 nodes; gamma + 1 at
+// gamma 1).
+TreeTemplate parallel_tree(int64_t gamma) {
+  std::vector<std::vector<int64_t>> paths;
+  for (int64_t d = 1; d <= gamma; ++d) paths.emplace_back(static_cast<size_t>(d), 0);
+  paths.push_back({1});
+  if (gamma > 1) paths.insert(paths.end(), {{2}, {0, 1}, {1, 0}});
+  return TreeTemplate::from_paths(paths);
+}
+
 
 // One generation of `method` (speculative options with gamma), for the step statistics.
 GenerationResult run(Setup& s, Method method, const std::vector<int64_t>& prompt, SpeculativeOptions options) {
@@ -75,6 +87,11 @@ GenerationResult run(Setup& s, Method method, const std::vector<int64_t>& prompt
     case Method::drafter: return speculative_generate(*s.drafter, target, prompt, options);
     case Method::parallel: {
       ParallelDraftSource source(*s.pard, {.mask_token = s.pard_mask, .vocab_size = target.vocab_size()});
+      return generate_with(source, target, prompt, options);
+    }
+    case Method::parallel_tree: {
+      ParallelTreeSource source(*s.pard, {.mask_token = s.pard_mask, .vocab_size = target.vocab_size()},
+                                parallel_tree(options.gamma));
       return generate_with(source, target, prompt, options);
     }
     case Method::ngram: {
@@ -128,8 +145,10 @@ void BM_Drafting(benchmark::State& state, Setup& (*setup)(), Method method) {
 
 // Parallel drafting against the same drafter (before its adaptation) drafting one token at a time
 // and the EAGLE-3 head, in one run: each prompt through every way in turn, then autoregressively.
-// Per way: drafts accepted per step, drafter forwards per step, tokens/s and the speedup over
-// autoregressive decoding; parallel_over_chain compares the parallel drafter's acceptance with the
+// The parallel drafter also drafts a static tree from the same forward (parallel_tree: its chain
+// and three second or third choices near the root, parallel_tree(gamma)). Per way: drafts
+// accepted per step, drafter forwards per step, tokens/s and the speedup over autoregressive
+// decoding, and the target's, drafter's and library's milliseconds per step; parallel_over_chain compares the parallel drafter's acceptance with the
 // chain's.
 void BM_ParallelDrafting(benchmark::State& state, Setup& (*setup)()) {
   Setup& s = setup();
@@ -141,7 +160,7 @@ void BM_ParallelDrafting(benchmark::State& state, Setup& (*setup)()) {
     Method method;
     GenerationStats stats{};
   };
-  std::vector<Way> ways{{"parallel", Method::parallel}, {"chain", Method::drafter}};
+  std::vector<Way> ways{{"parallel", Method::parallel}, {"chain", Method::drafter}, {"parallel_tree", Method::parallel_tree}};
   if (s.eagle) ways.push_back({"eagle3", Method::eagle});
   for (const Way& way : ways) (void)run(s, way.method, s.prompts.front(), options);  // warm-up
   (void)autoregressive_generate(*s.target, s.prompts.front(), {.max_new_tokens = kNewTokens});
@@ -162,7 +181,12 @@ void BM_ParallelDrafting(benchmark::State& state, Setup& (*setup)()) {
     state.counters[name + "_drafter_forwards_per_step"] = static_cast<double>(way.stats.drafter_calls) / steps;
     state.counters[name + "_tokens_per_second"] = per_second;
     state.counters[name + "_speedup"] = per_second / alone_per_second;
+    // Where a step's time goes: the target's forward, the drafter's work, the library's own.
+    state.counters[name + "_target_ms_per_step"] = 1e3 * way.stats.target_seconds / steps;
+    state.counters[name + "_drafter_ms_per_step"] = 1e3 * way.stats.drafter_seconds / steps;
+    state.counters[name + "_library_ms_per_step"] = 1e3 * way.stats.library_seconds() / steps;
   }
+  state.counters["autoregressive_ms_per_token"] = 1e3 / alone_per_second;
   state.counters["parallel_over_chain"] = static_cast<double>(ways[0].stats.accepted) /
                                           static_cast<double>(std::max<int64_t>(1, ways[1].stats.accepted)) *
                                           static_cast<double>(ways[1].stats.steps) / static_cast<double>(ways[0].stats.steps);

@@ -33,7 +33,7 @@ specdec_cli_case(parallel_drafter_not_a_folder 2 "--drafter .*README.md: not a f
   ${G} --mode parallel --drafter "${PROJECT_SOURCE_DIR}/README.md")
 specdec_cli_case(parallel_drafter_without_mask 2 "config.json: missing key 'pard_token'" ${G} --mode parallel
   --drafter "${_bundled}/drafter")
-specdec_cli_case(tree_in_parallel 2 "--tree applies to --mode speculative, eagle or medusa, not --mode parallel" ${G}
+specdec_cli_case(tree_dynamic_in_parallel 2 "--tree dynamic does not apply to --mode parallel: a parallel drafter fills static trees" ${G}
   --mode parallel --tree dynamic)
 specdec_cli_case(eagle_head_of_another_target 2 "config.json: hidden_size = 192 but the target's hidden size is 96" ${G}
   --mode eagle --target "${_bundled}/drafter")
@@ -63,7 +63,7 @@ specdec_cli_case(suffix_tree_in_batch 2 "--suffix-tree does not apply to --batch
 specdec_cli_case(tree_static_in_eagle 2 "--tree static does not apply to --mode eagle" ${G} --mode eagle --tree static)
 specdec_cli_case(tree_dynamic_in_medusa 2 "--tree dynamic does not apply to --mode medusa" ${G} --mode medusa
   --tree dynamic)
-specdec_cli_case(tree_in_ngram 2 "--tree applies to --mode speculative, eagle or medusa, not --mode ngram" ${G}
+specdec_cli_case(tree_in_ngram 2 "--tree applies to --mode speculative, eagle, medusa or parallel, not --mode ngram" ${G}
   --mode ngram --tree dynamic)
 specdec_cli_case(tree_depth_without_tree 2 "--tree-depth applies with --tree static or dynamic" ${G} --tree-depth 3)
 specdec_cli_case(tree_nodes_without_tree 2 "--tree-nodes applies to --mode stand, or with --tree" ${G} --tree-nodes 8)

@@ -185,9 +185,9 @@ const std::vector<FlagModes>& flag_modes() {
       {"--suffix-tree", {"suffix"}},
       {"--trajectories", {"stand"}},
       {"--deterministic", {"stand"}},
-      {"--tree-nodes", {"stand", "speculative", "eagle", "medusa"}},
-      {"--tree", {"speculative", "eagle", "medusa"}},
-      {"--tree-depth", {"speculative", "eagle", "medusa"}},
+      {"--tree-nodes", {"stand", "speculative", "eagle", "medusa", "parallel"}},
+      {"--tree", {"speculative", "eagle", "medusa", "parallel"}},
+      {"--tree-depth", {"speculative", "eagle", "medusa", "parallel"}},
       {"--tree-top-k", {"speculative", "eagle", "medusa"}},
       {"--tree-score-temperature", {"speculative", "eagle", "medusa"}},
       {"--num-beams", {"beam"}},
@@ -226,6 +226,10 @@ void check_tree_flags(const CLI::App& app, const Arguments& a) {
   }
   if (a.tree == "dynamic" && a.mode == "medusa") {
     throw std::invalid_argument("--tree dynamic does not apply to --mode medusa: Medusa heads fill static trees");
+  }
+  if (a.tree == "dynamic" && a.mode == "parallel") {
+    throw std::invalid_argument(
+        "--tree dynamic does not apply to --mode parallel: a parallel drafter fills static trees from one forward");
   }
   for (const char* flag : {"--tree-top-k", "--tree-score-temperature"}) {
     if (a.tree == "static" && app.count(flag) > 0) throw std::invalid_argument(std::string(flag) + " applies to --tree dynamic");
@@ -398,9 +402,10 @@ Arguments parse(int argc, char** argv) {
                  "nodes of the default tree template (default 64); with --tree, the nodes a tree verifies (default 16)")
       ->check(cli::integer<int64_t>(1, 1024))->group(stand);
 
-  const std::string trees = "Draft trees (--mode speculative with a drafter model, eagle or medusa)";
+  const std::string trees = "Draft trees (--mode speculative with a drafter model, eagle, medusa or parallel)";
   app.add_option("--tree", a.tree,
-                 "none (default: chains), static (a fixed shape: the drafter's or the Medusa heads' top "
+                 "none (default: chains), static (a fixed shape: the drafter's, the Medusa heads' or the "
+                 "parallel drafter's top "
                  "tokens at each node) or dynamic (EAGLE-2's: the shape follows the drafter's confidence; "
                  "a drafter model or an EAGLE head)")
       ->check(in({"none", "static", "dynamic"}))->group(trees);

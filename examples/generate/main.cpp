@@ -259,6 +259,10 @@ int run(const Arguments& a) {
             return TreeTemplate::default_tree(a.tree_nodes.value_or(16), std::min(a.tree_depth, most_depth));
           };
           if (parallel_drafting) {
+            if (a.tree == "static") {
+              ParallelTreeSource source(*drafter, *parallel_drafting, shape(a.tree_depth));
+              return generate_with(source, target, prompt, options, p);
+            }
             ParallelDraftSource source(*drafter, *parallel_drafting);
             return generate_with(source, target, prompt, options, p);
           }
