@@ -25,6 +25,7 @@
 #include "support/expect_invalid.hpp"
 #include "support/host_copies.hpp"
 #include "support/llama_fixtures.hpp"
+#include "support/parallel_fixtures.hpp"
 #include "support/statistics.hpp"
 
 namespace {

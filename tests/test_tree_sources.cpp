@@ -35,6 +35,7 @@
 #include "support/head_fixtures.hpp"
 #include "support/host_copies.hpp"
 #include "support/llama_fixtures.hpp"
+#include "support/parallel_fixtures.hpp"
 #include "support/statistics.hpp"
 
 namespace {
