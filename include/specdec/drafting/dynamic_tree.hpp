@@ -238,6 +238,41 @@ class DeviceDraftTree : public TreeVerifier {
 // the heads' trees, suffix trees).
 using DeviceTreeVerifier = VerifiesTree<DeviceDraftTree>;
 
+// A static shape whose level d takes its tokens from row d - 1 of one logits table [depth, V]: the
+// levels do not depend on the nodes above them (Medusa's heads, a parallel drafter's positions),
+// so node (r_1, ..., r_d) is the rank-r_d token of row d - 1. Keeps its index buffers between steps.
+class RankedLevelTree {
+ public:
+  explicit RankedLevelTree(const TreeTemplate& shape) : shape_(shape) {
+    for (int64_t i = 0; i < shape_.size(); ++i) width_ = std::max(width_, shape_.rank(i) + 1);
+  }
+
+  [[nodiscard]] const BreadthFirstTree& shape() const noexcept { return shape_; }
+  // The most children of a node: the top-k each row gives.
+  [[nodiscard]] int64_t width() const noexcept { return width_; }
+
+  // Lays the shape's first n nodes into `tree` from `logits` [depth(n - 1), V] and records their
+  // finiteness for the walk.
+  void assign(DeviceDraftTree& tree, const at::Tensor& logits, int64_t n, const at::Device& device) {
+    const int64_t depth = shape_.depth(n - 1);
+    const at::Tensor top = std::get<1>(logits.topk(width_, -1)).flatten();  // [depth * width]
+    pick_.resize(static_cast<size_t>(n));
+    ranks_.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      ranks_[static_cast<size_t>(i)] = shape_.rank(i);
+      pick_[static_cast<size_t>(i)] = (shape_.depth(i) - 1) * width_ + shape_.rank(i);
+    }
+    const at::Tensor ids = top.index_select(0, to_device<int64_t>(pick_, {n}, top.device()));
+    tree.assign(ids.to(device), shape_.parents(n), ranks_, depth);
+    tree.check_finite(logits);
+  }
+
+ private:
+  BreadthFirstTree shape_;
+  int64_t width_ = 1;
+  std::vector<int64_t> pick_, ranks_;
+};
+
 // Throws std::invalid_argument when a tree of `nodes` draft nodes cannot follow even one token in
 // the target's context of `limit` positions (a tree that merely outgrows the room left near the
 // end is cut instead: an ordinary end).

@@ -139,16 +139,16 @@ class MedusaTreeSource : public detail::DeviceTreeVerifier {
   // rank is not below the vocabulary.
   template <FeatureTarget T>
   MedusaTreeSource(const models::MedusaHeads& heads, const T& target, const TreeTemplate& shape)
-      : state_(heads, target), shape_(shape) {
-    if (shape_.max_depth() > heads.config().num_heads) {
-      detail::throw_invalid_message("shape is ", shape_.max_depth(), " deep but there are only ",
+      : state_(heads, target), tree_shape_(shape) {
+    const detail::BreadthFirstTree& levels = tree_shape_.shape();
+    if (levels.max_depth() > heads.config().num_heads) {
+      detail::throw_invalid_message("shape is ", levels.max_depth(), " deep but there are only ",
                                     heads.config().num_heads, " Medusa heads");
     }
-    detail::check_tree_fits_target(shape_.size(), "shape's node count",
+    detail::check_tree_fits_target(levels.size(), "shape's node count",
                                    detail::sequence_limit(target));
-    for (int64_t i = 0; i < shape_.size(); ++i) width_ = std::max(width_, shape_.rank(i) + 1);
-    if (width_ > heads.config().vocab_size) {
-      detail::throw_invalid_message("shape has a node with ", width_,
+    if (tree_shape_.width() > heads.config().vocab_size) {
+      detail::throw_invalid_message("shape has a node with ", tree_shape_.width(),
                                     " children, more than the vocab_size ",
                                     heads.config().vocab_size);
     }
@@ -164,25 +164,14 @@ class MedusaTreeSource : public detail::DeviceTreeVerifier {
   }
 
   TreeDrafts draft_tree(const DraftRequest& request) {
-    const int64_t n = std::min(shape_.within(std::max<int64_t>(0, request.room)), request.capacity);
+    const detail::BreadthFirstTree& levels = tree_shape_.shape();
+    const int64_t n = std::min(levels.within(std::max<int64_t>(0, request.room)), request.capacity);
     const at::Tensor hidden = state_.hidden_for(request.sequence.size());
     if (n <= 0 || !hidden.defined()) {
       tree_.clear(1, request.device);
       return tree_.drafts(request.device, 0);
     }
-    const int64_t depth = shape_.depth(n - 1);
-    const at::Tensor logits = state_.heads().logits(hidden, depth);         // [depth, V]
-    const at::Tensor top = std::get<1>(logits.topk(width_, -1)).flatten();  // [depth * width]
-    pick_.resize(static_cast<size_t>(n));
-    ranks_.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      ranks_[static_cast<size_t>(i)] = shape_.rank(i);
-      pick_[static_cast<size_t>(i)] = (shape_.depth(i) - 1) * width_ + shape_.rank(i);
-    }
-    const at::Tensor ids =
-        top.index_select(0, detail::to_device<int64_t>(pick_, {n}, top.device()));
-    tree_.assign(ids.to(request.device), shape_.parents(n), ranks_, depth);
-    tree_.check_finite(logits);
+    tree_shape_.assign(tree_, state_.heads().logits(hidden, levels.depth(n - 1)), n, request.device);
     return tree_.drafts(request.device, 1);
   }
 
@@ -191,9 +180,7 @@ class MedusaTreeSource : public detail::DeviceTreeVerifier {
 
  private:
   MedusaHeadState state_;
-  detail::BreadthFirstTree shape_;
-  int64_t width_ = 1;
-  std::vector<int64_t> pick_, ranks_;
+  detail::RankedLevelTree tree_shape_;
 };
 static_assert(TreeDraftSource<MedusaTreeSource, GreedyProcessor> &&
               HasFeatureTaps<MedusaTreeSource>);

@@ -261,13 +261,13 @@ class ParallelTreeSource : public detail::ParallelDrafterState<D>, public detail
   // A source with a cache of its own (use_cache false recomputes the sequence at every forward).
   ParallelTreeSource(D& drafter, const ParallelDraftOptions& options, const TreeTemplate& shape,
                      bool use_cache = true)
-      : State(drafter, options, use_cache), shape_(shape) {
+      : State(drafter, options, use_cache), tree_shape_(shape) {
     check_shape();
   }
   // A source on the caller's cache (which must outlive it).
   ParallelTreeSource(D& drafter, typename D::cache_type& cache, const ParallelDraftOptions& options,
                      const TreeTemplate& shape)
-      : State(drafter, cache, options), shape_(shape) {
+      : State(drafter, cache, options), tree_shape_(shape) {
     check_shape();
   }
 
@@ -275,24 +275,15 @@ class ParallelTreeSource : public detail::ParallelDrafterState<D>, public detail
     const auto length = static_cast<int64_t>(request.sequence.size());
     // A tree of depth d feeds the drafter length + d - 1 positions.
     const int64_t levels = std::min(request.room, this->max_sequence_length() - length + 1);
-    const int64_t n = std::min(shape_.within(std::max<int64_t>(0, levels)), request.capacity);
+    const detail::BreadthFirstTree& shape = tree_shape_.shape();
+    const int64_t n = std::min(shape.within(std::max<int64_t>(0, levels)), request.capacity);
     if (n <= 0) {
       tree_.clear(1, request.device);
       return tree_.drafts(request.device, 0);
     }
-    const int64_t depth = shape_.depth(n - 1);
     int64_t calls = 0;
-    const at::Tensor rows = this->proposable(this->forward_rows(request.sequence, depth, &calls));
-    const at::Tensor top = std::get<1>(rows.topk(width_, -1)).flatten();  // [depth * width]
-    pick_.resize(static_cast<size_t>(n));
-    ranks_.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      ranks_[static_cast<size_t>(i)] = shape_.rank(i);
-      pick_[static_cast<size_t>(i)] = (shape_.depth(i) - 1) * width_ + shape_.rank(i);
-    }
-    const at::Tensor ids = top.index_select(0, detail::to_device<int64_t>(pick_, {n}, top.device()));
-    tree_.assign(ids.to(request.device), shape_.parents(n), ranks_, depth);
-    tree_.check_finite(rows);
+    const at::Tensor rows = this->forward_rows(request.sequence, shape.depth(n - 1), &calls);
+    tree_shape_.assign(tree_, this->proposable(rows), n, request.device);
     return tree_.drafts(request.device, calls);
   }
 
@@ -301,16 +292,14 @@ class ParallelTreeSource : public detail::ParallelDrafterState<D>, public detail
   void verified_tree(std::span<const int64_t> /*sequence*/, int64_t position) { this->runner_.truncate(position); }
 
  private:
-  void check_shape() {
-    for (int64_t i = 0; i < shape_.size(); ++i) width_ = std::max(width_, shape_.rank(i) + 1);
-    if (width_ > this->proposable_ids()) {
-      detail::throw_invalid_message("shape has a node with ", width_, " children, more than the ",
+  void check_shape() const {
+    if (tree_shape_.width() > this->proposable_ids()) {
+      detail::throw_invalid_message("shape has a node with ", tree_shape_.width(), " children, more than the ",
                                     this->proposable_ids(), " ids a draft may be");
     }
   }
 
-  detail::BreadthFirstTree shape_;
-  int64_t width_ = 1;
-  std::vector<int64_t> pick_, ranks_;
+  detail::RankedLevelTree tree_shape_;
 };
+
 }  // namespace specdec
