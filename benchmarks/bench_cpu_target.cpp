@@ -28,6 +28,15 @@
 //     each method tokens/s (_tps), tokens per target call (_tpc) and the target's milliseconds
 //     per call (_ms); best_chain_tps, best_tree_tps and their ratio tree_over_chain. Not in
 //     scripts/bench-llamacpp.sh's run (it takes minutes per format).
+//   BM_ParallelVsChain/F: a parallel drafter (SPECDEC_BENCH_PARALLEL: a folder of
+//     io::load_parallel_drafter's layout; for the widened stories260K, models/stories260K/pard,
+//     which computes for it what it computes for stories260K) against the drafter's chains and
+//     autoregressive decoding, greedy, 64 tokens on each story opening, alternating rounds as
+//     BM_TreeVsChain: autoregressive (ar), the drafter's chains (chain3..5), the parallel
+//     drafter's chains (par3..6: one drafter forward a step) and its static trees (ptree4, ptree5:
+//     the chain of that depth, the second and third choices at the first position and the second
+//     at the second). Per method _tps, _tpc, _ms, and _dms (the drafter's milliseconds per step);
+//     best_chain_tps, best_parallel_tps, parallel_over_chain, parallel_over_ar.
 #include <benchmark/benchmark.h>
 
 #include <ATen/Parallel.h>
@@ -43,8 +52,10 @@
 #include <vector>
 
 #include "specdec/drafting/dynamic_tree.hpp"
+#include "specdec/drafting/parallel.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/io/checkpoint.hpp"
+#include "specdec/io/parallel_drafter.hpp"
 #include "specdec/io/tokenizer.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/threads.hpp"
@@ -70,11 +81,16 @@ struct Loaded {
   std::unique_ptr<Model> model;
 };
 
-Model& load(Loaded& slot, const std::string& path, int format) {
+// A parallel drafter's folder (where SPECDEC_BENCH_PARALLEL names one) loads with its mask token.
+Model& load(Loaded& slot, const std::string& path, int format, int64_t* mask_token = nullptr) {
   if (slot.model && slot.path == path && slot.format == format) return *slot.model;
   slot.model.reset();
   const at::ScalarType dtype = format == 2 ? at::kBFloat16 : at::kFloat;
-  {
+  if (mask_token != nullptr) {
+    const io::ParallelDrafterCheckpoint checkpoint = io::load_parallel_drafter(path, at::TensorOptions().dtype(dtype));
+    slot.model = std::make_unique<Model>(checkpoint.config, checkpoint.weights);
+    *mask_token = checkpoint.mask_token;
+  } else {
     const io::LlamaCheckpoint checkpoint = io::load_llama(path, at::TensorOptions().dtype(dtype));
     slot.model = std::make_unique<Model>(checkpoint.config, checkpoint.weights);
   }  // the checkpoint's tensors go: packing then releases the only other copy
@@ -94,6 +110,15 @@ Model& target(int format) {
 Model& drafter(int format) {
   static Loaded slot;
   return load(slot, setting("SPECDEC_BENCH_DRAFTER"), format);
+}
+
+// The parallel drafter and its mask token.
+Model& parallel_drafter(int format, int64_t* mask_token) {
+  static Loaded slot;
+  static int64_t mask = -1;
+  Model& model = load(slot, setting("SPECDEC_BENCH_PARALLEL"), format, &mask);
+  *mask_token = mask;
+  return model;
 }
 
 // Bytes of the weight products a forward reads in `format`.
@@ -265,6 +290,92 @@ void BM_TreeVsChain(benchmark::State& state) {
   state.SetLabel(kFormatNames[format]);
 }
 
+// The parallel drafter's tree of depth `depth`: its chain of top tokens, the second and third
+// choices at the first position and the second at the second (depth + 3 nodes).
+TreeTemplate parallel_tree(int64_t depth) {
+  std::vector<std::vector<int64_t>> paths;
+  for (int64_t d = 1; d <= depth; ++d) paths.emplace_back(static_cast<size_t>(d), 0);
+  paths.insert(paths.end(), {{1}, {2}, {0, 1}, {1, 0}});
+  return TreeTemplate::from_paths(paths);
+}
+
+void BM_ParallelVsChain(benchmark::State& state) {
+  if (!have_models(state, true)) return;
+  if (setting("SPECDEC_BENCH_PARALLEL").empty()) {
+    return state.SkipWithError("set SPECDEC_BENCH_PARALLEL to a parallel drafter's folder (models/stories260K/pard)");
+  }
+  const int format = static_cast<int>(state.range(0));
+  Model& t = target(format);
+  Model& d = drafter(format);
+  int64_t mask = -1;
+  Model& pard = parallel_drafter(format, &mask);
+  const ParallelDraftOptions parallel{.mask_token = mask, .vocab_size = t.vocab_size()};
+  const std::vector<std::vector<int64_t>> prompts = story_prompts(t);
+  const std::string rounds_setting = setting("SPECDEC_BENCH_ROUNDS");
+  const int rounds = rounds_setting.empty() ? 2 : std::max(1, std::atoi(rounds_setting.c_str()));
+  enum class Kind { autoregressive, chain, parallel, tree };
+  struct Method {
+    std::string name;
+    Kind kind;
+    int64_t gamma = 0;
+  };
+  std::vector<Method> methods{{"ar", Kind::autoregressive}};
+  for (const int64_t gamma : {3, 4, 5}) methods.push_back({"chain" + std::to_string(gamma), Kind::chain, gamma});
+  for (const int64_t gamma : {3, 4, 5, 6}) methods.push_back({"par" + std::to_string(gamma), Kind::parallel, gamma});
+  for (const int64_t depth : {4, 5}) methods.push_back({"ptree" + std::to_string(depth), Kind::tree, depth});
+  const auto run = [&](const Method& method) {
+    GenerationStats stats;
+    for (const auto& prompt : prompts) {
+      const SpeculativeOptions options{.max_new_tokens = 64, .gamma = std::max<int64_t>(1, method.gamma)};
+      switch (method.kind) {
+        case Kind::autoregressive: stats += autoregressive_generate(t, prompt, {.max_new_tokens = 64}).stats; break;
+        case Kind::chain: stats += speculative_generate(d, t, prompt, options).stats; break;
+        case Kind::parallel: {
+          ParallelDraftSource source(pard, parallel);
+          stats += generate_with(source, t, prompt, options).stats;
+          break;
+        }
+        case Kind::tree: {
+          ParallelTreeSource source(pard, parallel, parallel_tree(method.gamma));
+          stats += generate_with(source, t, prompt, options).stats;
+          break;
+        }
+      }
+    }
+    return stats;
+  };
+  for (const Method& method : methods) (void)run(method);  // warm-up: every shape's first forwards
+  std::map<std::string, GenerationStats> best;
+  for (auto _ : state) {
+    for (int round = 0; round < rounds; ++round) {
+      std::vector<Method> order = methods;
+      if (round % 2 == 1) std::reverse(order.begin(), order.end());
+      for (const Method& method : order) {
+        const GenerationStats stats = run(method);
+        auto [at, fresh] = best.try_emplace(method.name, stats);
+        if (!fresh && stats.total_seconds < at->second.total_seconds) at->second = stats;
+      }
+    }
+  }
+  double best_chain = 0, best_parallel = 0, ar = 0;
+  for (const Method& method : methods) {
+    const GenerationStats& stats = best.at(method.name);
+    const double rate = static_cast<double>(stats.generated) / stats.total_seconds;
+    state.counters[method.name + "_tps"] = rate;
+    state.counters[method.name + "_tpc"] = stats.tokens_per_target_call();
+    state.counters[method.name + "_ms"] = 1e3 * stats.target_seconds / static_cast<double>(stats.target_calls);
+    state.counters[method.name + "_dms"] = 1e3 * stats.drafter_seconds / static_cast<double>(stats.steps);
+    if (method.kind == Kind::autoregressive) ar = rate;
+    if (method.kind == Kind::chain) best_chain = std::max(best_chain, rate);
+    if (method.kind == Kind::parallel || method.kind == Kind::tree) best_parallel = std::max(best_parallel, rate);
+  }
+  state.counters["best_chain_tps"] = best_chain;
+  state.counters["best_parallel_tps"] = best_parallel;
+  state.counters["parallel_over_chain"] = best_parallel / best_chain;
+  state.counters["parallel_over_ar"] = best_parallel / ar;
+  state.SetLabel(kFormatNames[format]);
+}
+
 }  // namespace
 
 // Each format's benchmarks together, so that each model loads once per run.
@@ -278,6 +389,7 @@ void register_benchmarks() {
       benchmark::RegisterBenchmark("BM_Generate", BM_Generate)->Args({format, gamma})->Iterations(1);
     }
     benchmark::RegisterBenchmark("BM_TreeVsChain", BM_TreeVsChain)->Args({format})->Iterations(1);
+    benchmark::RegisterBenchmark("BM_ParallelVsChain", BM_ParallelVsChain)->Args({format})->Iterations(1);
   }
 }
 
