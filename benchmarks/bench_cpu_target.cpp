@@ -59,6 +59,7 @@
 #include "specdec/io/tokenizer.hpp"
 #include "specdec/models/llama.hpp"
 #include "specdec/threads.hpp"
+#include "bench_support.hpp"
 #include "story_openings.hpp"
 
 namespace {
@@ -151,6 +152,12 @@ std::vector<int64_t> prompt_for(const Model& model) {
   return prompt;
 }
 
+// SPECDEC_BENCH_ROUNDS (default 2): the alternating rounds of BM_TreeVsChain and BM_ParallelVsChain.
+int rounds_asked() {
+  const std::string value = setting("SPECDEC_BENCH_ROUNDS");
+  return value.empty() ? 2 : std::max(1, std::atoi(value.c_str()));
+}
+
 bool have_models(benchmark::State& state, bool need_drafter) {
   if (setting("SPECDEC_BENCH_TARGET").empty() || (need_drafter && setting("SPECDEC_BENCH_DRAFTER").empty())) {
     state.SkipWithError("set SPECDEC_BENCH_TARGET (and SPECDEC_BENCH_DRAFTER): scripts/bench-llamacpp.sh does");
@@ -231,8 +238,7 @@ void BM_TreeVsChain(benchmark::State& state) {
   Model& t = target(format);
   Model& d = drafter(format);
   const std::vector<std::vector<int64_t>> prompts = story_prompts(t);
-  const std::string rounds_setting = setting("SPECDEC_BENCH_ROUNDS");
-  const int rounds = rounds_setting.empty() ? 2 : std::max(1, std::atoi(rounds_setting.c_str()));
+  const int rounds = rounds_asked();
   // A chain of `size` drafts (tree unset), or a dynamic tree of `size` nodes.
   struct Method {
     std::string name;
@@ -262,18 +268,7 @@ void BM_TreeVsChain(benchmark::State& state) {
   (void)run(methods.front());  // warm-up: both models' first forwards
   (void)run(methods.back());
   std::map<std::string, GenerationStats> best;
-  for (auto _ : state) {
-    for (int round = 0; round < rounds; ++round) {
-      // Alternate the order between rounds, so that no method always runs after the same one.
-      std::vector<Method> order = methods;
-      if (round % 2 == 1) std::reverse(order.begin(), order.end());
-      for (const Method& method : order) {
-        const GenerationStats stats = run(method);
-        auto [at, fresh] = best.try_emplace(method.name, stats);
-        if (!fresh && stats.total_seconds < at->second.total_seconds) at->second = stats;
-      }
-    }
-  }
+  for (auto _ : state) best = bench::best_of_rounds(methods, rounds, run);
   double best_chain = 0, best_tree = 0;
   for (const Method& method : methods) {
     const GenerationStats& stats = best.at(method.name);
@@ -290,15 +285,6 @@ void BM_TreeVsChain(benchmark::State& state) {
   state.SetLabel(kFormatNames[format]);
 }
 
-// The parallel drafter's tree of depth `depth`: its chain of top tokens, the second and third
-// choices at the first position and the second at the second (depth + 3 nodes).
-TreeTemplate parallel_tree(int64_t depth) {
-  std::vector<std::vector<int64_t>> paths;
-  for (int64_t d = 1; d <= depth; ++d) paths.emplace_back(static_cast<size_t>(d), 0);
-  paths.insert(paths.end(), {{1}, {2}, {0, 1}, {1, 0}});
-  return TreeTemplate::from_paths(paths);
-}
-
 void BM_ParallelVsChain(benchmark::State& state) {
   if (!have_models(state, true)) return;
   if (setting("SPECDEC_BENCH_PARALLEL").empty()) {
@@ -311,8 +297,7 @@ void BM_ParallelVsChain(benchmark::State& state) {
   Model& pard = parallel_drafter(format, &mask);
   const ParallelDraftOptions parallel{.mask_token = mask, .vocab_size = t.vocab_size()};
   const std::vector<std::vector<int64_t>> prompts = story_prompts(t);
-  const std::string rounds_setting = setting("SPECDEC_BENCH_ROUNDS");
-  const int rounds = rounds_setting.empty() ? 2 : std::max(1, std::atoi(rounds_setting.c_str()));
+  const int rounds = rounds_asked();
   enum class Kind { autoregressive, chain, parallel, tree };
   struct Method {
     std::string name;
@@ -336,7 +321,7 @@ void BM_ParallelVsChain(benchmark::State& state) {
           break;
         }
         case Kind::tree: {
-          ParallelTreeSource source(pard, parallel, parallel_tree(method.gamma));
+          ParallelTreeSource source(pard, parallel, bench::parallel_tree(method.gamma));
           stats += generate_with(source, t, prompt, options).stats;
           break;
         }
@@ -346,17 +331,7 @@ void BM_ParallelVsChain(benchmark::State& state) {
   };
   for (const Method& method : methods) (void)run(method);  // warm-up: every shape's first forwards
   std::map<std::string, GenerationStats> best;
-  for (auto _ : state) {
-    for (int round = 0; round < rounds; ++round) {
-      std::vector<Method> order = methods;
-      if (round % 2 == 1) std::reverse(order.begin(), order.end());
-      for (const Method& method : order) {
-        const GenerationStats stats = run(method);
-        auto [at, fresh] = best.try_emplace(method.name, stats);
-        if (!fresh && stats.total_seconds < at->second.total_seconds) at->second = stats;
-      }
-    }
-  }
+  for (auto _ : state) best = bench::best_of_rounds(methods, rounds, run);
   double best_chain = 0, best_parallel = 0, ar = 0;
   for (const Method& method : methods) {
     const GenerationStats& stats = best.at(method.name);

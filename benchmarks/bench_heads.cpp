@@ -60,18 +60,6 @@ using bench::stories;
 
 enum class Method { eagle, medusa, drafter, ngram, stand, parallel, parallel_tree };
 
-// The parallel drafter's tree of depth `gamma`: its chain of top tokens, the second and third
-// choices at the first position and the second at the second (gamma + 3 nodes; gamma + 1 at
-// gamma 1).
-TreeTemplate parallel_tree(int64_t gamma) {
-  std::vector<std::vector<int64_t>> paths;
-  for (int64_t d = 1; d <= gamma; ++d) paths.emplace_back(static_cast<size_t>(d), 0);
-  paths.push_back({1});
-  if (gamma > 1) paths.insert(paths.end(), {{2}, {0, 1}, {1, 0}});
-  return TreeTemplate::from_paths(paths);
-}
-
-
 // One generation of `method` (speculative options with gamma), for the step statistics.
 GenerationResult run(Setup& s, Method method, const std::vector<int64_t>& prompt, SpeculativeOptions options) {
   Model& target = *s.target;
@@ -91,7 +79,7 @@ GenerationResult run(Setup& s, Method method, const std::vector<int64_t>& prompt
     }
     case Method::parallel_tree: {
       ParallelTreeSource source(*s.pard, {.mask_token = s.pard_mask, .vocab_size = target.vocab_size()},
-                                parallel_tree(options.gamma));
+                                bench::parallel_tree(options.gamma));
       return generate_with(source, target, prompt, options);
     }
     case Method::ngram: {

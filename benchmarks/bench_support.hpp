@@ -225,4 +225,32 @@ inline int run_benchmarks(int argc, char** argv) {
   return 0;
 }
 
+// A parallel drafter's tree of depth `depth`: its chain of top tokens, the second and third
+// choices at the first position and the second at the second (depth + 3 nodes; 2 at depth 1).
+inline TreeTemplate parallel_tree(int64_t depth) {
+  std::vector<std::vector<int64_t>> paths;
+  for (int64_t d = 1; d <= depth; ++d) paths.emplace_back(static_cast<size_t>(d), 0);
+  paths.push_back({1});
+  if (depth > 1) paths.insert(paths.end(), {{2}, {0, 1}, {1, 0}});
+  return TreeTemplate::from_paths(paths);
+}
+
+// Runs every method (anything with a `name`) `rounds` times through run(method) -> GenerationStats,
+// the order reversed every other round so that no method always runs after the same one, and
+// keeps each method's fastest round.
+template <class Method, class Run>
+std::map<std::string, GenerationStats> best_of_rounds(const std::vector<Method>& methods, int rounds, Run&& run) {
+  std::map<std::string, GenerationStats> best;
+  for (int round = 0; round < rounds; ++round) {
+    std::vector<Method> order = methods;
+    if (round % 2 == 1) std::reverse(order.begin(), order.end());
+    for (const Method& method : order) {
+      const GenerationStats stats = run(method);
+      auto [at, fresh] = best.try_emplace(method.name, stats);
+      if (!fresh && stats.total_seconds < at->second.total_seconds) at->second = stats;
+    }
+  }
+  return best;
+}
+
 }  // namespace specdec::bench

@@ -240,7 +240,7 @@ using DeviceTreeVerifier = VerifiesTree<DeviceDraftTree>;
 
 // A static shape whose level d takes its tokens from row d - 1 of one logits table [depth, V]: the
 // levels do not depend on the nodes above them (Medusa's heads, a parallel drafter's positions),
-// so node (r_1, ..., r_d) is the rank-r_d token of row d - 1. Keeps its index buffers between steps.
+// so node (r_1, ..., r_d) is the rank-r_d token of row d - 1. Keeps its index tensor between steps.
 class RankedLevelTree {
  public:
   explicit RankedLevelTree(const TreeTemplate& shape) : shape_(shape) {
@@ -256,21 +256,30 @@ class RankedLevelTree {
   void assign(DeviceDraftTree& tree, const at::Tensor& logits, int64_t n, const at::Device& device) {
     const int64_t depth = shape_.depth(n - 1);
     const at::Tensor top = std::get<1>(logits.topk(width_, -1)).flatten();  // [depth * width]
-    pick_.resize(static_cast<size_t>(n));
-    ranks_.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      ranks_[static_cast<size_t>(i)] = shape_.rank(i);
-      pick_[static_cast<size_t>(i)] = (shape_.depth(i) - 1) * width_ + shape_.rank(i);
-    }
-    const at::Tensor ids = top.index_select(0, to_device<int64_t>(pick_, {n}, top.device()));
+    const at::Tensor ids = top.index_select(0, picks(n, top.device()));
     tree.assign(ids.to(device), shape_.parents(n), ranks_, depth);
     tree.check_finite(logits);
   }
 
  private:
+  // Where node i's token is in the flattened top-k table, on `on`, made again only when the
+  // tree's size or device changes (a tree cut near the end of the context); ranks_ for assign().
+  const at::Tensor& picks(int64_t n, const at::Device& on) {
+    if (picks_.defined() && picks_.numel() == n && picks_.device() == on) return picks_;
+    std::vector<int64_t> pick(static_cast<size_t>(n));
+    ranks_.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      ranks_[static_cast<size_t>(i)] = shape_.rank(i);
+      pick[static_cast<size_t>(i)] = (shape_.depth(i) - 1) * width_ + shape_.rank(i);
+    }
+    picks_ = to_device<int64_t>(pick, {n}, on);
+    return picks_;
+  }
+
   BreadthFirstTree shape_;
   int64_t width_ = 1;
-  std::vector<int64_t> pick_, ranks_;
+  std::vector<int64_t> ranks_;
+  at::Tensor picks_;
 };
 
 // Throws std::invalid_argument when a tree of `nodes` draft nodes cannot follow even one token in

@@ -45,6 +45,7 @@
 #include "specdec/drafting/model_tree.hpp"
 #include "specdec/logits_processor.hpp"
 #include "specdec/options.hpp"
+#include "specdec/step.hpp"
 #include "specdec/verification.hpp"
 
 namespace specdec {
@@ -273,8 +274,8 @@ class ParallelTreeSource : public detail::ParallelDrafterState<D>, public detail
 
   TreeDrafts draft_tree(const DraftRequest& request) {
     const auto length = static_cast<int64_t>(request.sequence.size());
-    // A tree of depth d feeds the drafter length + d - 1 positions.
-    const int64_t levels = std::min(request.room, this->max_sequence_length() - length + 1);
+    // A tree of depth d feeds the drafter length + d - 1 positions, as a chain of d drafts does.
+    const int64_t levels = std::min(request.room, detail::source_room(*this, length));
     const detail::BreadthFirstTree& shape = tree_shape_.shape();
     const int64_t n = std::min(shape.within(std::max<int64_t>(0, levels)), request.capacity);
     if (n <= 0) {
