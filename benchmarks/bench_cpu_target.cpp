@@ -166,6 +166,15 @@ bool have_models(benchmark::State& state, bool need_drafter) {
   return true;
 }
 
+// Sets a method's tokens/s, tokens per target call and ms per target call; returns its tokens/s.
+double method_counters(benchmark::State& state, const std::string& name, const GenerationStats& stats) {
+  const double rate = static_cast<double>(stats.generated) / stats.total_seconds;
+  state.counters[name + "_tps"] = rate;
+  state.counters[name + "_tpc"] = stats.tokens_per_target_call();
+  state.counters[name + "_ms"] = 1e3 * stats.target_seconds / static_cast<double>(stats.target_calls);
+  return rate;
+}
+
 void BM_Floor(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(read_rate());
   state.counters["read_gb_per_s"] = read_rate();
@@ -272,10 +281,7 @@ void BM_TreeVsChain(benchmark::State& state) {
   double best_chain = 0, best_tree = 0;
   for (const Method& method : methods) {
     const GenerationStats& stats = best.at(method.name);
-    const double rate = static_cast<double>(stats.generated) / stats.total_seconds;
-    state.counters[method.name + "_tps"] = rate;
-    state.counters[method.name + "_tpc"] = stats.tokens_per_target_call();
-    state.counters[method.name + "_ms"] = 1e3 * stats.target_seconds / static_cast<double>(stats.target_calls);
+    const double rate = method_counters(state, method.name, stats);
     double& best_of_kind = method.tree ? best_tree : best_chain;
     best_of_kind = std::max(best_of_kind, rate);
   }
@@ -335,10 +341,7 @@ void BM_ParallelVsChain(benchmark::State& state) {
   double best_chain = 0, best_parallel = 0, ar = 0;
   for (const Method& method : methods) {
     const GenerationStats& stats = best.at(method.name);
-    const double rate = static_cast<double>(stats.generated) / stats.total_seconds;
-    state.counters[method.name + "_tps"] = rate;
-    state.counters[method.name + "_tpc"] = stats.tokens_per_target_call();
-    state.counters[method.name + "_ms"] = 1e3 * stats.target_seconds / static_cast<double>(stats.target_calls);
+    const double rate = method_counters(state, method.name, stats);
     state.counters[method.name + "_dms"] = 1e3 * stats.drafter_seconds / static_cast<double>(stats.steps);
     if (method.kind == Kind::autoregressive) ar = rate;
     if (method.kind == Kind::chain) best_chain = std::max(best_chain, rate);
