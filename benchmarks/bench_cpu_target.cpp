@@ -42,13 +42,17 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
+#include <iostream>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "specdec/drafting/dynamic_tree.hpp"
@@ -153,9 +157,16 @@ std::vector<int64_t> prompt_for(const Model& model) {
 }
 
 // SPECDEC_BENCH_ROUNDS (default 2): the alternating rounds of BM_TreeVsChain and BM_ParallelVsChain.
+// Anything but a whole number in [1, 1000] is refused, naming the setting and its value.
 int rounds_asked() {
   const std::string value = setting("SPECDEC_BENCH_ROUNDS");
-  return value.empty() ? 2 : std::max(1, std::atoi(value.c_str()));
+  if (value.empty()) return 2;
+  int rounds = 0;
+  const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), rounds);
+  if (error != std::errc() || end != value.data() + value.size() || rounds < 1 || rounds > 1000) {
+    throw std::invalid_argument("SPECDEC_BENCH_ROUNDS must be a whole number in [1, 1000], got '" + value + "'");
+  }
+  return rounds;
 }
 
 bool have_models(benchmark::State& state, bool need_drafter) {
@@ -371,22 +382,21 @@ void register_benchmarks() {
   }
 }
 
-// --threads N (default 1): libtorch's intra-op threads, before Google Benchmark reads its flags.
+// --threads N (default 1) and Google Benchmark's flags, read by bench::run_benchmarks. The models
+// load on the CPU, so --device is refused rather than ignored.
 int main(int argc, char** argv) {
-  int threads = 1;
-  std::vector<char*> rest;
-  for (int i = 0; i < argc; ++i) {
-    if (std::string(argv[i]) == "--threads" && i + 1 < argc) {
-      threads = std::atoi(argv[++i]);
-    } else {
-      rest.push_back(argv[i]);
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]).starts_with("--device")) {
+      std::cerr << argv[0] << ": --device is not taken: this benchmark measures the CPU forward\n";
+      return 2;
     }
   }
-  specdec::set_threads(std::max(1, threads));
-  int count = static_cast<int>(rest.size());
+  try {
+    (void)rounds_asked();  // a bad SPECDEC_BENCH_ROUNDS ends the run before any benchmark
+  } catch (const std::invalid_argument& error) {
+    std::cerr << argv[0] << ": " << error.what() << "\n";
+    return 2;
+  }
   register_benchmarks();
-  benchmark::Initialize(&count, rest.data());
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return bench::run_benchmarks(argc, argv);
 }
