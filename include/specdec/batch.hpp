@@ -264,6 +264,14 @@ class BatchRunner {
     lengths_ = pick_rows(lengths_, rows);
   }
 
+  // n rows of no positions join after the others (their whole sequences are fed next).
+  void add_rows(int64_t n)
+    requires AppendableKVCache<typename M::cache_type>
+  {
+    cache_.append_rows(n);
+    lengths_.insert(lengths_.end(), static_cast<size_t>(n), 0);
+  }
+
  private:
   M& model_;
   std::string_view role_;
@@ -304,104 +312,156 @@ struct BatchStep {
   std::span<const int64_t> features_from{};
 };
 
-// The generation loop of a batch. Drafting: draft(active rows' sequences, rooms, k, processor,
-// gen, stats) -> BatchDrafts of at most k drafts per row (rooms[i] <= k: what row i can verify;
-// fewer columns where the drafter's own context allows fewer), after(BatchStep) after every step,
-// select(rows) when rows leave, and, where it has one, finished_before_start(row, sequence) for
-// each row that ends before the first step; with feature_taps(), the target's forwards tap them
-// and the steps hand them on. A step with no drafts is target-only (autoregressive decoding, a first target
-// step). `limit` is the target's: rows stop there.
-template <BatchedLanguageModel T, class Drafting, LogitsProcessor P>
-std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<int64_t>> prompts,
-                                        const SpeculativeOptions& options, const P& processor, Drafting& drafting,
-                                        int64_t limit, bool draft) {
-  const c10::InferenceMode inference;  // no autograd in the loop (see run_generation)
-  const auto batch = static_cast<int64_t>(prompts.size());
-  std::vector<std::vector<int64_t>> sequences(prompts.begin(), prompts.end());
-  std::vector<std::unique_ptr<GenerationState>> states;
-  for (int64_t r = 0; r < batch; ++r) {
-    states.push_back(std::make_unique<GenerationState>(sequences[static_cast<size_t>(r)], options, limit));
-    states.back()->set_row(r);
+// One row of a running batch: the sequence it generates (prompt first), its stopping rules and
+// the most drafts a step verifies for it.
+struct BatchRow {
+  int64_t tag = 0;  // the caller's name for the row: a prompt's index, a request's id
+  std::unique_ptr<std::vector<int64_t>> sequence{};
+  std::unique_ptr<GenerationState> state{};
+  int64_t gamma = 0;     // drafts per step; 0: the target alone
+  bool stepped = false;  // whether it took a step (first_target keeps drafts from its first)
+};
+
+// What a row did in a step: where its new tokens begin and, when it finished, its result.
+struct RowOutcome {
+  int64_t tag = 0;
+  int64_t position = 0;  // the row's length before the step: its new tokens follow
+  std::optional<GenerationResult> result{};
+};
+
+// The step of batched generation, for rows that join and leave between steps (the one step
+// that batch generation and the Engine share). Drafting: draft(active rows' sequences, rooms, k,
+// processor, gen, stats) -> BatchDrafts of at most k drafts per row (rooms[i] <= k: what row i
+// can verify; fewer columns where the drafter's own context allows fewer), after(BatchStep)
+// after every step, select(rows) when rows leave; with feature_taps(), the target's forwards tap
+// them and the steps hand them on. A step with no drafts is target-only (autoregressive
+// decoding, a first target step). `limit` is the target's: rows stop there.
+template <BatchedLanguageModel T>
+class BatchCore {
+ public:
+  // The target's cache starts with `rows` rows (make_cache(rows)), which add() fills in order;
+  // rows beyond them are appended (AppendableKVCache).
+  BatchCore(T& target, int64_t rows, int64_t limit, std::optional<uint64_t> seed)
+      : target_(target),
+        runner_(target, "target", rows,
+                {.calls = &shared_.target_calls, .seconds = &shared_.target_seconds,
+                 .positions = &shared_.target_positions}),
+        limit_(limit),
+        gen_(make_generator(seed, target.device())) {}
+
+  // Gives back every row of the target's cache before the first add() (an engine starts empty,
+  // its cache allocated for the rows it will hold).
+  void release_rows() {
+    if (!rows_.empty()) throw std::logic_error("BatchCore::release_rows: rows have joined");
+    runner_.select({});
   }
-  // Target forwards serve every row at once: their calls and times are shared; each row's stats
-  // count them whole (a row's tokens_per_target_call is its own).
-  GenerationStats shared;
-  BatchRunner<T> runner(target, "target", batch,
-                        {.calls = &shared.target_calls, .seconds = &shared.target_seconds,
-                         .positions = &shared.target_positions});
-  at::Generator gen = make_generator(options.seed, target.device());
-  // A row's result is taken when it finishes, so that its total time is its own.
-  std::vector<GenerationResult> results(static_cast<size_t>(batch));
-  std::vector<int64_t> active;
-  for (int64_t r = 0; r < batch; ++r) {
-    if (!states[static_cast<size_t>(r)]->finished()) {
-      active.push_back(r);
-    } else {  // max_new_tokens 0, or a prompt at the target's limit
-      if constexpr (requires { drafting.finished_before_start(r, std::span<const int64_t>{}); }) {
-        drafting.finished_before_start(r, std::span<const int64_t>(sequences[static_cast<size_t>(r)]));
-      }
-      results[static_cast<size_t>(r)] = std::move(*states[static_cast<size_t>(r)]).finish();
+
+  [[nodiscard]] std::span<const BatchRow> rows() const noexcept { return rows_; }
+  [[nodiscard]] bool empty() const noexcept { return rows_.empty(); }
+  [[nodiscard]] at::Generator& generator() noexcept { return gen_; }
+  // Counts of the forwards the rows shared (each row's stats count them whole).
+  [[nodiscard]] const GenerationStats& shared() const noexcept { return shared_; }
+
+  template <class Drafting>
+  void set_taps(const Drafting& drafting) {
+    if constexpr (requires { drafting.feature_taps(); }) {
+      static_assert(FeatureTarget<T>, "a draft source with feature_taps() needs a target that models FeatureTarget");
+      runner_.set_taps(drafting.feature_taps());
     }
   }
-  if (active.size() != static_cast<size_t>(batch)) {
-    runner.select(active);
-    drafting.select(active);
+
+  // Whether a row of `prompt` tokens would fit the next forward beside the others: its whole
+  // prompt is fed with them, after the longest cached row.
+  [[nodiscard]] bool fits(std::span<const int64_t> prompt) {
+    views_.clear();
+    for (const BatchRow& row : rows_) views_.push_back(row.state->sequence());
+    if (runner_.tail_room(views_) < 0) return false;
+    if (limit_ == std::numeric_limits<int64_t>::max()) return true;
+    return runner_.longest() + static_cast<int64_t>(prompt.size()) <= limit_;
   }
-  if constexpr (requires { drafting.feature_taps(); }) {
-    static_assert(FeatureTarget<T>, "a draft source with feature_taps() needs a target that models FeatureTarget");
-    runner.set_taps(drafting.feature_taps());
+
+  // A new row after the others, generating after `prompt` under `options` (its own end tokens,
+  // stop sequences, max_new_tokens and callback). Returns its result instead where it ends
+  // before a step (max_new_tokens 0, a prompt at the limit): such a row is never added.
+  template <class Options>
+  std::optional<GenerationResult> add(int64_t tag, std::span<const int64_t> prompt, const Options& options,
+                                      int64_t gamma) {
+    BatchRow row{.tag = tag, .sequence = std::make_unique<std::vector<int64_t>>(prompt.begin(), prompt.end()),
+                 .gamma = gamma};
+    row.state = std::make_unique<GenerationState>(*row.sequence, options, limit_);
+    row.state->set_row(tag);
+    if (row.state->finished()) return std::move(*row.state).finish();
+    if (rows_.size() == runner_.lengths().size()) {
+      if constexpr (AppendableKVCache<typename T::cache_type>) {
+        runner_.add_rows(1);
+      } else {
+        throw std::logic_error("BatchCore::add: the target's cache holds no free row and cannot append one");
+      }
+    }
+    rows_.push_back(std::move(row));
+    return std::nullopt;
   }
-  bool first = true;
-  std::vector<std::span<const int64_t>> views;
-  std::vector<int64_t> positions, rooms, keep, prune_to, local_keep, accepted;
-  std::vector<uint8_t> finished;
-  while (!active.empty()) {
-    const auto b = static_cast<int64_t>(active.size());
-    views.clear();
-    positions.clear();
+
+  // Keeps the rows `keep` (indices into rows(), increasing); the others leave without a result.
+  template <class Drafting>
+  void keep(std::span<const int64_t> keep, Drafting& drafting) {
+    std::vector<BatchRow> kept;
+    for (const int64_t i : keep) kept.push_back(std::move(rows_[static_cast<size_t>(i)]));
+    rows_ = std::move(kept);
+    runner_.select(keep);
+    drafting.select(keep);
+  }
+
+  // Row i's result as it stands (for a row that leaves unfinished: the caller then drops it).
+  [[nodiscard]] GenerationResult result_of(size_t i) { return std::move(*rows_[i].state).finish(); }
+
+  // One step of every row: drafts, one target forward, verification, one host copy. Appends an
+  // outcome per row to `out`; rows that finish leave the batch.
+  template <class Drafting, LogitsProcessor P>
+  void step(Drafting& drafting, const P& processor, bool first_target, bool skip_sample_adjustment,
+            std::vector<RowOutcome>& out) {
+    const c10::InferenceMode inference;  // no autograd in the loop (see run_generation)
+    const auto b = static_cast<int64_t>(rows_.size());
+    if (b == 0) return;
+    views_.clear();
+    positions_.clear();
+    rooms_.clear();
     int64_t k = 0;
-    rooms.clear();
-    for (const int64_t r : active) {
-      GenerationState& state = *states[static_cast<size_t>(r)];
-      views.push_back(state.sequence());
-      positions.push_back(state.length());
-      const int64_t room = state.room() - 1;
-      rooms.push_back(draft && !(first && options.first_target) ? std::max<int64_t>(0, std::min(options.gamma, room)) : 0);
-      k = std::max(k, rooms.back());
+    for (const BatchRow& row : rows_) {
+      views_.push_back(row.state->sequence());
+      positions_.push_back(row.state->length());
+      const int64_t room = row.state->room() - 1;
+      const bool held_back = !row.stepped && first_target;
+      rooms_.push_back(held_back ? 0 : std::max<int64_t>(0, std::min(row.gamma, room)));
+      k = std::max(k, rooms_.back());
     }
     // The target's padded forward must fit too (see the top of this file).
-    const int64_t fits = std::max<int64_t>(0, runner.tail_room(views));
+    const int64_t fits = std::max<int64_t>(0, runner_.tail_room(views_));
     if (k > fits) {
       k = fits;
-      for (auto& room : rooms) room = std::min(room, fits);
+      for (auto& room : rooms_) room = std::min(room, fits);
     }
     BatchDrafts drafts;
-    const double drafter_before = shared.drafter_seconds;
+    const double drafter_before = shared_.drafter_seconds;
     if (k > 0) {
-      ScopedTimer timer(shared.drafter_seconds);
-      drafts = drafting.draft(views, rooms, k, processor, gen, shared);
+      ScopedTimer timer(shared_.drafter_seconds);
+      drafts = drafting.draft(views_, rooms_, k, processor, gen_, shared_);
       // A drafter near its own limit drafts fewer.
       k = drafts.tokens.defined() ? drafts.tokens.size(1) : 0;
     }
     for (int64_t i = 0; i < b; ++i) {
       const int64_t made = k > 0 ? drafts.valid[static_cast<size_t>(i)] : 0;
-      rooms[static_cast<size_t>(i)] = std::min(rooms[static_cast<size_t>(i)], made);
+      rooms_[static_cast<size_t>(i)] = std::min(rooms_[static_cast<size_t>(i)], made);
     }
-    const double target_before = shared.target_seconds;
-    const int64_t calls_before = shared.target_calls;
-    const auto [logits, last] = runner.forward(views, k > 0 ? drafts.tokens : at::Tensor());
+    const double target_before = shared_.target_seconds;
+    const int64_t calls_before = shared_.target_calls;
+    const auto [logits, last] = runner_.forward(views_, k > 0 ? drafts.tokens : at::Tensor());
     const at::Tensor target_rows = rows_from(logits, last, k + 1);
-    const at::Tensor valid = to_device<int64_t>(rooms, {b}, target.device());
+    const at::Tensor valid = to_device<int64_t>(rooms_, {b}, target_.device());
     const at::Tensor draft_tokens =
-        k > 0 ? drafts.tokens : at::empty({b, 0}, at::TensorOptions().dtype(at::kLong).device(target.device()));
+        k > 0 ? drafts.tokens : at::empty({b, 0}, at::TensorOptions().dtype(at::kLong).device(target_.device()));
     const at::Tensor q = k > 0 ? drafts.probs : at::Tensor();
-    at::Tensor packed;
-    if constexpr (std::is_same_v<P, GreedyProcessor>) {
-      packed = verify_batch_greedy(target_rows, q, draft_tokens, valid, drafts.finite);
-    } else {
-      packed = verify_batch(processor(target_rows), q, draft_tokens, valid, processor, gen, options.skip_sample_adjustment,
-                            drafts.finite);
-    }
+    const at::Tensor packed = verify(target_rows, q, draft_tokens, valid, drafts.finite, processor, skip_sample_adjustment);
     const at::Tensor host = to_host(packed);
     const int64_t* values = host.data_ptr<int64_t>();
     const int64_t stride = 3 + k;
@@ -410,64 +470,128 @@ std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<i
         throw_step_non_finite("speculative_generate_batch", values[i * stride + 2], target_rows);
       }
     }
-    prune_to.clear();
-    accepted.clear();
-    finished.clear();
+    prune_to_.clear();
+    accepted_.clear();
+    finished_.clear();
     for (int64_t i = 0; i < b; ++i) {
       const int64_t* row = values + i * stride;
-      GenerationState& state = *states[static_cast<size_t>(active[static_cast<size_t>(i)])];
+      BatchRow& batch_row = rows_[static_cast<size_t>(i)];
+      GenerationState& state = *batch_row.state;
       GenerationStats& stats = state.stats();
       // The shared forwards, counted whole in every row that took part.
-      stats.target_calls += shared.target_calls - calls_before;
-      stats.target_seconds += shared.target_seconds - target_before;
-      stats.drafter_seconds += shared.drafter_seconds - drafter_before;
+      stats.target_calls += shared_.target_calls - calls_before;
+      stats.target_seconds += shared_.target_seconds - target_before;
+      stats.drafter_seconds += shared_.drafter_seconds - drafter_before;
       stats.drafter_calls += k > 0 ? drafts.valid[static_cast<size_t>(i)] : 0;
-      const int64_t made = rooms[static_cast<size_t>(i)];
+      const int64_t made = rooms_[static_cast<size_t>(i)];
       const std::span<const int64_t> row_drafts(row + 3, static_cast<size_t>(made));
       EmittedStep emitted{.drafts = row_drafts, .accepted = row[0], .token = row[1]};
       if (k > 0) emitted.gamma = made;
       state.emit(emitted);
-      prune_to.push_back(positions[static_cast<size_t>(i)] + row[0]);
-      accepted.push_back(row[0]);
-      finished.push_back(state.finished() ? 1 : 0);
+      batch_row.stepped = true;
+      prune_to_.push_back(positions_[static_cast<size_t>(i)] + row[0]);
+      accepted_.push_back(row[0]);
+      finished_.push_back(state.finished() ? 1 : 0);
     }
-    runner.prune(prune_to);
-    views.clear();
-    for (const int64_t r : active) views.push_back(states[static_cast<size_t>(r)]->sequence());
+    runner_.prune(prune_to_);
+    views_.clear();
+    for (const BatchRow& row : rows_) views_.push_back(row.state->sequence());
     {
       // What the drafting learns from the step is drafter time, in every row that took part.
-      const double before = shared.drafter_seconds;
+      const double before = shared_.drafter_seconds;
       {
-        ScopedTimer timer(shared.drafter_seconds);
-        drafting.after(BatchStep{.sequences = views,
-                                 .positions = positions,
-                                 .drafted = rooms,
-                                 .accepted = accepted,
-                                 .kept = prune_to,
-                                 .finished = finished,
-                                 .features = runner.features(),
-                                 .features_from = runner.fed_from()});
+        ScopedTimer timer(shared_.drafter_seconds);
+        drafting.after(BatchStep{.sequences = views_,
+                                 .positions = positions_,
+                                 .drafted = rooms_,
+                                 .accepted = accepted_,
+                                 .kept = prune_to_,
+                                 .finished = finished_,
+                                 .features = runner_.features(),
+                                 .features_from = runner_.fed_from()});
       }
-      for (const int64_t r : active) states[static_cast<size_t>(r)]->stats().drafter_seconds += shared.drafter_seconds - before;
+      for (BatchRow& row : rows_) row.state->stats().drafter_seconds += shared_.drafter_seconds - before;
     }
     // Finished rows leave the batch.
-    keep.clear();
-    local_keep.clear();
+    local_keep_.clear();
     for (int64_t i = 0; i < b; ++i) {
-      const int64_t r = active[static_cast<size_t>(i)];
-      if (!states[static_cast<size_t>(r)]->finished()) {
-        keep.push_back(r);
-        local_keep.push_back(i);
+      BatchRow& row = rows_[static_cast<size_t>(i)];
+      RowOutcome outcome{.tag = row.tag, .position = positions_[static_cast<size_t>(i)]};
+      if (row.state->finished()) {
+        outcome.result = std::move(*row.state).finish();
       } else {
-        results[static_cast<size_t>(r)] = std::move(*states[static_cast<size_t>(r)]).finish();
+        local_keep_.push_back(i);
       }
+      out.push_back(std::move(outcome));
     }
-    if (keep.size() != active.size() && !keep.empty()) {
-      runner.select(local_keep);
-      drafting.select(local_keep);
+    if (local_keep_.size() != rows_.size()) keep(std::span<const int64_t>(local_keep_), drafting);
+  }
+
+ private:
+  template <LogitsProcessor P>
+  at::Tensor verify(const at::Tensor& target_rows, const at::Tensor& q, const at::Tensor& drafts, const at::Tensor& valid,
+                    const at::Tensor& drafter_finite, const P& processor, bool skip_sample_adjustment) {
+    if constexpr (std::is_same_v<P, GreedyProcessor>) {
+      return verify_batch_greedy(target_rows, q, drafts, valid, drafter_finite);
+    } else {
+      // A processor whose every row is greedy (RowProcessor) verifies as GreedyProcessor does.
+      if constexpr (requires { processor.greedy(); }) {
+        if (processor.greedy()) return verify_batch_greedy(target_rows, q, drafts, valid, drafter_finite);
+      }
+      return verify_batch(processor(target_rows), q, drafts, valid, processor, gen_, skip_sample_adjustment,
+                          drafter_finite);
     }
-    active = keep;
-    first = false;
+  }
+
+  T& target_;
+  GenerationStats shared_;  // the forwards every row took part in: calls and times
+  BatchRunner<T> runner_;
+  int64_t limit_;
+  at::Generator gen_;
+  std::vector<BatchRow> rows_;
+  std::vector<std::span<const int64_t>> views_;
+  std::vector<int64_t> positions_, rooms_, prune_to_, accepted_, local_keep_;
+  std::vector<uint8_t> finished_;
+};
+
+// Generation of a fixed batch: every prompt joins before the first step, and the steps run until
+// every row has finished. Returns one result per prompt, in order.
+template <BatchedLanguageModel T, class Drafting, LogitsProcessor P>
+std::vector<GenerationResult> run_batch(T& target, std::span<const std::vector<int64_t>> prompts,
+                                        const SpeculativeOptions& options, const P& processor, Drafting& drafting,
+                                        int64_t limit, bool draft) {
+  const auto batch = static_cast<int64_t>(prompts.size());
+  std::vector<GenerationResult> results(static_cast<size_t>(batch));
+  // Rows that end before the first step (max_new_tokens 0, a prompt at the limit) never join.
+  std::vector<int64_t> joining;
+  for (int64_t r = 0; r < batch; ++r) {
+    const auto& prompt = prompts[static_cast<size_t>(r)];
+    if (std::min(options.max_new_tokens, limit - static_cast<int64_t>(prompt.size())) > 0) {
+      joining.push_back(r);
+      continue;
+    }
+    std::vector<int64_t> sequence = prompt;
+    GenerationState state(sequence, options, limit);
+    if constexpr (requires { drafting.finished_before_start(r, std::span<const int64_t>{}); }) {
+      drafting.finished_before_start(r, std::span<const int64_t>(prompt));
+    }
+    results[static_cast<size_t>(r)] = std::move(state).finish();
+  }
+  if (joining.empty()) return results;
+  if (joining.size() != static_cast<size_t>(batch)) drafting.select(joining);
+  BatchCore<T> core(target, static_cast<int64_t>(joining.size()), limit, options.seed);
+  for (const int64_t r : joining) {
+    // Never finished here (checked above).
+    static_cast<void>(core.add(r, prompts[static_cast<size_t>(r)], options, draft ? options.gamma : 0));
+  }
+  core.set_taps(drafting);
+  std::vector<RowOutcome> outcomes;
+  while (!core.empty()) {
+    outcomes.clear();
+    core.step(drafting, processor, options.first_target, options.skip_sample_adjustment, outcomes);
+    for (RowOutcome& outcome : outcomes) {
+      if (outcome.result) results[static_cast<size_t>(outcome.tag)] = std::move(*outcome.result);
+    }
   }
   return results;
 }
@@ -482,6 +606,16 @@ struct NoBatchDrafts {
   void after(const BatchStep&) {}
   void select(std::span<const int64_t>) {}
 };
+
+// The processor of `rows` of a batch of `batch` rows: the processor itself, or, where it holds
+// parameters per row (RowProcessor), those rows' own.
+template <LogitsProcessor P>
+P rows_processor(const P& processor, std::span<const int64_t> rows, int64_t batch) {
+  if constexpr (requires { { processor.rows(rows) } -> std::same_as<P>; }) {
+    if (static_cast<int64_t>(rows.size()) != batch) return processor.rows(rows);
+  }
+  return processor;
+}
 
 // A drafter model over the batch: k tokens per row, sampled row by row in batched forwards.
 // A row whose sequence no longer fits the drafter's context leaves the drafter's batch (its cache
@@ -513,6 +647,7 @@ class ModelBatchDrafts {
     if (runner_.limit() != std::numeric_limits<int64_t>::max()) k = std::min(k, runner_.limit() - longest + 1);
     if (members_.empty() || k <= 0) return BatchDrafts{.tokens = {}, .probs = {}, .valid = std::vector<int64_t>(static_cast<size_t>(b), 0)};
     const auto m = static_cast<int64_t>(members_.size());
+    const P member_processor = rows_processor(processor, members_, b);
     std::vector<at::Tensor> tokens, probs;
     at::Tensor next;
     for (int64_t j = 0; j < k; ++j) {
@@ -527,8 +662,8 @@ class ModelBatchDrafts {
       } else {
         last_logits = runner_.forward_tail(next).select(1, 0);
       }
-      const at::Tensor q = processor(last_logits);  // [m, V]
-      next = processor.sample(q, gen).view({m, 1});
+      const at::Tensor q = member_processor(last_logits);  // [m, V]
+      next = member_processor.sample(q, gen).view({m, 1});
       tokens.push_back(next);
       probs.push_back(q.unsqueeze(1));
     }
@@ -559,8 +694,21 @@ class ModelBatchDrafts {
       row_of.push_back(row < 0 ? -1 : static_cast<int64_t>(kept_.size()));
       if (row >= 0) kept_.push_back(row);
     }
-    if (!kept_.empty() && kept_.size() != runner_.lengths().size()) runner_.select(kept_);
+    if (kept_.size() != runner_.lengths().size()) runner_.select(kept_);
     row_of_ = std::move(row_of);
+  }
+
+  // A row joins the batch after the others (continuous batching): with `drafts`, it drafts from
+  // the drafter (its whole sequence is fed at its first draft); otherwise it never does.
+  void join(bool drafts)
+    requires AppendableKVCache<typename D::cache_type>
+  {
+    if (!drafts) {
+      row_of_.push_back(-1);
+      return;
+    }
+    row_of_.push_back(static_cast<int64_t>(runner_.lengths().size()));
+    runner_.add_rows(1);
   }
 
  private:
@@ -603,7 +751,7 @@ class ModelBatchDrafts {
       kept_.push_back(row);
       row = next++;
     }
-    if (!kept_.empty()) runner_.select(kept_);
+    runner_.select(kept_);
   }
 
   int64_t calls_ = 0, positions_ = 0;

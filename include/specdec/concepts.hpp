@@ -78,6 +78,17 @@ concept JoinableKVCache = BatchedKVCache<C> && requires(const C& c, std::span<co
   { c.split_row(r) } -> std::same_as<C>;
 };
 
+// AppendableKVCache: a BatchedKVCache that new rows can join, as continuous batching needs (a
+// request joins a running batch between two steps, and finished ones leave it by select_rows()).
+//
+// A type C satisfies AppendableKVCache if it satisfies BatchedKVCache and, for `c` a C,
+// `c.append_rows(n)`, n >= 0, adds n rows after the others holding no positions (row_lengths()
+// gains n zeros), leaving the other rows' positions unchanged.
+// Not required: that appending allocates nothing (StaticKVCache reuses the rows that
+// select_rows() freed; DynamicKVCache copies).
+template <class C>
+concept AppendableKVCache = BatchedKVCache<C> && requires(C& c, int64_t n) { c.append_rows(n); };
+
 // CompactableKVCache: a KVCache that can keep a subset of its newest positions, as tree
 // verification needs (the accepted path of a draft tree, the other branches dropped).
 //

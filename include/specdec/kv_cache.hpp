@@ -165,6 +165,12 @@ class RowLengths {
     ragged_ = !rows_.empty() && std::any_of(rows_.begin(), rows_.end(), [&](int64_t l) { return l != rows_.front(); });
     device_ = at::Tensor();
   }
+  // n new rows of no positions follow the others.
+  void append(int64_t n) {
+    rows_.insert(rows_.end(), static_cast<size_t>(n), 0);
+    ragged_ = !rows_.empty() && std::any_of(rows_.begin(), rows_.end(), [&](int64_t l) { return l != rows_.front(); });
+    device_ = at::Tensor();
+  }
   // Row i becomes old row rows[i] (host indices, checked by the caller).
   void select(std::span<const int64_t> rows) {
     if (rows_.empty()) return;  // nothing cached yet
@@ -185,6 +191,15 @@ class RowLengths {
   bool ragged_ = false;
   at::Tensor device_;
 };
+
+// Whether rows (host indices) only drop rows and keep the others' order: strictly increasing.
+inline bool increasing(std::span<const int64_t> rows) {
+  return std::adjacent_find(rows.begin(), rows.end(), [](int64_t a, int64_t b) { return a >= b; }) == rows.end();
+}
+
+inline void check_append(int64_t n) {
+  if (n < 0) throw_invalid("n", "be >= 0", n);
+}
 
 // Host row indices from a tensor of them (on any device: a device tensor costs a copy).
 inline std::vector<int64_t> host_rows(const at::Tensor& rows) {
@@ -233,6 +248,22 @@ class DynamicKVCache {
       keys_[layer] = keys_[layer].narrow(2, 0, length_).index_select(0, index);
       values_[layer] = values_[layer].narrow(2, 0, length_).index_select(0, index);
     }
+  }
+
+  // AppendableKVCache: n rows of no positions follow the others (a request joins a running
+  // batch). Copies the cache once, with zeros for the new rows.
+  void append_rows(int64_t n) {
+    detail::check_append(n);
+    if (n == 0) return;
+    rows_.append(n);
+    for (size_t layer = 0; layer < keys_.size(); ++layer) {
+      if (!keys_[layer].defined()) continue;
+      for (auto* tensors : {&keys_, &values_}) {
+        at::Tensor& t = (*tensors)[layer];
+        t = at::cat({t.narrow(2, 0, length_), at::zeros({n, t.size(1), length_, t.size(3)}, t.options())}, 0);
+      }
+    }
+    narrow_to(rows_.longest());
   }
 
   // JoinableKVCache: one cache whose row r is caches[r] (one-row caches, empty ones included;
@@ -429,7 +460,8 @@ class StaticKVCache {
       : shape_(check_shape(shape)),
         storage_(at::empty({shape.num_layers, 2, shape.batch, shape.kv_heads, shape.capacity,
                             shape.head_dim},
-                           options)) {
+                           options)),
+        slots_(storage_) {
     rows_.ensure(shape.batch, 0);
   }
 
@@ -460,15 +492,54 @@ class StaticKVCache {
   }
 
   // Keeps the rows `rows` (host indices in [0, batch), may repeat): row i becomes old row rows[i].
-  // The batch becomes rows.size() (a new allocation of the kept rows: for finished requests).
+  // The batch becomes rows.size(). Rows that only leave (rows strictly increasing, as finished
+  // requests leave a batch) are moved down in place, each kept row's own positions copied once,
+  // and their slots stay allocated for append_rows(); any other order is a new allocation.
   void select_rows(std::span<const int64_t> rows) {
-    const at::Tensor index = detail::to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, storage_.device());
-    storage_ = storage_.index_select(2, index);
+    if (detail::increasing(rows)) {
+      const auto held = rows_.rows();
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const auto from = rows[i];
+        const int64_t length = held.empty() ? 0 : held[static_cast<size_t>(from)];
+        if (from == static_cast<int64_t>(i) || length == 0) continue;
+        slots_.narrow(2, static_cast<int64_t>(i), 1).narrow(4, 0, length).copy_(slots_.narrow(2, from, 1).narrow(4, 0, length));
+      }
+      storage_ = slots_.narrow(2, 0, static_cast<int64_t>(rows.size()));
+    } else {
+      const at::Tensor index = detail::to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, storage_.device());
+      storage_ = storage_.index_select(2, index);
+      slots_ = storage_;
+    }
     shape_.batch = static_cast<int64_t>(rows.size());
     rows_.select(rows);
     // The cache ends where its longest kept row does: a longer row that left takes its positions.
-    if (!rows_.rows().empty()) length_ = rows_.longest();
+    length_ = rows_.longest();
   }
+
+  // AppendableKVCache: n rows of no positions follow the others (a request joins a running
+  // batch). The rows reuse the slots that select_rows() freed, with no allocation; beyond the
+  // slots ever allocated, the storage grows (one copy of the held positions).
+  void append_rows(int64_t n) {
+    detail::check_append(n);
+    if (n == 0) return;
+    const int64_t batch = shape_.batch;
+    if (batch + n > slots_.size(2)) {
+      auto sizes = slots_.sizes().vec();
+      sizes[2] = batch + n;
+      at::Tensor grown = at::empty(sizes, slots_.options());
+      if (initialized_ > 0) grown.narrow(2, 0, batch).narrow(4, 0, initialized_).copy_(storage_.narrow(4, 0, initialized_));
+      slots_ = grown;
+    }
+    // A new row sees the positions the others hold (masked): they must be finite, never garbage.
+    if (initialized_ > 0) slots_.narrow(2, batch, n).narrow(4, 0, initialized_).zero_();
+    storage_ = slots_.narrow(2, 0, batch + n);
+    shape_.batch = batch + n;
+    rows_.append(n);
+    length_ = rows_.longest();
+  }
+
+  // The rows the storage holds: append_rows() up to this many allocates nothing.
+  [[nodiscard]] int64_t slot_capacity() const noexcept { return slots_.size(2); }
 
   // JoinableKVCache: one cache whose row r is caches[r] (one-row caches, empty ones included, of
   // one shape, dtype and device), in new storage of the same capacity. Copies every cached
@@ -664,14 +735,17 @@ class StaticKVCache {
   }
 
   StaticKVCacheShape shape_;
-  at::Tensor storage_;
+  at::Tensor storage_;  // the batch's rows: slots_'s first shape_.batch
+  at::Tensor slots_;    // every row allocated (select_rows() frees rows into it)
   int64_t length_ = 0;
   int64_t initialized_ = 0;  // positions [0, initialized_) of every row hold finite values
   detail::RowLengths rows_;
 };
 
-static_assert(CompactableKVCache<DynamicKVCache> && ReorderableKVCache<DynamicKVCache> && JoinableKVCache<DynamicKVCache>);
-static_assert(CompactableKVCache<StaticKVCache> && ReorderableKVCache<StaticKVCache> && JoinableKVCache<StaticKVCache>);
+static_assert(CompactableKVCache<DynamicKVCache> && ReorderableKVCache<DynamicKVCache> && JoinableKVCache<DynamicKVCache> &&
+              AppendableKVCache<DynamicKVCache>);
+static_assert(CompactableKVCache<StaticKVCache> && ReorderableKVCache<StaticKVCache> && JoinableKVCache<StaticKVCache> &&
+              AppendableKVCache<StaticKVCache>);
 
 // Drops the last n positions of any KVCache. Requires 0 <= n <= cache.length().
 template <KVCache C>

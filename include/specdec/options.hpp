@@ -91,6 +91,7 @@ enum class StopReason {
   stop_sequence,    // a stop sequence was generated; the output ends with its last token
   callback,         // on_step returned StepAction::stop
   sequence_limit,   // the model's max_sequence_length() was reached
+  cancelled,        // the request was cancelled (Engine::cancel)
 };
 
 inline std::ostream& operator<<(std::ostream& out, StopReason reason) {
@@ -100,6 +101,7 @@ inline std::ostream& operator<<(std::ostream& out, StopReason reason) {
     case StopReason::stop_sequence: return out << "stop_sequence";
     case StopReason::callback: return out << "callback";
     case StopReason::sequence_limit: return out << "sequence_limit";
+    case StopReason::cancelled: return out << "cancelled";
   }
   return out << "unknown";
 }

@@ -66,6 +66,11 @@ class TokenCache {
     rows_ = std::move(kept);
     update_lengths();
   }
+  // AppendableKVCache: n empty rows after the others.
+  void append_rows(int64_t n) {
+    rows_.insert(rows_.end(), static_cast<size_t>(n), std::vector<int64_t>{});
+    update_lengths();
+  }
   // Appends ids [batch, T] after each row's tokens. Returns the tokens of every row [batch,
   // length()] (rows of equal lengths; shorter rows are padded with 0).
   at::Tensor append(const at::Tensor& ids) {
@@ -115,7 +120,8 @@ class TokenCache {
   std::vector<std::vector<int64_t>> rows_;
   std::vector<int64_t> lengths_;
 };
-static_assert(ReorderableKVCache<TokenCache> && CompactableKVCache<TokenCache> && JoinableKVCache<TokenCache>);
+static_assert(ReorderableKVCache<TokenCache> && CompactableKVCache<TokenCache> && JoinableKVCache<TokenCache> &&
+              AppendableKVCache<TokenCache>);
 
 // A first-order Markov chain: the logits after token t are log_transitions[t]. Its sequence
 // probabilities are products of processor(log_transitions) entries.

@@ -1,0 +1,437 @@
+// Continuous batching: a serving engine's scheduler drives speculative decoding one step at a
+// time, with requests that join and leave between steps, each with its own sampling parameters,
+// end tokens, stop sequences, token budget, draft method and draft length.
+//
+//   specdec::Engine engine(drafter, target, {.max_rows = 8});
+//   const auto id = engine.add({.prompt = tokens, .max_new_tokens = 64, .sampling = {.temperature = 0.7}});
+//   while (!engine.idle()) {
+//     for (const specdec::EngineEvent& event : engine.step()) { /* stream event.tokens */ }
+//   }
+//
+// A step is batch generation's step (batch.hpp, the one implementation both share): the rows
+// that draft with the drafter model draft together in batched forwards, prompt-lookup rows draft
+// on the host, the target verifies every row's drafts in one forward, each row keeps its own
+// accepted prefix, and the whole step costs one device-to-host copy. Sampling parameters are
+// per-row tensors (RowProcessor): one forward and one verification whatever the mix.
+//
+// The pool: the target's cache (and the drafter's) holds max_rows rows, allocated once
+// (StaticKVCache: rows that finish free their slots, rows that join reuse them, nothing is
+// allocated per step). A request added while max_rows are generating waits in a first-in,
+// first-out queue of at most max_waiting; beyond that add() refuses it (returns nullopt) and
+// changes nothing. A waiting request joins at the first step where a row is free and its prompt
+// fits the step's forward: it is prefilled in that same forward, its whole prompt beside the
+// other rows' drafts (a forward's rows are padded to its widest input, so a long prompt joining
+// makes that one step wider for every row).
+//
+// Exactness: under greedy decoding every request's tokens equal its own speculative_generate
+// (and autoregressive_generate) output, whatever joins, leaves or is cancelled around it; a
+// sampled request's tokens are distributed as its target distribution under its own parameters.
+// The draft method and gamma of a request change only what is drafted, never the output.
+//
+// Randomness: one generator, seeded by EngineOptions::seed, serves the whole batch, so a sampled
+// request's tokens depend on which other requests share its steps (their distribution does not).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <limits>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#include "specdec/batch.hpp"
+#include "specdec/concepts.hpp"
+#include "specdec/detail/check.hpp"
+#include "specdec/ngram_storage.hpp"
+#include "specdec/options.hpp"
+#include "specdec/result.hpp"
+#include "specdec/row_processor.hpp"
+
+namespace specdec {
+
+// Where a request's drafts come from.
+enum class DraftMethod {
+  none,           // no drafts: the target alone, one token per step
+  drafter,        // the engine's drafter model (batched with the other rows that use it)
+  prompt_lookup,  // the request's own text (PromptLookupDrafter: n-grams of up to 3 tokens)
+};
+
+inline std::ostream& operator<<(std::ostream& out, DraftMethod method) {
+  switch (method) {
+    case DraftMethod::none: return out << "none";
+    case DraftMethod::drafter: return out << "drafter";
+    case DraftMethod::prompt_lookup: return out << "prompt_lookup";
+  }
+  return out << "unknown";
+}
+
+// A request: what to generate after `prompt`, and how.
+struct Request {
+  std::vector<int64_t> prompt{};         // token ids (non-empty, each in [0, vocab))
+  int64_t max_new_tokens = 40;           // most tokens to generate (>= 0)
+  std::vector<int64_t> eos_token_ids{};  // tokens that end the request (kept in its output)
+  std::vector<std::vector<int64_t>> stop_sequences{};  // token sequences that end it (kept)
+  SamplingParams sampling{};             // its own sampling (default: greedy)
+  DraftMethod drafting = DraftMethod::drafter;  // an engine without a drafter takes none or
+                                                // prompt_lookup
+  int64_t gamma = 4;                     // most drafts per step (>= 0; 0 drafts nothing)
+};
+
+using RequestId = int64_t;
+
+// What a step did for one request.
+struct EngineEvent {
+  RequestId id = 0;
+  std::vector<int64_t> tokens{};             // the tokens the step appended to its output
+  std::optional<GenerationResult> result{};  // set when the request ended with this step: its
+                                             // whole output, stats and stop reason
+};
+
+// Options of an Engine.
+struct EngineOptions {
+  int64_t max_rows = 8;             // requests generating at once: the rows of the caches (>= 1)
+  int64_t max_waiting = 1024;       // requests queued beyond those (>= 0); add() refuses more
+  std::optional<uint64_t> seed{};   // seed of the sampling generator; unset: nondeterministic
+};
+
+// Where a request stands.
+enum class RequestState {
+  waiting,     // queued: it joins at a step where a row is free and its prompt fits
+  generating,  // in the batch
+};
+
+namespace detail {
+
+// The drafting of an Engine's batch: each row's DraftMethod, the drafter model's rows batched
+// together (ModelBatchDrafts), prompt-lookup rows drafted on the host, one [b, k] block of drafts
+// (q one-hot for the deterministic ones wherever drafter rows bring q).
+template <class D>
+class EngineDrafts {
+ public:
+  EngineDrafts(D* drafter, int64_t max_rows, const at::Device& device, int64_t vocab)
+      : device_(device), vocab_(vocab) {
+    if constexpr (!std::is_void_v<D>) {
+      model_.emplace(*drafter, max_rows);
+      model_->select({});
+    }
+  }
+
+  void join(DraftMethod method) {
+    methods_.push_back(method);
+    if constexpr (!std::is_void_v<D>) model_->join(method == DraftMethod::drafter);
+  }
+
+  template <LogitsProcessor P>
+  BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences, std::span<const int64_t> rooms, int64_t k,
+                    const P& processor, at::Generator& gen, GenerationStats& shared) {
+    const auto b = static_cast<int64_t>(sequences.size());
+    BatchDrafts model;
+    if constexpr (!std::is_void_v<D>) {
+      if (std::find(methods_.begin(), methods_.end(), DraftMethod::drafter) != methods_.end()) {
+        model = model_->draft(sequences, rooms, k, processor, gen, shared);
+      }
+    }
+    // Prompt lookup, row by row on the host.
+    buffer_.assign(static_cast<size_t>(b * k), 0);
+    std::vector<int64_t> valid(static_cast<size_t>(b), 0);
+    int64_t width = model.tokens.defined() ? model.tokens.size(1) : 0;
+    bool lookup = false;
+    for (int64_t i = 0; i < b; ++i) {
+      if (model.tokens.defined()) valid[static_cast<size_t>(i)] = model.valid[static_cast<size_t>(i)];
+      if (methods_[static_cast<size_t>(i)] != DraftMethod::prompt_lookup || rooms[static_cast<size_t>(i)] == 0) continue;
+      const auto sequence = sequences[static_cast<size_t>(i)];
+      context_.assign(sequence.begin(), sequence.end());
+      int64_t calls = 0;
+      const auto out = std::span(buffer_).subspan(static_cast<size_t>(i * k), static_cast<size_t>(rooms[static_cast<size_t>(i)]));
+      const int64_t made = draft_ngrams(lookup_, context_, out, NGramDraftRule{}, /*stop_if_unknown=*/true, calls);
+      valid[static_cast<size_t>(i)] = made;
+      width = std::max(width, made);
+      lookup = lookup || made > 0;
+    }
+    if (!lookup) {
+      if (model.tokens.defined()) model.valid = std::move(valid);
+      return model.tokens.defined() ? std::move(model) : BatchDrafts{.valid = std::move(valid)};
+    }
+    const auto long_options = at::TensorOptions().dtype(at::kLong).device(device_);
+    at::Tensor tokens = to_device<int64_t>(buffer_, {b, k}, device_).narrow(1, 0, width);
+    BatchDrafts result{.valid = valid};
+    if (!model.tokens.defined()) {  // deterministic drafts only: q is one-hot (verify's default)
+      result.tokens = tokens.contiguous();
+      return result;
+    }
+    const int64_t drafted = model.tokens.size(1);
+    std::vector<uint8_t> from_model(static_cast<size_t>(b), 0);
+    for (int64_t i = 0; i < b; ++i) from_model[static_cast<size_t>(i)] = methods_[static_cast<size_t>(i)] == DraftMethod::drafter;
+    const at::Tensor model_rows = to_device<uint8_t>(from_model, {b}, device_).to(at::kBool).view({b, 1});
+    at::Tensor model_tokens = at::zeros({b, width}, long_options);
+    model_tokens.narrow(1, 0, drafted).copy_(model.tokens);
+    result.tokens = at::where(model_rows, model_tokens, tokens).contiguous();
+    // q: the drafter's where it drafted, one-hot at the lookup rows' drafts.
+    at::Tensor q = at::zeros({b, width, vocab_}, model.probs.options());
+    q.narrow(1, 0, drafted).copy_(model.probs);
+    const at::Tensor one_hot = at::zeros_like(q).scatter_(2, result.tokens.unsqueeze(2), 1.0);
+    result.probs = at::where(model_rows.view({b, 1, 1}), q, one_hot);
+    return result;
+  }
+
+  void after(const BatchStep& step) {
+    if constexpr (!std::is_void_v<D>) model_->after(step);
+  }
+
+  void select(std::span<const int64_t> rows) {
+    methods_ = pick_rows(methods_, rows);
+    if constexpr (!std::is_void_v<D>) model_->select(rows);
+  }
+
+ private:
+  template <class M>
+  struct ModelOf {
+    using type = ModelBatchDrafts<M>;
+  };
+  template <class M>
+    requires std::is_void_v<M>
+  struct ModelOf<M> {
+    using type = int;  // no drafter model
+  };
+  using Model = typename ModelOf<D>::type;
+
+  at::Device device_;
+  int64_t vocab_;
+  std::optional<Model> model_;
+  std::vector<DraftMethod> methods_;  // each batch row's
+  PromptLookupDrafter lookup_{};
+  std::vector<int64_t> buffer_, context_;
+};
+
+}  // namespace detail
+
+// Continuous batching over a target and, optionally, a drafter model (see the top of this file).
+// T (and D) model BatchedLanguageModel with caches that model AppendableKVCache.
+template <class T, class D = void>
+  requires BatchedLanguageModel<T> && AppendableKVCache<typename T::cache_type>
+class Engine {
+ public:
+  // An engine without a drafter model: requests draft by prompt lookup or not at all.
+  // Requires options.max_rows >= 1, options.max_waiting >= 0.
+  // Throws: std::invalid_argument naming the option.
+  Engine(T& target, const EngineOptions& options)
+    requires std::is_void_v<D>
+      : Engine(nullptr, target, options) {}
+
+  // An engine whose requests may draft with `drafter` (DraftMethod::drafter), batched together.
+  // Requires: the drafter's vocabulary equals the target's; its cache models AppendableKVCache.
+  // Throws: std::invalid_argument naming the option or the vocabulary sizes.
+  template <class Drafter = D>
+    requires(!std::is_void_v<Drafter>) && BatchedLanguageModel<Drafter> &&
+            AppendableKVCache<typename Drafter::cache_type>
+  Engine(Drafter& drafter, T& target, const EngineOptions& options) : Engine(&drafter, target, options) {}
+
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queues a request: it joins the batch at the next step where a row is free and its prompt
+  // fits (see the top of this file). Returns its id, or nullopt where max_rows requests are
+  // generating and max_waiting wait already (nothing changes then).
+  // Requires: a non-empty prompt of tokens in [0, vocab), no longer than the target's
+  //   max_sequence_length(); end tokens and stop sequences in [0, vocab); max_new_tokens >= 0;
+  //   valid sampling (SamplingParams::validate); gamma >= 0; DraftMethod::drafter only with a
+  //   drafter model.
+  // Throws: std::invalid_argument naming the field and the value ("request.sampling: top_p must
+  //   be in (0, 1], got 1.5"); no other request is touched.
+  [[nodiscard]] std::optional<RequestId> add(Request request) {
+    check(request);
+    if (static_cast<int64_t>(queue_.size()) + static_cast<int64_t>(core_.rows().size()) >=
+        options_.max_rows + options_.max_waiting) {
+      return std::nullopt;
+    }
+    const RequestId id = next_id_++;
+    requests_.emplace(id, Entry{.state = RequestState::waiting,
+                                .prompt_length = static_cast<int64_t>(request.prompt.size()),
+                                .sampling = request.sampling,
+                                .options = generation_options(request)});
+    queue_.push_back({id, std::move(request)});
+    return id;
+  }
+
+  // One step: waiting requests join where they can, then every generating request takes one
+  // verification step. Returns an event for every request the step touched: its new tokens and,
+  // for those that ended (an end token, a stop sequence, max_new_tokens, the target's limit),
+  // their results. Nothing to do (idle()): returns no events.
+  [[nodiscard]] std::vector<EngineEvent> step() {
+    std::vector<EngineEvent> events;
+    admit(events);
+    if (core_.empty()) return events;
+    outcomes_.clear();
+    core_.step(drafts_, processor_, /*first_target=*/true, /*skip_sample_adjustment=*/false, outcomes_);
+    size_t kept = 0;
+    const auto rows = core_.rows();
+    bool left = false;
+    for (detail::RowOutcome& outcome : outcomes_) {
+      EngineEvent event{.id = outcome.tag};
+      const int64_t prompt_length = requests_.at(outcome.tag).prompt_length;
+      if (outcome.result) {
+        const auto& tokens = outcome.result->tokens;
+        event.tokens.assign(tokens.begin() + (outcome.position - prompt_length), tokens.end());
+        event.result = std::move(outcome.result);
+        requests_.erase(outcome.tag);
+        left = true;
+      } else {
+        const auto sequence = rows[kept++].state->sequence();
+        event.tokens.assign(sequence.begin() + outcome.position, sequence.end());
+      }
+      events.push_back(std::move(event));
+    }
+    if (left) rebuild_processor();
+    return events;
+  }
+
+  // Ends a request now, waiting or generating (between steps). Returns its result: the tokens it
+  // generated, its stats, StopReason::cancelled. Its row is free for the next step.
+  // Throws: std::invalid_argument for an id that is unknown or already ended.
+  GenerationResult cancel(RequestId id) {
+    const auto found = requests_.find(id);
+    if (found == requests_.end()) {
+      detail::throw_invalid_message("cancel: no request has id ", id, " (unknown, or it has ended)");
+    }
+    GenerationResult result{.stop_reason = StopReason::cancelled};
+    if (found->second.state == RequestState::waiting) {
+      queue_.erase(std::find_if(queue_.begin(), queue_.end(), [&](const Waiting& w) { return w.id == id; }));
+    } else {
+      const auto rows = core_.rows();
+      std::vector<int64_t> keep;
+      size_t row = 0;
+      for (size_t i = 0; i < rows.size(); ++i) {
+        if (rows[i].tag == id) {
+          row = i;
+        } else {
+          keep.push_back(static_cast<int64_t>(i));
+        }
+      }
+      result = core_.result_of(row);
+      result.stop_reason = StopReason::cancelled;
+      core_.keep(keep, drafts_);
+      rebuild_processor();
+    }
+    requests_.erase(found);
+    return result;
+  }
+
+  // Whether nothing is generating or waiting.
+  [[nodiscard]] bool idle() const noexcept { return core_.empty() && queue_.empty(); }
+  [[nodiscard]] int64_t generating() const noexcept { return static_cast<int64_t>(core_.rows().size()); }
+  [[nodiscard]] int64_t waiting() const noexcept { return static_cast<int64_t>(queue_.size()); }
+  // Where request `id` stands; nullopt once it has ended (or was never added).
+  [[nodiscard]] std::optional<RequestState> state(RequestId id) const {
+    const auto found = requests_.find(id);
+    return found == requests_.end() ? std::nullopt : std::optional(found->second.state);
+  }
+  // The forwards the batch shared: target calls and seconds, drafter seconds.
+  [[nodiscard]] const GenerationStats& stats() const noexcept { return core_.shared(); }
+  [[nodiscard]] const EngineOptions& options() const noexcept { return options_; }
+
+ private:
+  struct Entry {
+    RequestState state = RequestState::waiting;
+    int64_t prompt_length = 0;
+    SamplingParams sampling{};
+    GenerationOptions options{};  // its row's stopping rules read them (an unordered_map's
+                                  // elements stay where they are while others come and go)
+  };
+  struct Waiting {
+    RequestId id = 0;
+    Request request{};
+  };
+  using DrafterPointer = std::conditional_t<std::is_void_v<D>, void*, D*>;
+
+  Engine(DrafterPointer drafter, T& target, const EngineOptions& options)
+      : options_(check_options(options)),
+        target_(target),
+        vocab_(static_cast<int64_t>(target.vocab_size())),
+        limit_(detail::sequence_limit(target)),
+        core_(target, options.max_rows, limit_, options.seed),
+        drafts_(drafter, options.max_rows, target.device(), vocab_) {
+    if constexpr (!std::is_void_v<D>) {
+      if (static_cast<int64_t>(drafter->vocab_size()) != vocab_) {
+        detail::throw_invalid_message("drafter.vocab_size() must equal target.vocab_size() = ", vocab_, ", got ",
+                                      drafter->vocab_size());
+      }
+    }
+    core_.release_rows();
+  }
+
+  static const EngineOptions& check_options(const EngineOptions& options) {
+    if (options.max_rows < 1) detail::throw_invalid("max_rows", "be >= 1", options.max_rows);
+    if (options.max_waiting < 0) detail::throw_invalid("max_waiting", "be >= 0", options.max_waiting);
+    return options;
+  }
+
+  void check(const Request& request) const {
+    try {
+      detail::check_common(generation_options(request), request.prompt, vocab_, limit_);
+      request.sampling.validate();
+    } catch (const std::invalid_argument& e) {
+      detail::throw_invalid_message("request: ", e.what());
+    }
+    if (request.gamma < 0) detail::throw_invalid("request.gamma", "be >= 0", request.gamma);
+    if (request.drafting == DraftMethod::drafter && std::is_void_v<D>) {
+      throw std::invalid_argument(
+          "request.drafting is drafter, but this engine has no drafter model: use none or prompt_lookup");
+    }
+  }
+
+  static GenerationOptions generation_options(const Request& request) {
+    return GenerationOptions{.max_new_tokens = request.max_new_tokens,
+                             .eos_token_ids = request.eos_token_ids,
+                             .stop_sequences = request.stop_sequences};
+  }
+
+  // Waiting requests join, first come first served, while a row is free and the next one fits.
+  void admit(std::vector<EngineEvent>& events) {
+    bool joined = false;
+    while (!queue_.empty() && generating() < options_.max_rows && core_.fits(queue_.front().request.prompt)) {
+      Waiting next = std::move(queue_.front());
+      queue_.pop_front();
+      const Request& request = next.request;
+      const int64_t gamma = request.drafting == DraftMethod::none ? 0 : request.gamma;
+      if (auto result = core_.add(next.id, request.prompt, requests_.at(next.id).options, gamma)) {
+        events.push_back({.id = next.id, .result = std::move(result)});  // max_new_tokens 0
+        requests_.erase(next.id);
+        continue;
+      }
+      drafts_.join(request.drafting);
+      requests_.at(next.id).state = RequestState::generating;
+      joined = true;
+    }
+    if (joined) rebuild_processor();
+  }
+
+  // The rows' sampling parameters as tensors, once per change of the batch.
+  void rebuild_processor() {
+    std::vector<SamplingParams> rows;
+    for (const detail::BatchRow& row : core_.rows()) rows.push_back(requests_.at(row.tag).sampling);
+    processor_ = RowProcessor(rows, target_.device());
+  }
+
+  EngineOptions options_;
+  T& target_;
+  int64_t vocab_;
+  int64_t limit_;
+  detail::BatchCore<T> core_;
+  detail::EngineDrafts<D> drafts_;
+  RowProcessor processor_;
+  std::deque<Waiting> queue_;
+  std::unordered_map<RequestId, Entry> requests_;
+  RequestId next_id_ = 0;
+  std::vector<detail::RowOutcome> outcomes_;
+};
+
+template <class T>
+Engine(T&, const EngineOptions&) -> Engine<T, void>;
+template <class D, class T>
+Engine(D&, T&, const EngineOptions&) -> Engine<T, D>;
+
+}  // namespace specdec

@@ -1,0 +1,427 @@
+// Continuous batching (engine.hpp) and per-row sampling (row_processor.hpp): greedy requests that
+// join at every step offset, leave at different steps, are cancelled or reach the context limit
+// each equal their own autoregressive output, with drafter, prompt-lookup and target-only rows
+// mixed in one batch; one host copy per step; sampled rows with different parameters in one batch
+// each follow their own distribution (chi-square, with the power check that a row judged by its
+// neighbour's parameters fails); the pool's admission; bad input that touches no other request;
+// RowProcessor against the single-policy processors; caches that rows join and leave.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <vector>
+
+#include "specdec/engine.hpp"
+#include "specdec/generate.hpp"
+#include "specdec/models/llama.hpp"
+#include "support/expect_invalid.hpp"
+#include "support/host_copies.hpp"
+#include "support/llama_fixtures.hpp"
+#include "support/markov_fixtures.hpp"
+#include "support/statistics.hpp"
+#include "support/toy_models.hpp"
+
+namespace {
+
+using namespace specdec;
+
+// Request i: a prompt of (5 i) % 11 + 1 tokens, a budget of 6 + (7 i) % 17 tokens, and one of
+// the draft methods with gamma 1..5.
+Request request_number(int64_t i, int64_t vocab) {
+  Request request;
+  for (int64_t t = 0; t < (5 * i) % 11 + 1; ++t) request.prompt.push_back((3 * i + 7 * t + 1) % vocab);
+  request.max_new_tokens = 6 + (7 * i) % 17;
+  const DraftMethod methods[] = {DraftMethod::drafter, DraftMethod::prompt_lookup, DraftMethod::none};
+  request.drafting = methods[i % 3];
+  request.gamma = 1 + i % 5;
+  return request;
+}
+
+// Runs the engine until it is idle, checking every step's events: the tokens of each request's
+// events add up to its result's tokens. Returns the results by id.
+template <class E>
+std::map<RequestId, GenerationResult> drain(E& engine, std::map<RequestId, std::vector<int64_t>>& streamed) {
+  std::map<RequestId, GenerationResult> results;
+  while (!engine.idle()) {
+    for (EngineEvent& event : engine.step()) {
+      auto& tokens = streamed[event.id];
+      tokens.insert(tokens.end(), event.tokens.begin(), event.tokens.end());
+      if (event.result) {
+        EXPECT_EQ(tokens, event.result->tokens) << "request " << event.id;
+        results.emplace(event.id, std::move(*event.result));
+      }
+    }
+  }
+  return results;
+}
+
+template <class Cache>
+class EngineLlama : public ::testing::Test {};
+using CacheTypes = ::testing::Types<StaticKVCache, DynamicKVCache>;
+TYPED_TEST_SUITE(EngineLlama, CacheTypes);
+
+// Requests join at every step offset (one more before each of the first steps, then in bursts),
+// with every draft method in the same batch, end tokens and stop sequences on some: each equals
+// its own autoregressive output, token for token and in its stop reason.
+TYPED_TEST(EngineLlama, GreedyRequestsJoiningAtEveryStepEqualTheirOwnOutput) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<TypeParam> target(config, weights);
+  models::LlamaModel<TypeParam> drafter(config, test::perturbed(weights, 0.04, 4));
+  Engine engine(drafter, target, {.max_rows = 4});
+  std::map<RequestId, Request> requests;
+  std::map<RequestId, std::vector<int64_t>> streamed;
+  std::map<RequestId, GenerationResult> results;
+  int64_t added = 0;
+  for (int64_t step = 0; added < 14 || !engine.idle(); ++step) {
+    // Joins: one before each of the first 8 steps, then three at once every fourth step.
+    const int64_t joining = step < 8 ? 1 : (step % 4 == 0 ? 3 : 0);
+    for (int64_t j = 0; j < joining && added < 14; ++j, ++added) {
+      Request request = request_number(added, config.vocab_size);
+      if (added % 4 == 1) {  // an end token from its own reference output
+        const auto reference = autoregressive_generate(target, request.prompt, {.max_new_tokens = request.max_new_tokens});
+        request.eos_token_ids = {reference.tokens[reference.tokens.size() / 2]};
+      }
+      if (added % 4 == 2) {
+        const auto reference = autoregressive_generate(target, request.prompt, {.max_new_tokens = request.max_new_tokens});
+        request.stop_sequences = {{reference.tokens[3], reference.tokens[4]}};
+      }
+      const auto id = engine.add(request);
+      ASSERT_TRUE(id.has_value());
+      requests.emplace(*id, std::move(request));
+    }
+    EXPECT_LE(engine.generating(), 4);
+    for (EngineEvent& event : engine.step()) {
+      auto& tokens = streamed[event.id];
+      tokens.insert(tokens.end(), event.tokens.begin(), event.tokens.end());
+      if (event.result) {
+        EXPECT_EQ(tokens, event.result->tokens) << "request " << event.id;
+        results.emplace(event.id, std::move(*event.result));
+      }
+    }
+  }
+  ASSERT_EQ(results.size(), 14u);
+  int64_t accepted = 0;
+  for (const auto& [id, request] : requests) {
+    const auto reference = autoregressive_generate(
+        target, request.prompt,
+        {.max_new_tokens = request.max_new_tokens, .eos_token_ids = request.eos_token_ids,
+         .stop_sequences = request.stop_sequences});
+    const GenerationResult& result = results.at(id);
+    EXPECT_EQ(result.tokens, reference.tokens) << "request " << id << " (" << request.drafting << ")";
+    EXPECT_EQ(result.stop_reason, reference.stop_reason) << "request " << id;
+    if (request.drafting == DraftMethod::none) {
+      EXPECT_EQ(result.stats.drafted, 0) << "request " << id;
+    }
+    accepted += result.stats.accepted;
+  }
+  EXPECT_GT(accepted, 0);  // drafts were verified and some accepted
+}
+
+// Cancelled requests, waiting or generating, leave at once; every other request still equals its
+// own output, and a cancelled one's tokens are a prefix of its own.
+TEST(EngineGreedy, CancelledRequestsLeaveAndTheOthersAreUnchanged) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  models::LlamaModel<StaticKVCache> drafter(config, test::perturbed(weights, 0.04, 4));
+  Engine engine(drafter, target, {.max_rows = 3});
+  std::map<RequestId, Request> requests;
+  for (int64_t i = 0; i < 6; ++i) {
+    Request request = request_number(i, config.vocab_size);
+    request.max_new_tokens = 20;
+    const auto id = engine.add(request);
+    requests.emplace(*id, std::move(request));
+  }
+  EXPECT_EQ(engine.state(5), RequestState::waiting);
+  const GenerationResult waiting = engine.cancel(5);  // never generated
+  EXPECT_TRUE(waiting.tokens.empty());
+  EXPECT_EQ(waiting.stop_reason, StopReason::cancelled);
+  std::map<RequestId, std::vector<int64_t>> streamed;
+  std::map<RequestId, GenerationResult> results;
+  for (int step = 0; step < 3; ++step) {
+    for (EngineEvent& event : engine.step()) {
+      auto& tokens = streamed[event.id];
+      tokens.insert(tokens.end(), event.tokens.begin(), event.tokens.end());
+    }
+  }
+  EXPECT_EQ(engine.state(1), RequestState::generating);
+  const GenerationResult middle = engine.cancel(1);  // the middle row of three
+  EXPECT_EQ(middle.stop_reason, StopReason::cancelled);
+  EXPECT_EQ(middle.tokens, streamed[1]);
+  EXPECT_FALSE(middle.tokens.empty());
+  auto rest = drain(engine, streamed);
+  for (const auto& [id, request] : requests) {
+    const auto reference = autoregressive_generate(target, request.prompt, {.max_new_tokens = 20}).tokens;
+    if (id == 1) {
+      EXPECT_EQ(std::vector<int64_t>(reference.begin(), reference.begin() + static_cast<std::ptrdiff_t>(middle.tokens.size())),
+                middle.tokens);
+    } else if (id != 5) {
+      EXPECT_EQ(rest.at(id).tokens, reference) << "request " << id;
+    }
+  }
+  test::expect_invalid([&] { static_cast<void>(engine.cancel(1)); }, {"cancel", "id 1"});   // ended
+  test::expect_invalid([&] { static_cast<void>(engine.cancel(77)); }, {"cancel", "id 77"}); // unknown
+}
+
+// Requests near the target's limit (and past the drafter's) stop there as they would alone; a
+// prompt at the limit ends before a step.
+TEST(EngineGreedy, RequestsAtTheContextLimitStopAsTheyWouldAlone) {
+  models::LlamaConfig config = test::small_llama_config();
+  config.max_seq_len = 20;
+  const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  models::LlamaConfig drafter_config = config;
+  drafter_config.max_seq_len = 14;
+  models::LlamaModel<StaticKVCache> drafter(drafter_config, test::perturbed(weights, 0.04, 4));
+  Engine engine(drafter, target, {.max_rows = 4});
+  std::map<RequestId, Request> requests;
+  for (const int64_t length : {19, 17, 12, 3, 20, 8}) {
+    Request request{.prompt = std::vector<int64_t>(static_cast<size_t>(length), 0), .max_new_tokens = 30, .gamma = 4};
+    for (int64_t t = 0; t < length; ++t) request.prompt[static_cast<size_t>(t)] = (5 * t + length) % config.vocab_size;
+    const auto id = engine.add(request);
+    requests.emplace(*id, std::move(request));
+  }
+  std::map<RequestId, std::vector<int64_t>> streamed;
+  const auto results = drain(engine, streamed);
+  ASSERT_EQ(results.size(), requests.size());
+  for (const auto& [id, request] : requests) {
+    const auto reference = autoregressive_generate(target, request.prompt, {.max_new_tokens = 30});
+    EXPECT_EQ(results.at(id).tokens, reference.tokens) << "request " << id;
+    EXPECT_EQ(results.at(id).stop_reason, StopReason::sequence_limit) << "request " << id;
+  }
+}
+
+// A step costs one device-to-host copy whatever the mix of draft methods, and the pool admits at
+// most max_rows requests at once, queues max_waiting more and refuses the rest.
+TEST(EngineGreedy, OneHostCopyPerStepAndThePoolAdmitsInOrder) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  models::LlamaModel<StaticKVCache> drafter(config, test::perturbed(weights, 0.04, 4));
+  Engine engine(drafter, target, {.max_rows = 2, .max_waiting = 3});
+  std::vector<RequestId> ids;
+  for (int64_t i = 0; i < 5; ++i) ids.push_back(*engine.add(request_number(i, config.vocab_size)));
+  EXPECT_FALSE(engine.add(request_number(5, config.vocab_size)).has_value());  // 2 + 3 are in
+  EXPECT_EQ(engine.waiting(), 5);
+  int64_t steps = 0;
+  std::vector<RequestId> order;
+  while (!engine.idle()) {
+    std::vector<EngineEvent> events;
+    EXPECT_EQ(test::copies_during([&] { events = engine.step(); }), 1) << "step " << steps;
+    EXPECT_LE(engine.generating(), 2);
+    for (const EngineEvent& event : events) {
+      if (std::find(order.begin(), order.end(), event.id) == order.end()) order.push_back(event.id);
+    }
+    ++steps;
+  }
+  EXPECT_EQ(order, ids);  // first come, first served
+  EXPECT_GT(steps, 0);
+}
+
+// Bad input is refused naming the field, and a running request goes on as if nothing happened.
+TEST(EngineErrors, BadRequestsAreRefusedAndTouchNoOtherRequest) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  models::LlamaModel<StaticKVCache> drafter(config, test::perturbed(weights, 0.04, 4));
+  Engine engine(drafter, target, {.max_rows = 2});
+  const Request good = request_number(3, config.vocab_size);
+  const RequestId id = *engine.add(good);
+  std::map<RequestId, std::vector<int64_t>> streamed;
+  for (EngineEvent& event : engine.step()) streamed[event.id] = event.tokens;
+  const auto bad = [&](auto edit, const std::vector<std::string>& fragments) {
+    Request request = good;
+    edit(request);
+    test::expect_invalid([&] { static_cast<void>(engine.add(request)); }, fragments);
+  };
+  bad([](Request& r) { r.prompt.clear(); }, {"prompt must not be empty"});
+  bad([&](Request& r) { r.prompt[0] = config.vocab_size; }, {"prompt", "48"});
+  bad([&](Request& r) { r.prompt.assign(static_cast<size_t>(config.max_seq_len + 1), 1); }, {"prompt length 129", "128"});
+  bad([](Request& r) { r.max_new_tokens = -1; }, {"max_new_tokens", "-1"});
+  bad([](Request& r) { r.sampling.top_p = 1.5; }, {"top_p", "(0, 1]", "1.5"});
+  bad([](Request& r) { r.sampling.temperature = -0.5; }, {"temperature", "-0.5"});
+  bad([](Request& r) { r.sampling.min_p = 2; }, {"min_p", "2"});
+  bad([](Request& r) { r.sampling.top_k = -3; }, {"top_k", "-3"});
+  bad([](Request& r) { r.gamma = -1; }, {"gamma", "-1"});
+  bad([](Request& r) { r.stop_sequences = {{}}; }, {"stop_sequences[0]"});
+  EXPECT_EQ(engine.generating() + engine.waiting(), 1);
+  const auto results = drain(engine, streamed);
+  EXPECT_EQ(results.at(id).tokens, autoregressive_generate(target, good.prompt, {.max_new_tokens = good.max_new_tokens}).tokens);
+
+  Engine alone(target, {.max_rows = 1});  // no drafter model
+  test::expect_invalid([&] { static_cast<void>(alone.add(good)); }, {"drafting", "no drafter"});
+  test::expect_invalid([&] { Engine none(target, {.max_rows = 0}); }, {"max_rows", "0"});
+  test::expect_invalid([&] { Engine none(target, {.max_waiting = -2}); }, {"max_waiting", "-2"});
+  models::LlamaConfig other = config;
+  other.vocab_size = 40;
+  models::LlamaModel<StaticKVCache> small(other, models::LlamaWeights::random(other, 3, at::kDouble));
+  test::expect_invalid([&] { Engine mismatched(small, target, {}); }, {"vocab_size", "48", "40"});
+}
+
+// An engine without a drafter: prompt lookup and target-only rows, and a request of no tokens.
+TEST(EngineGreedy, WithoutADrafterModel) {
+  test::PrefixHashModel target(40, 1);
+  Engine engine(target, {.max_rows = 3});
+  std::map<RequestId, Request> requests;
+  for (int64_t i = 0; i < 7; ++i) {
+    Request request = request_number(i, 40);
+    request.drafting = i % 2 == 0 ? DraftMethod::prompt_lookup : DraftMethod::none;
+    if (i == 4) request.max_new_tokens = 0;
+    requests.emplace(*engine.add(request), std::move(request));
+  }
+  std::map<RequestId, std::vector<int64_t>> streamed;
+  const auto results = drain(engine, streamed);
+  ASSERT_EQ(results.size(), requests.size());
+  for (const auto& [id, request] : requests) {
+    EXPECT_EQ(results.at(id).tokens,
+              autoregressive_generate(target, request.prompt, {.max_new_tokens = request.max_new_tokens}).tokens)
+        << "request " << id;
+  }
+}
+
+// The distribution of `count` tokens after `last` under `processor` on the Markov target.
+template <LogitsProcessor P>
+std::map<std::vector<int64_t>, double> markov_sequences(const P& processor, int64_t last, int64_t count) {
+  const at::Tensor p = processor(test::markov_target_rows().log().to(at::kFloat)).to(at::kDouble);
+  std::map<std::vector<int64_t>, double> expected{{{}, 1.0}};
+  for (int64_t step = 0; step < count; ++step) {
+    std::map<std::vector<int64_t>, double> longer;
+    for (const auto& [prefix, probability] : expected) {
+      const int64_t from = prefix.empty() ? last : prefix.back();
+      for (int64_t token = 0; token < p.size(1); ++token) {
+        const double next = p[from][token].item<double>();
+        if (next == 0.0) continue;
+        std::vector<int64_t> sequence = prefix;
+        sequence.push_back(token);
+        longer[sequence] = probability * next;
+      }
+    }
+    expected = std::move(longer);
+  }
+  return expected;
+}
+
+bool fits(const std::map<std::vector<int64_t>, int64_t>& observed, const std::map<std::vector<int64_t>, double>& expected,
+          int64_t samples) {
+  const test::ChiSquare fit = test::chi_square(observed, expected, samples);
+  return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
+}
+
+// Two sampled requests with different parameters share every step (drafted by the Markov drafter,
+// whose q differs from the target's p): each row's three tokens follow its own parameters'
+// distribution, and each fails its neighbour's (the test can tell the rows' parameters apart).
+TEST(EngineSampling, RowsWithDifferentParametersEachFollowTheirOwnDistribution) {
+  test::MarkovModel target(test::markov_target_rows());
+  test::MarkovModel drafter(test::markov_drafter_rows());
+  const SamplingParams plain{.temperature = 1.0};
+  const SamplingParams filtered{.temperature = 0.7, .top_k = 3, .top_p = 0.9};
+  const std::vector<int64_t> prompts[] = {{0}, {2, 1}};
+  constexpr int64_t kSamples = 3000;
+  std::map<std::vector<int64_t>, int64_t> observed[2];
+  for (int64_t i = 0; i < kSamples; ++i) {
+    Engine engine(drafter, target, {.max_rows = 2, .seed = static_cast<uint64_t>(i)});
+    const RequestId a = *engine.add({.prompt = prompts[0], .max_new_tokens = 3, .sampling = plain, .gamma = 2});
+    const RequestId b = *engine.add({.prompt = prompts[1], .max_new_tokens = 3, .sampling = filtered, .gamma = 2});
+    std::map<RequestId, std::vector<int64_t>> streamed;
+    auto results = drain(engine, streamed);
+    ++observed[0][results.at(a).tokens];
+    ++observed[1][results.at(b).tokens];
+  }
+  const auto plain_expected = [&](int64_t last) { return markov_sequences(MultinomialProcessor(1.0), last, 3); };
+  const auto filtered_expected = [&](int64_t last) { return markov_sequences(TopKNucleusProcessor(3, 0.9, 0.7), last, 3); };
+  EXPECT_TRUE(fits(observed[0], plain_expected(0), kSamples));
+  EXPECT_TRUE(fits(observed[1], filtered_expected(1), kSamples));
+  // Power: each row judged by its neighbour's parameters fails.
+  EXPECT_FALSE(fits(observed[0], filtered_expected(0), kSamples));
+  EXPECT_FALSE(fits(observed[1], plain_expected(1), kSamples));
+}
+
+// RowProcessor's row r equals the single-policy processor of row r's parameters, in one batch.
+TEST(RowProcessor, EachRowEqualsItsSinglePolicyProcessor) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  const at::Tensor logits = at::randn({6, 3, 50}, gen, at::TensorOptions(at::kFloat)) * 3;
+  const std::vector<SamplingParams> rows{{.temperature = 0.0},
+                                         {.temperature = 1.0},
+                                         {.temperature = 0.6, .top_k = 5},
+                                         {.temperature = 1.3, .top_p = 0.8},
+                                         {.temperature = 0.9, .top_k = 10, .top_p = 0.7},
+                                         {.temperature = 1.0, .top_k = 80}};
+  const RowProcessor processor(rows, at::kCPU);
+  const at::Tensor probs = processor(logits);
+  const at::Tensor expected[] = {GreedyProcessor{}(logits[0]),
+                                 MultinomialProcessor(1.0)(logits[1]),
+                                 TopKProcessor(5, 0.6)(logits[2]),
+                                 NucleusProcessor(0.8, 1.3)(logits[3]),
+                                 TopKNucleusProcessor(10, 0.7, 0.9)(logits[4]),
+                                 MultinomialProcessor(1.0)(logits[5])};
+  for (int64_t r = 0; r < 6; ++r) {
+    EXPECT_TRUE(at::allclose(probs[r], expected[r], 1e-5, 1e-7)) << "row " << r << " " << rows[static_cast<size_t>(r)];
+    EXPECT_TRUE(at::equal(probs[r] > 0, expected[r] > 0)) << "row " << r;
+  }
+  EXPECT_FALSE(processor.greedy());
+  EXPECT_TRUE(RowProcessor(std::vector<SamplingParams>(2), at::kCPU).greedy());
+  // A subset keeps its rows' parameters.
+  const std::vector<int64_t> picked{4, 2};
+  const at::Tensor subset = processor.rows(picked)(at::stack({logits[4], logits[2]}));
+  EXPECT_TRUE(at::allclose(subset[0], expected[4], 1e-5, 1e-7));
+  EXPECT_TRUE(at::allclose(subset[1], expected[2], 1e-5, 1e-7));
+}
+
+// min-p on a hand-made distribution: tokens below min_p times the top probability are dropped.
+TEST(RowProcessor, MinPKeepsTokensNearTheTopProbability) {
+  const at::Tensor p = at::tensor({0.5, 0.3, 0.12, 0.08}, at::kDouble).log().to(at::kFloat).view({1, 4});
+  const auto with = [&](double min_p) {
+    const std::vector<SamplingParams> rows{{.temperature = 1.0, .min_p = min_p}};
+    return RowProcessor(rows, at::kCPU)(p).to(at::kDouble).view({4});
+  };
+  // 0.25 x 0.5 = 0.125: 0.12 and 0.08 go; 0.5 and 0.3 renormalised.
+  EXPECT_TRUE(at::allclose(with(0.25), at::tensor({0.625, 0.375, 0.0, 0.0}, at::kDouble), 1e-6, 1e-9));
+  // 0.2 x 0.5 = 0.1: only 0.08 goes.
+  EXPECT_TRUE(at::allclose(with(0.2), at::tensor({0.5, 0.3, 0.12, 0.0}, at::kDouble) / 0.92, 1e-6, 1e-9));
+  EXPECT_TRUE(at::allclose(with(0.0), at::tensor({0.5, 0.3, 0.12, 0.08}, at::kDouble), 1e-6, 1e-9));
+  EXPECT_TRUE(at::allclose(with(1.0), at::tensor({1.0, 0.0, 0.0, 0.0}, at::kDouble), 1e-6, 1e-9));
+}
+
+TEST(RowProcessor, BadParametersNameTheRowAndTheField) {
+  const std::vector<SamplingParams> rows{{.temperature = 1.0}, {.temperature = 1.0, .top_p = 0.0}};
+  test::expect_invalid([&] { RowProcessor(rows, at::kCPU); }, {"rows[1]", "top_p", "(0, 1]"});
+  const RowProcessor two(std::vector<SamplingParams>(2, SamplingParams{.temperature = 1.0}), at::kCPU);
+  test::expect_invalid([&] { static_cast<void>(two(at::zeros({3, 5}))); }, {"logits", "[2, ..., vocab]"});
+}
+
+// Rows that leave a StaticKVCache free their slots in place; rows that join reuse them with no
+// allocation and hold nothing; the kept rows' positions are unchanged. DynamicKVCache the same,
+// by copies.
+template <class Cache>
+class AppendableCache : public ::testing::Test {};
+TYPED_TEST_SUITE(AppendableCache, CacheTypes);
+
+TYPED_TEST(AppendableCache, RowsLeaveAndJoinKeepingTheOthersPositions) {
+  const models::LlamaConfig config = test::small_llama_config();
+  models::LlamaModel<TypeParam> model(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  TypeParam cache = model.make_cache(3);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  const at::Tensor ids = at::randint(config.vocab_size, {3, 6}, gen, at::TensorOptions(at::kLong));
+  static_cast<void>(model.forward(ids, cache));
+  const std::vector<int64_t> lengths{6, 4, 5};
+  cache.prune_rows(lengths);
+  const at::Tensor row2 = cache.keys(0)[2].narrow(1, 0, 5).clone();
+  const void* address = nullptr;
+  if constexpr (std::is_same_v<TypeParam, StaticKVCache>) address = cache.storage_address();
+  cache.select_rows(std::vector<int64_t>{0, 2});
+  cache.append_rows(1);
+  if constexpr (std::is_same_v<TypeParam, StaticKVCache>) {
+    EXPECT_EQ(cache.storage_address(), address);  // the freed slot, reused in place
+  }
+  cache.append_rows(1);  // beyond the slots allocated: a StaticKVCache grows
+  EXPECT_EQ(std::vector<int64_t>(cache.row_lengths().begin(), cache.row_lengths().end()), (std::vector<int64_t>{6, 5, 0, 0}));
+  EXPECT_TRUE(at::equal(cache.keys(0)[1].narrow(1, 0, 5), row2));
+  // The joined rows compute what a fresh cache computes for their tokens.
+  const at::Tensor next = at::randint(config.vocab_size, {4, 3}, gen, at::TensorOptions(at::kLong));
+  const at::Tensor logits = model.forward(next, cache);
+  TypeParam fresh = model.make_cache(1);
+  const at::Tensor alone = model.forward(next.narrow(0, 2, 1), fresh);
+  EXPECT_TRUE(at::allclose(logits.narrow(0, 2, 1), alone, 1e-9, 1e-9));
+}
+
+}  // namespace
