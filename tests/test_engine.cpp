@@ -55,6 +55,9 @@ std::map<RequestId, GenerationResult> drain(E& engine, std::map<RequestId, std::
 }
 
 template <class Cache>
+void joining_requests_equal_their_own_output(bool adaptive);
+
+template <class Cache>
 class EngineLlama : public ::testing::Test {};
 using CacheTypes = ::testing::Types<StaticKVCache, DynamicKVCache>;
 TYPED_TEST_SUITE(EngineLlama, CacheTypes);
@@ -62,12 +65,20 @@ TYPED_TEST_SUITE(EngineLlama, CacheTypes);
 // Requests join at every step offset (one more before each of the first steps, then in bursts),
 // with every draft method in the same batch, end tokens and stop sequences on some: each equals
 // its own autoregressive output, token for token and in its stop reason.
+// With each request's own gamma every step, and with the adaptive draft length (which only
+// chooses how much is drafted).
 TYPED_TEST(EngineLlama, GreedyRequestsJoiningAtEveryStepEqualTheirOwnOutput) {
+  for (const bool adaptive : {false, true}) joining_requests_equal_their_own_output<TypeParam>(adaptive);
+}
+
+template <class Cache>
+void joining_requests_equal_their_own_output(bool adaptive) {
+  SCOPED_TRACE(adaptive ? "adaptive draft length" : "each request's gamma");
   const models::LlamaConfig config = test::small_llama_config();
   const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
-  models::LlamaModel<TypeParam> target(config, weights);
-  models::LlamaModel<TypeParam> drafter(config, test::perturbed(weights, 0.04, 4));
-  Engine engine(drafter, target, {.max_rows = 4});
+  models::LlamaModel<Cache> target(config, weights);
+  models::LlamaModel<Cache> drafter(config, test::perturbed(weights, 0.04, 4));
+  Engine engine(drafter, target, {.max_rows = 4, .adaptive_draft_length = adaptive});
   std::map<RequestId, Request> requests;
   std::map<RequestId, std::vector<int64_t>> streamed;
   std::map<RequestId, GenerationResult> results;
@@ -114,7 +125,9 @@ TYPED_TEST(EngineLlama, GreedyRequestsJoiningAtEveryStepEqualTheirOwnOutput) {
     }
     accepted += result.stats.accepted;
   }
-  EXPECT_GT(accepted, 0);  // drafts were verified and some accepted
+  if (!adaptive) {
+    EXPECT_GT(accepted, 0);  // drafts were verified and some accepted
+  }
 }
 
 // Cancelled requests, waiting or generating, leave at once; every other request still equals its
@@ -198,7 +211,7 @@ TEST(EngineGreedy, OneHostCopyPerStepAndThePoolAdmitsInOrder) {
   const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
   models::LlamaModel<StaticKVCache> target(config, weights);
   models::LlamaModel<StaticKVCache> drafter(config, test::perturbed(weights, 0.04, 4));
-  Engine engine(drafter, target, {.max_rows = 2, .max_waiting = 3});
+  Engine engine(drafter, target, {.max_rows = 2, .max_waiting = 3, .adaptive_draft_length = false});
   std::vector<RequestId> ids;
   for (int64_t i = 0; i < 5; ++i) ids.push_back(*engine.add(request_number(i, config.vocab_size)));
   EXPECT_FALSE(engine.add(request_number(5, config.vocab_size)).has_value());  // 2 + 3 are in
@@ -334,6 +347,65 @@ TEST(EngineSampling, RowsWithDifferentParametersEachFollowTheirOwnDistribution) 
   // Power: each row judged by its neighbour's parameters fails.
   EXPECT_FALSE(fits(observed[0], filtered_expected(0), kSamples));
   EXPECT_FALSE(fits(observed[1], plain_expected(1), kSamples));
+}
+
+// The draft-length rule on costs it is told: a forward whose cost is fixed and free drafts draft
+// the most; a forward whose cost is its positions drafts nothing; expensive drafts pay only with
+// high acceptance; a row's cap and a row that drafts nothing are respected.
+TEST(EngineDraftLength, TheCostModelChoosesWhatPays) {
+  const auto model = [](double fixed, double per_position, double per_column) {
+    specdec::detail::DraftCostModel costs;
+    for (const int64_t positions : {4, 8, 12, 16, 24}) {
+      costs.observe(positions, fixed + per_position * static_cast<double>(positions), 2, 2 * per_column);
+    }
+    return costs;
+  };
+  const std::vector<double> sure{0.9, 0.9}, unsure{0.2, 0.2};
+  const std::vector<int64_t> caps{6, 6};
+  const specdec::detail::DraftCostModel memory_bound = model(1.0, 0.001, 0.01);
+  EXPECT_NEAR(memory_bound.fixed_seconds(), 1.0, 1e-9);
+  EXPECT_NEAR(memory_bound.seconds_per_position(), 0.001, 1e-9);
+  EXPECT_NEAR(memory_bound.seconds_per_column(), 0.01, 1e-9);
+  EXPECT_EQ(memory_bound.choose(sure, caps), 6);
+  EXPECT_EQ(memory_bound.choose(sure, std::vector<int64_t>{3, 2}), 3);
+  EXPECT_EQ(model(0.0, 0.1, 0.0).choose(sure, caps), 0);         // cost grows with every position
+  EXPECT_EQ(model(1.0, 0.0, 1.0).choose(unsure, caps), 0);       // drafts cost a forward each
+  EXPECT_GT(model(1.0, 0.0, 0.05).choose(unsure, caps), 0);      // cheap drafts pay a little
+  EXPECT_EQ(model(1.0, 0.0, 0.0).choose(sure, std::vector<int64_t>{0, 0}), 0);
+  EXPECT_EQ(specdec::detail::DraftCostModel{}.choose(unsure, caps), 6);  // nothing measured: draft, to measure
+  specdec::detail::AcceptanceEstimate acceptance;
+  EXPECT_DOUBLE_EQ(acceptance.alpha(), 0.5);
+  for (int i = 0; i < 20; ++i) acceptance.observe(4, 4);
+  EXPECT_GT(acceptance.alpha(), 0.95);
+  for (int i = 0; i < 40; ++i) acceptance.observe(4, 0);
+  EXPECT_LT(acceptance.alpha(), 0.2);
+}
+
+// A drafter that never agrees with the target: after it is measured, the engine drafts nothing
+// but its exploration steps (one column every kExploreEvery steps), and the output is unchanged.
+TEST(EngineDraftLength, AUselessDrafterIsTurnedOff) {
+  const models::LlamaConfig config = test::small_llama_config();
+  models::LlamaModel<StaticKVCache> target(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  models::LlamaModel<StaticKVCache> drafter(config, models::LlamaWeights::random(config, 5, at::kDouble));
+  Engine engine(drafter, target, {.max_rows = 2});
+  Request request = request_number(0, config.vocab_size);
+  request.max_new_tokens = 90;
+  request.gamma = 5;
+  const RequestId id = *engine.add(request);
+  std::map<RequestId, std::vector<int64_t>> streamed;
+  int64_t steps = 0, drafting_steps = 0;
+  std::optional<GenerationResult> result;
+  while (!engine.idle()) {
+    for (EngineEvent& event : engine.step()) {
+      if (event.result) result = std::move(event.result);
+    }
+    if (++steps > 8 && engine.costs().draft_length > 0) ++drafting_steps;
+  }
+  ASSERT_TRUE(result.has_value());
+  EXPECT_EQ(result->tokens, autoregressive_generate(target, request.prompt, {.max_new_tokens = 90}).tokens);
+  EXPECT_LE(drafting_steps, steps / specdec::detail::DraftCostModel::kExploreEvery + 1) << steps << " steps";
+  EXPECT_LT(result->stats.accepted, result->stats.drafted);
+  static_cast<void>(id);
 }
 
 // RowProcessor's row r equals the single-policy processor of row r's parameters, in one batch.

@@ -326,7 +326,17 @@ struct BatchRow {
 struct RowOutcome {
   int64_t tag = 0;
   int64_t position = 0;  // the row's length before the step: its new tokens follow
+  int64_t drafted = 0;   // drafts the target verified for it
+  int64_t accepted = 0;  // of which it accepted (leading)
   std::optional<GenerationResult> result{};
+};
+
+// What a step cost, for a draft-length rule to learn from.
+struct StepCost {
+  int64_t columns = 0;           // drafts per row the step verified (the widest row's)
+  int64_t positions = 0;         // positions the target's forward computed (rows x width)
+  double target_seconds = 0;     // the target's forward
+  double drafter_seconds = 0;    // the drafting, and what it learned after the step
 };
 
 // The step of batched generation, for rows that join and leave between steps (the one step
@@ -417,12 +427,15 @@ class BatchCore {
 
   // One step of every row: drafts, one target forward, verification, one host copy. Appends an
   // outcome per row to `out`; rows that finish leave the batch.
+  // At most `draft_limit` drafts per row (a draft-length rule's choice; each row's gamma caps its
+  // own). Returns what the step cost.
   template <class Drafting, LogitsProcessor P>
-  void step(Drafting& drafting, const P& processor, bool first_target, bool skip_sample_adjustment,
-            std::vector<RowOutcome>& out) {
+  StepCost step(Drafting& drafting, const P& processor, bool first_target, bool skip_sample_adjustment,
+                std::vector<RowOutcome>& out, int64_t draft_limit = std::numeric_limits<int64_t>::max()) {
     const c10::InferenceMode inference;  // no autograd in the loop (see run_generation)
     const auto b = static_cast<int64_t>(rows_.size());
-    if (b == 0) return;
+    if (b == 0) return {};
+    const GenerationStats before = shared_;
     views_.clear();
     positions_.clear();
     rooms_.clear();
@@ -432,7 +445,7 @@ class BatchCore {
       positions_.push_back(row.state->length());
       const int64_t room = row.state->room() - 1;
       const bool held_back = !row.stepped && first_target;
-      rooms_.push_back(held_back ? 0 : std::max<int64_t>(0, std::min(row.gamma, room)));
+      rooms_.push_back(held_back ? 0 : std::max<int64_t>(0, std::min({row.gamma, room, draft_limit})));
       k = std::max(k, rooms_.back());
     }
     // The target's padded forward must fit too (see the top of this file).
@@ -516,7 +529,10 @@ class BatchCore {
     local_keep_.clear();
     for (int64_t i = 0; i < b; ++i) {
       BatchRow& row = rows_[static_cast<size_t>(i)];
-      RowOutcome outcome{.tag = row.tag, .position = positions_[static_cast<size_t>(i)]};
+      RowOutcome outcome{.tag = row.tag,
+                         .position = positions_[static_cast<size_t>(i)],
+                         .drafted = rooms_[static_cast<size_t>(i)],
+                         .accepted = accepted_[static_cast<size_t>(i)]};
       if (row.state->finished()) {
         outcome.result = std::move(*row.state).finish();
       } else {
@@ -525,6 +541,10 @@ class BatchCore {
       out.push_back(std::move(outcome));
     }
     if (local_keep_.size() != rows_.size()) keep(std::span<const int64_t>(local_keep_), drafting);
+    return StepCost{.columns = k,
+                    .positions = shared_.target_positions - before.target_positions,
+                    .target_seconds = shared_.target_seconds - before.target_seconds,
+                    .drafter_seconds = shared_.drafter_seconds - before.drafter_seconds};
   }
 
  private:

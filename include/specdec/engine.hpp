@@ -23,6 +23,14 @@
 // other rows' drafts (a forward's rows are padded to its widest input, so a long prompt joining
 // makes that one step wider for every row).
 //
+// Draft length: each step drafts, for every row, at most the k that the engine's cost model
+// says gives the batch the most tokens per second, from what it measured: each request's
+// acceptance, the target forward's fixed cost and cost per position, the drafting's cost per
+// column (detail/draft_cost.hpp has the model). Each request's gamma caps it; k falls to 0 (the
+// rows decode with the target alone, the drafter does not run) when speculation does not pay,
+// with one drafting step every 16 to keep measuring. EngineOptions::adaptive_draft_length =
+// false drafts every request's own gamma every step instead.
+//
 // Exactness: under greedy decoding every request's tokens equal its own speculative_generate
 // (and autoregressive_generate) output, whatever joins, leaves or is cancelled around it; a
 // sampled request's tokens are distributed as its target distribution under its own parameters.
@@ -46,6 +54,7 @@
 #include "specdec/batch.hpp"
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
+#include "specdec/detail/draft_cost.hpp"
 #include "specdec/ngram_storage.hpp"
 #include "specdec/options.hpp"
 #include "specdec/result.hpp"
@@ -96,6 +105,18 @@ struct EngineOptions {
   int64_t max_rows = 8;             // requests generating at once: the rows of the caches (>= 1)
   int64_t max_waiting = 1024;       // requests queued beyond those (>= 0); add() refuses more
   std::optional<uint64_t> seed{};   // seed of the sampling generator; unset: nondeterministic
+  bool adaptive_draft_length = true;  // each step drafts what the cost model says pays, up to
+                                      // each request's gamma, down to 0 (detail/draft_cost.hpp);
+                                      // false: every request drafts its own gamma every step
+};
+
+// The engine's cost model as it stands (detail/draft_cost.hpp): a step of b rows and k drafts
+// each is predicted to cost fixed_seconds + seconds_per_position b (k + 1) + seconds_per_column k.
+struct EngineCosts {
+  double fixed_seconds = 0;
+  double seconds_per_position = 0;
+  double seconds_per_column = 0;
+  int64_t draft_length = 0;  // the last step's k
 };
 
 // Where a request stands.
@@ -252,7 +273,8 @@ class Engine {
     requests_.emplace(id, Entry{.state = RequestState::waiting,
                                 .prompt_length = static_cast<int64_t>(request.prompt.size()),
                                 .sampling = request.sampling,
-                                .options = generation_options(request)});
+                                .options = generation_options(request),
+                                .gamma = request.drafting == DraftMethod::none ? 0 : request.gamma});
     queue_.push_back({id, std::move(request)});
     return id;
   }
@@ -266,13 +288,20 @@ class Engine {
     admit(events);
     if (core_.empty()) return events;
     outcomes_.clear();
-    core_.step(drafts_, processor_, /*first_target=*/true, /*skip_sample_adjustment=*/false, outcomes_);
+    const int64_t k = draft_length();
+    const detail::StepCost cost =
+        core_.step(drafts_, processor_, /*first_target=*/true, /*skip_sample_adjustment=*/false, outcomes_, k);
+    costs_.observe(cost.positions, cost.target_seconds, cost.columns, cost.drafter_seconds);
+    last_draft_length_ = cost.columns;
+    steps_without_drafts_ = cost.columns > 0 ? 0 : steps_without_drafts_ + 1;
     size_t kept = 0;
     const auto rows = core_.rows();
     bool left = false;
     for (detail::RowOutcome& outcome : outcomes_) {
       EngineEvent event{.id = outcome.tag};
-      const int64_t prompt_length = requests_.at(outcome.tag).prompt_length;
+      Entry& entry = requests_.at(outcome.tag);
+      entry.acceptance.observe(outcome.drafted, outcome.accepted);
+      const int64_t prompt_length = entry.prompt_length;
       if (outcome.result) {
         const auto& tokens = outcome.result->tokens;
         event.tokens.assign(tokens.begin() + (outcome.position - prompt_length), tokens.end());
@@ -332,6 +361,13 @@ class Engine {
   // The forwards the batch shared: target calls and seconds, drafter seconds.
   [[nodiscard]] const GenerationStats& stats() const noexcept { return core_.shared(); }
   [[nodiscard]] const EngineOptions& options() const noexcept { return options_; }
+  // The draft-length rule's cost model and its last choice.
+  [[nodiscard]] EngineCosts costs() const noexcept {
+    return {.fixed_seconds = costs_.fixed_seconds(),
+            .seconds_per_position = costs_.seconds_per_position(),
+            .seconds_per_column = costs_.seconds_per_column(),
+            .draft_length = last_draft_length_};
+  }
 
  private:
   struct Entry {
@@ -340,6 +376,8 @@ class Engine {
     SamplingParams sampling{};
     GenerationOptions options{};  // its row's stopping rules read them (an unordered_map's
                                   // elements stay where they are while others come and go)
+    int64_t gamma = 0;            // its most drafts per step (0: none)
+    detail::AcceptanceEstimate acceptance{};
   };
   struct Waiting {
     RequestId id = 0;
@@ -409,6 +447,23 @@ class Engine {
     if (joined) rebuild_processor();
   }
 
+  // The step's most drafts per row: each request's gamma, or the cost model's choice (a row's
+  // first step is the target's alone).
+  int64_t draft_length() {
+    if (!options_.adaptive_draft_length) return std::numeric_limits<int64_t>::max();
+    alphas_.clear();
+    caps_.clear();
+    for (const detail::BatchRow& row : core_.rows()) {
+      const Entry& entry = requests_.at(row.tag);
+      alphas_.push_back(entry.acceptance.alpha());
+      caps_.push_back(row.stepped ? entry.gamma : 0);
+    }
+    const int64_t k = costs_.choose(alphas_, caps_);
+    const bool wanted = std::any_of(caps_.begin(), caps_.end(), [](int64_t cap) { return cap > 0; });
+    if (k == 0 && wanted && steps_without_drafts_ >= detail::DraftCostModel::kExploreEvery) return 1;
+    return k;
+  }
+
   // The rows' sampling parameters as tensors, once per change of the batch.
   void rebuild_processor() {
     std::vector<SamplingParams> rows;
@@ -427,6 +482,10 @@ class Engine {
   std::unordered_map<RequestId, Entry> requests_;
   RequestId next_id_ = 0;
   std::vector<detail::RowOutcome> outcomes_;
+  detail::DraftCostModel costs_;
+  int64_t last_draft_length_ = 0, steps_without_drafts_ = 0;
+  std::vector<double> alphas_;
+  std::vector<int64_t> caps_;
 };
 
 template <class T>
