@@ -203,20 +203,7 @@ TEST(BatchHostCopies, OnePerStepForTheWholeBatch) {
 // fits the Markov target's distribution by chi-square at a tail of 1e-6.
 bool fits_markov_target(const std::map<std::vector<int64_t>, int64_t>& observed, int64_t last, int64_t count,
                         int64_t samples) {
-  const at::Tensor p = test::markov_target_rows();
-  std::map<std::vector<int64_t>, double> expected{{{}, 1.0}};
-  for (int64_t step = 0; step < count; ++step) {
-    std::map<std::vector<int64_t>, double> longer;
-    for (const auto& [prefix, probability] : expected) {
-      const int64_t from = prefix.empty() ? last : prefix.back();
-      for (int64_t token = 0; token < p.size(0); ++token) {
-        std::vector<int64_t> sequence = prefix;
-        sequence.push_back(token);
-        longer[sequence] = probability * p[from][token].item<double>();
-      }
-    }
-    expected = std::move(longer);
-  }
+  const auto expected = test::sequence_probabilities(test::markov_target_rows(), last, count);
   const test::ChiSquare fit = test::chi_square(observed, expected, samples);
   return fit.outside_support == 0 && fit.statistic < test::chi_square_quantile(fit.dof, 4.75);
 }

@@ -36,21 +36,25 @@ Request request_number(int64_t i, int64_t vocab) {
   return request;
 }
 
-// Runs the engine until it is idle, checking every step's events: the tokens of each request's
-// events add up to its result's tokens. Returns the results by id.
+// Gathers a step's events: each request's streamed tokens, and its result once it ends (whose
+// tokens must be what its events streamed).
+void collect(std::vector<EngineEvent> events, std::map<RequestId, std::vector<int64_t>>& streamed,
+             std::map<RequestId, GenerationResult>& results) {
+  for (EngineEvent& event : events) {
+    auto& tokens = streamed[event.id];
+    tokens.insert(tokens.end(), event.tokens.begin(), event.tokens.end());
+    if (event.result) {
+      EXPECT_EQ(tokens, event.result->tokens) << "request " << event.id;
+      results.emplace(event.id, std::move(*event.result));
+    }
+  }
+}
+
+// Runs the engine until it is idle. Returns the results by id.
 template <class E>
 std::map<RequestId, GenerationResult> drain(E& engine, std::map<RequestId, std::vector<int64_t>>& streamed) {
   std::map<RequestId, GenerationResult> results;
-  while (!engine.idle()) {
-    for (EngineEvent& event : engine.step()) {
-      auto& tokens = streamed[event.id];
-      tokens.insert(tokens.end(), event.tokens.begin(), event.tokens.end());
-      if (event.result) {
-        EXPECT_EQ(tokens, event.result->tokens) << "request " << event.id;
-        results.emplace(event.id, std::move(*event.result));
-      }
-    }
-  }
+  while (!engine.idle()) collect(engine.step(), streamed, results);
   return results;
 }
 
@@ -101,14 +105,7 @@ void joining_requests_equal_their_own_output(bool adaptive) {
       requests.emplace(*id, std::move(request));
     }
     EXPECT_LE(engine.generating(), 4);
-    for (EngineEvent& event : engine.step()) {
-      auto& tokens = streamed[event.id];
-      tokens.insert(tokens.end(), event.tokens.begin(), event.tokens.end());
-      if (event.result) {
-        EXPECT_EQ(tokens, event.result->tokens) << "request " << event.id;
-        results.emplace(event.id, std::move(*event.result));
-      }
-    }
+    collect(engine.step(), streamed, results);
   }
   ASSERT_EQ(results.size(), 14u);
   int64_t accepted = 0;
@@ -151,25 +148,20 @@ TEST(EngineGreedy, CancelledRequestsLeaveAndTheOthersAreUnchanged) {
   EXPECT_EQ(waiting.stop_reason, StopReason::cancelled);
   std::map<RequestId, std::vector<int64_t>> streamed;
   std::map<RequestId, GenerationResult> results;
-  for (int step = 0; step < 3; ++step) {
-    for (EngineEvent& event : engine.step()) {
-      auto& tokens = streamed[event.id];
-      tokens.insert(tokens.end(), event.tokens.begin(), event.tokens.end());
-    }
-  }
+  for (int step = 0; step < 3; ++step) collect(engine.step(), streamed, results);
   EXPECT_EQ(engine.state(1), RequestState::generating);
   const GenerationResult middle = engine.cancel(1);  // the middle row of three
   EXPECT_EQ(middle.stop_reason, StopReason::cancelled);
   EXPECT_EQ(middle.tokens, streamed[1]);
   EXPECT_FALSE(middle.tokens.empty());
-  auto rest = drain(engine, streamed);
+  results.merge(drain(engine, streamed));
   for (const auto& [id, request] : requests) {
     const auto reference = autoregressive_generate(target, request.prompt, {.max_new_tokens = 20}).tokens;
     if (id == 1) {
       EXPECT_EQ(std::vector<int64_t>(reference.begin(), reference.begin() + static_cast<std::ptrdiff_t>(middle.tokens.size())),
                 middle.tokens);
     } else if (id != 5) {
-      EXPECT_EQ(rest.at(id).tokens, reference) << "request " << id;
+      EXPECT_EQ(results.at(id).tokens, reference) << "request " << id;
     }
   }
   test::expect_invalid([&] { static_cast<void>(engine.cancel(1)); }, {"cancel", "id 1"});   // ended
@@ -292,26 +284,39 @@ TEST(EngineGreedy, WithoutADrafterModel) {
   }
 }
 
+// Prompt-lookup rows draft what prompt lookup drafts for the sequence alone: each request's drafts
+// and acceptances equal ngram_assisted_generate's with PromptLookupDrafter, in a batch of three.
+TEST(EngineGreedy, PromptLookupRowsDraftAsTheyWouldAlone) {
+  test::PrefixHashModel target(12, 1);  // a small vocabulary: the output repeats, lookup finds it
+  Engine engine(target, {.max_rows = 3, .adaptive_draft_length = false});
+  std::map<RequestId, Request> requests;
+  for (int64_t i = 0; i < 3; ++i) {
+    Request request = request_number(i, 12);
+    request.max_new_tokens = 40;
+    request.drafting = DraftMethod::prompt_lookup;
+    request.gamma = 3;
+    requests.emplace(*engine.add(request), std::move(request));
+  }
+  std::map<RequestId, std::vector<int64_t>> streamed;
+  const auto results = drain(engine, streamed);
+  int64_t accepted = 0;
+  for (const auto& [id, request] : requests) {
+    PromptLookupDrafter lookup;
+    const auto alone = ngram_assisted_generate(
+        lookup, target, request.prompt,
+        {.max_new_tokens = 40, .gamma = 3, .filler_top_k = 1, .stop_if_unknown = true});
+    EXPECT_EQ(results.at(id).tokens, alone.tokens) << "request " << id;
+    EXPECT_EQ(results.at(id).stats.drafted, alone.stats.drafted) << "request " << id;
+    EXPECT_EQ(results.at(id).stats.accepted, alone.stats.accepted) << "request " << id;
+    accepted += alone.stats.accepted;
+  }
+  EXPECT_GT(accepted, 0);
+}
+
 // The distribution of `count` tokens after `last` under `processor` on the Markov target.
 template <LogitsProcessor P>
 std::map<std::vector<int64_t>, double> markov_sequences(const P& processor, int64_t last, int64_t count) {
-  const at::Tensor p = processor(test::markov_target_rows().log().to(at::kFloat)).to(at::kDouble);
-  std::map<std::vector<int64_t>, double> expected{{{}, 1.0}};
-  for (int64_t step = 0; step < count; ++step) {
-    std::map<std::vector<int64_t>, double> longer;
-    for (const auto& [prefix, probability] : expected) {
-      const int64_t from = prefix.empty() ? last : prefix.back();
-      for (int64_t token = 0; token < p.size(1); ++token) {
-        const double next = p[from][token].item<double>();
-        if (next == 0.0) continue;
-        std::vector<int64_t> sequence = prefix;
-        sequence.push_back(token);
-        longer[sequence] = probability * next;
-      }
-    }
-    expected = std::move(longer);
-  }
-  return expected;
+  return test::sequence_probabilities(processor(test::markov_target_rows().log().to(at::kFloat)), last, count);
 }
 
 bool fits(const std::map<std::vector<int64_t>, int64_t>& observed, const std::map<std::vector<int64_t>, double>& expected,
@@ -391,8 +396,7 @@ TEST(EngineDraftLength, AUselessDrafterIsTurnedOff) {
   Request request = request_number(0, config.vocab_size);
   request.max_new_tokens = 90;
   request.gamma = 5;
-  const RequestId id = *engine.add(request);
-  std::map<RequestId, std::vector<int64_t>> streamed;
+  ASSERT_TRUE(engine.add(request).has_value());
   int64_t steps = 0, drafting_steps = 0;
   std::optional<GenerationResult> result;
   while (!engine.idle()) {
@@ -405,7 +409,6 @@ TEST(EngineDraftLength, AUselessDrafterIsTurnedOff) {
   EXPECT_EQ(result->tokens, autoregressive_generate(target, request.prompt, {.max_new_tokens = 90}).tokens);
   EXPECT_LE(drafting_steps, steps / specdec::detail::DraftCostModel::kExploreEvery + 1) << steps << " steps";
   EXPECT_LT(result->stats.accepted, result->stats.drafted);
-  static_cast<void>(id);
 }
 
 // RowProcessor's row r equals the single-policy processor of row r's parameters, in one batch.

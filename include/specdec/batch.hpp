@@ -414,12 +414,12 @@ class BatchCore {
 
   // Keeps the rows `keep` (indices into rows(), increasing); the others leave without a result.
   template <class Drafting>
-  void keep(std::span<const int64_t> keep, Drafting& drafting) {
+  void keep(std::span<const int64_t> rows, Drafting& drafting) {
     std::vector<BatchRow> kept;
-    for (const int64_t i : keep) kept.push_back(std::move(rows_[static_cast<size_t>(i)]));
+    for (const int64_t i : rows) kept.push_back(std::move(rows_[static_cast<size_t>(i)]));
     rows_ = std::move(kept);
-    runner_.select(keep);
-    drafting.select(keep);
+    runner_.select(rows);
+    drafting.select(rows);
   }
 
   // Row i's result as it stands (for a row that leaves unfinished: the caller then drops it).

@@ -143,6 +143,8 @@ class EngineDrafts {
 
   void join(DraftMethod method) {
     methods_.push_back(method);
+    contexts_.emplace_back();
+    drafted_.push_back(0);
     if constexpr (!std::is_void_v<D>) model_->join(method == DraftMethod::drafter);
   }
 
@@ -158,24 +160,29 @@ class EngineDrafts {
     }
     // Prompt lookup, row by row on the host.
     buffer_.assign(static_cast<size_t>(b * k), 0);
-    std::vector<int64_t> valid(static_cast<size_t>(b), 0);
+    std::vector<int64_t> valid = model.tokens.defined() ? std::move(model.valid) : std::vector<int64_t>(static_cast<size_t>(b), 0);
     int64_t width = model.tokens.defined() ? model.tokens.size(1) : 0;
     bool lookup = false;
     for (int64_t i = 0; i < b; ++i) {
-      if (model.tokens.defined()) valid[static_cast<size_t>(i)] = model.valid[static_cast<size_t>(i)];
-      if (methods_[static_cast<size_t>(i)] != DraftMethod::prompt_lookup || rooms[static_cast<size_t>(i)] == 0) continue;
-      const auto sequence = sequences[static_cast<size_t>(i)];
-      context_.assign(sequence.begin(), sequence.end());
+      const auto r = static_cast<size_t>(i);
+      if (methods_[r] != DraftMethod::prompt_lookup || rooms[r] == 0) continue;
+      // The row's context is its sequence followed by its last drafts: brought up to date by
+      // dropping those and appending what was emitted since, so no step copies the sequence.
+      const auto sequence = sequences[r];
+      std::vector<int64_t>& context = contexts_[r];
+      context.resize(std::min(context.size() - drafted_[r], sequence.size()));
+      context.insert(context.end(), sequence.begin() + static_cast<std::ptrdiff_t>(context.size()), sequence.end());
       int64_t calls = 0;
-      const auto out = std::span(buffer_).subspan(static_cast<size_t>(i * k), static_cast<size_t>(rooms[static_cast<size_t>(i)]));
-      const int64_t made = draft_ngrams(lookup_, context_, out, NGramDraftRule{}, /*stop_if_unknown=*/true, calls);
-      valid[static_cast<size_t>(i)] = made;
+      const auto out = std::span(buffer_).subspan(static_cast<size_t>(i * k), static_cast<size_t>(rooms[r]));
+      const int64_t made = draft_ngrams(lookup_, context, out, NGramDraftRule{}, /*stop_if_unknown=*/true, calls);
+      drafted_[r] = static_cast<size_t>(made);
+      valid[r] = made;
       width = std::max(width, made);
       lookup = lookup || made > 0;
     }
     if (!lookup) {
-      if (model.tokens.defined()) model.valid = std::move(valid);
-      return model.tokens.defined() ? std::move(model) : BatchDrafts{.valid = std::move(valid)};
+      model.valid = std::move(valid);
+      return model;
     }
     const auto long_options = at::TensorOptions().dtype(at::kLong).device(device_);
     at::Tensor tokens = to_device<int64_t>(buffer_, {b, k}, device_).narrow(1, 0, width);
@@ -205,6 +212,10 @@ class EngineDrafts {
 
   void select(std::span<const int64_t> rows) {
     methods_ = pick_rows(methods_, rows);
+    drafted_ = pick_rows(drafted_, rows);
+    std::vector<std::vector<int64_t>> contexts;
+    for (const int64_t r : rows) contexts.push_back(std::move(contexts_[static_cast<size_t>(r)]));
+    contexts_ = std::move(contexts);
     if constexpr (!std::is_void_v<D>) model_->select(rows);
   }
 
@@ -224,8 +235,10 @@ class EngineDrafts {
   int64_t vocab_;
   std::optional<Model> model_;
   std::vector<DraftMethod> methods_;  // each batch row's
+  std::vector<std::vector<int64_t>> contexts_;  // prompt lookup: each row's sequence and last drafts
+  std::vector<size_t> drafted_;                 // the drafts at the end of each row's context
   PromptLookupDrafter lookup_{};
-  std::vector<int64_t> buffer_, context_;
+  std::vector<int64_t> buffer_;
 };
 
 }  // namespace detail
