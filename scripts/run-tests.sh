@@ -62,7 +62,7 @@ run_shards() {
   return "$status"
 }
 
-examples=(quickstart specdec-demo specdec-generate custom_model custom_drafter)
+examples=(quickstart specdec-demo specdec-generate custom_model custom_drafter serving_loop)
 
 # ---- 1. libtorch 1.13 (Debian), sanitizers ----------------------------------------------------
 cmake -S "$root" -B "$root/build-sanitize" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
