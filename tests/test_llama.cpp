@@ -329,6 +329,35 @@ TYPED_TEST(LlamaCpuKernels, MatchTheAtenForward) {
   EXPECT_FALSE(at::allclose(this->fused_.forward(next, fresh), this->aten_.forward(next, shifted), 1e-4, 1e-4));
 }
 
+// Rows of different lengths (a batch after per-row pruning, an engine's rows) run the CPU loops:
+// the same logits as the ATen forward, through the loops (few new tokens) and the batched
+// products (many), and each row's logits are those of its own sequence forwarded alone.
+TYPED_TEST(LlamaCpuKernels, RaggedRowsMatchTheAtenForwardAndEachRowAlone) {
+  auto fused_cache = this->fused_.make_cache(3);
+  auto aten_cache = this->aten_.make_cache(3);
+  const at::Tensor prompt = at::randint(0, 48, {3, 6}, at::kLong);
+  this->expect_close(this->fused_.forward(prompt, fused_cache), this->aten_.forward(prompt, aten_cache), "prefill");
+  const std::vector<int64_t> kept{2, 6, 4};
+  fused_cache.prune_rows(kept);
+  aten_cache.prune_rows(kept);
+  ASSERT_TRUE(fused_cache.ragged());
+  std::vector<at::Tensor> fed{prompt};
+  for (const int64_t count : {1, 3, 12, 1}) {  // 12: past kLoopAttentionTokens, the batched products
+    const at::Tensor ids = at::randint(0, 48, {3, count}, at::kLong);
+    fed.push_back(ids);
+    const at::Tensor fused = this->fused_.forward(ids, fused_cache);
+    this->expect_close(fused, this->aten_.forward(ids, aten_cache), "ragged forward of " + std::to_string(count));
+    if (count != 12) continue;
+    for (int64_t r = 0; r < 3; ++r) {  // row r alone: its kept prompt, then what it was fed since
+      std::vector<at::Tensor> pieces{prompt[r].narrow(0, 0, kept[static_cast<size_t>(r)])};
+      for (size_t i = 1; i < fed.size(); ++i) pieces.push_back(fed[i][r]);
+      auto alone = this->aten_.make_cache(1);
+      const at::Tensor logits = this->aten_.forward(at::cat(pieces).view({1, -1}), alone);
+      this->expect_close(fused[r], logits[0].narrow(0, logits.size(1) - count, count), "row " + std::to_string(r) + " alone");
+    }
+  }
+}
+
 // The CPU loops tap the same hidden states as the ATen forward, batched, in pieces and in a tree.
 TYPED_TEST(LlamaCpuKernels, FeaturesMatchTheAtenForward) {
   auto fused_cache = this->fused_.make_cache(2);

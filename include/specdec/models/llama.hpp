@@ -244,7 +244,7 @@ class LlamaModel {
   // The activations stay fp32 whatever the format. The layers' float matrices are released:
   // weights().layers then holds the norms and biases only; the embedding and the float
   // classifier stay (heads share them), though forwards multiply by the packed classifier.
-  // Forwards that the CPU loops do not run (ragged batches, sliding windows,
+  // Forwards that the CPU loops do not run (sliding windows that hide keys,
   // use_cpu_kernels(false)) unpack each product's weights through ATen, slowly. Packing twice in
   // the same format does nothing.
   // Requires: a CPU model in fp32 or bf16 whose weights do not require gradients, not packed in
@@ -398,7 +398,10 @@ class LlamaModel {
   at::Tensor forward(const at::Tensor& ids, Cache& cache) {
     check_ids(ids, cache);
     if constexpr (BatchedKVCache<Cache>) {
-      if (cache.ragged()) return forward_ragged(ids, cache);
+      if (cache.ragged()) {
+        if (cpu_kernels() && !windowed(cache.length() + ids.size(1))) return forward_ragged_cpu(ids, cache);
+        return forward_ragged(ids, cache);
+      }
     }
     const int64_t past = cache.length();
     const int64_t count = ids.size(1);
@@ -654,6 +657,35 @@ class LlamaModel {
     return run(ids, cache, positions, bias);
   }
 
+  // forward_ragged() through the CPU loops (the packed weights, read once for every row): row b's
+  // token t at position lengths[b] + t, seeing that row's keys up to it, from a bias made on the
+  // host ([B, group * T, keys], fp32) from the cache's host lengths (no device round trip).
+  at::Tensor forward_ragged_cpu(const at::Tensor& ids, Cache& cache)
+    requires BatchedKVCache<Cache>
+  {
+    const int64_t batch = ids.size(0), count = ids.size(1);
+    const std::span<const int64_t> lengths = cache.row_lengths();
+    if (static_cast<int64_t>(lengths.size()) != batch) {
+      detail::throw_invalid_message("ids have ", batch, " rows, the cache ", lengths.size());
+    }
+    const int64_t keys = cache.length() + count, group = heads_ / kv_heads_;
+    at::Tensor bias = at::empty({batch, group * count, keys}, at::TensorOptions().dtype(at::kFloat));
+    float* const biases = bias.data_ptr<float>();
+    std::vector<int64_t> positions(static_cast<size_t>(batch * count));
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t position = lengths[static_cast<size_t>(b)] + t;
+        positions[static_cast<size_t>(b * count + t)] = position;
+        for (int64_t g = 0; g < group; ++g) {
+          float* const row = biases + ((b * group + g) * count + t) * keys;
+          std::fill(row, row + position + 1, 0.0F);
+          std::fill(row + position + 1, row + keys, -std::numeric_limits<float>::infinity());
+        }
+      }
+    }
+    return run_cpu(ids, cache, positions, bias);
+  }
+
   // Whether a sliding window hides some key of a sequence of `keys` positions.
   [[nodiscard]] bool windowed(int64_t keys) const noexcept {
     return config_.sliding_window > 0 && keys > config_.sliding_window;
@@ -707,7 +739,8 @@ class LlamaModel {
   // token t of every row at positions[t] (validated by the caller), seeing the cached positions and
   // the new tokens that `grouped_bias` [group * T, W] leaves at 0 over the last W key columns
   // (W = T: the new tokens'; needed for T > 1 or W > T; contiguous, its first T rows are the
-  // [T, W] bias). Up to kLoopAttentionTokens new tokens attend through
+  // [T, W] bias). Rows of different lengths (forward_ragged_cpu): positions [B * T] (row b's
+  // token t at b * T + t) and grouped_bias [B, group * T, keys], each row's own. Up to kLoopAttentionTokens new tokens attend through
   // the loops of detail::attend, more through batched products. The keys and
   // values of a layer reach the cache in one write where the cache takes them stacked
   // (StaticKVCache::update_stacked).
@@ -722,7 +755,10 @@ class LlamaModel {
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     const detail::AttentionShape shape{.batch = batch, .count = count, .past = cache.length(), .heads = heads,
                                        .kv_heads = kv_heads, .head_dim = head_dim,
-                                       .bias_width = grouped_bias.defined() ? grouped_bias.size(1) : 0};
+                                       .bias_width = grouped_bias.defined() ? grouped_bias.size(-1) : 0,
+                                       .bias_row_stride = grouped_bias.defined() && grouped_bias.dim() == 3
+                                                              ? grouped_bias.stride(0) : 0};
+    const bool row_positions = static_cast<int64_t>(positions.size()) == rows;
     // Every activation of the forward lies in one scratch buffer (see Scratch): the residual
     // stream x, its norm, q | k | v, the attention's output, a product's output, gate | up and
     // the gated hidden state, [rows, width] each.
@@ -754,8 +790,8 @@ class LlamaModel {
       detail::rms_norm_rows(x, fused.attention_norm.template data_ptr<float>(), normed, rows, dim, config_.norm_eps);
       fused.qkv.into(normed, rows, qkv, choice);  // [rows, q | k | v]
       for (int64_t r = 0; r < rows; ++r) {  // q and k heads lie side by side: rotate them together
-        detail::rotate_heads(qkv + r * qkv_width, heads + kv_heads, head_dim, positions[static_cast<size_t>(r % count)],
-                             cos, sin);
+        detail::rotate_heads(qkv + r * qkv_width, heads + kv_heads, head_dim,
+                             positions[static_cast<size_t>(row_positions ? r : r % count)], cos, sin);
       }
       // k | v as [2, batch, kv_heads, T, head_dim], a view of the scratch rows: both caches copy
       // what they keep.

@@ -278,6 +278,9 @@ struct AttentionShape {
   // The keys the bias covers: the last bias_width (0: the count new tokens'). Every key before
   // them is visible.
   int64_t bias_width = 0;
+  // Floats from one batch row's bias to the next's (0: one bias for every row; rows of different
+  // lengths have their own, over every key).
+  int64_t bias_row_stride = 0;
 };
 
 // A softmax weight below this (2^-60) cannot change an fp32 sum of fewer than 2^30 terms that
@@ -329,7 +332,8 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
         query_scores_avx2(query_rows + token_row * query_stride + h * head_dim, keys_of(b, h), key_step, keys_total,
                           head_dim, scale, row);
         if (new_bias != nullptr) {
-          for (int64_t u = 0; u < width; ++u) row[biased + u] += new_bias[t * width + u];
+          const float* const bias = new_bias + b * shape.bias_row_stride + t * width;
+          for (int64_t u = 0; u < width; ++u) row[biased + u] += bias[u];
         }
         softmax_row_avx2(row, padded);
         weighted_sum_avx2(row, values_of(b, h), value_step, keys_total, head_dim, kNegligibleWeight,
@@ -350,7 +354,7 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
       float* row = score_rows + task * keys_total;
       for (int64_t j = 0; j < biased; ++j) row[j] = dot(query, k + j * key_step, head_dim) * scale;
       for (int64_t u = 0; u < width; ++u) {
-        const float bias = new_bias == nullptr ? 0.0F : new_bias[t * width + u];
+        const float bias = new_bias == nullptr ? 0.0F : new_bias[b * shape.bias_row_stride + t * width + u];
         row[biased + u] = bias == -std::numeric_limits<float>::infinity()
                               ? bias
                               : dot(query, k + (biased + u) * key_step, head_dim) * scale + bias;
@@ -382,7 +386,7 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
 // attend() through batched matrix products, for several new tokens: one bmm for the scores of
 // every query head over its key/value head, the additive `grouped_bias` [group * T, W] over the
 // last W key columns (the new tokens' for W = T; causal or a tree; rows ordered query head within
-// the group, then token),
+// the group, then token; [batch, group * T, W] where each row has its own),
 // the softmax, and one bmm with the values. For T new tokens the loops of attend() repeat every
 // key's products T times at the compiler's vector width; BLAS does them at the CPU's. Same
 // requirements and result as attend(), with the queries given as `queries` [batch * T, heads *
@@ -398,7 +402,8 @@ inline void attend_batched(const AttentionShape& shape, const at::Tensor& querie
   for (int64_t b = 0; b < shape.batch; ++b) {
     const at::Tensor q = layout(queries.narrow(0, b * count, count)).reshape({shape.kv_heads, group * count, head_dim});
     at::Tensor scores = at::bmm(q, keys[b].transpose(1, 2)).mul_(scale);  // [kv_heads, group * T, keys]
-    scores.narrow(2, scores.size(2) - grouped_bias.size(1), grouped_bias.size(1)).add_(grouped_bias);
+    const at::Tensor bias = grouped_bias.dim() == 3 ? grouped_bias[b] : grouped_bias;
+    scores.narrow(2, scores.size(2) - bias.size(1), bias.size(1)).add_(bias);
     const at::Tensor attended = at::bmm(scores.softmax(-1), values[b]);  // [kv_heads, group * T, hd]
     layout(out.narrow(0, b * count, count)).copy_(attended.view({shape.kv_heads, group, count, head_dim}));
   }
