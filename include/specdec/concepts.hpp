@@ -86,6 +86,10 @@ concept JoinableKVCache = BatchedKVCache<C> && requires(const C& c, std::span<co
 // gains n zeros), leaving the other rows' positions unchanged.
 // Not required: that appending allocates nothing (StaticKVCache reuses the rows that
 // select_rows() freed; DynamicKVCache copies).
+// Optional: `c.append_rows_from(source)`, source a const C, appends source's rows with the
+// positions they hold. Where a cache has it, an Engine prefills a joining request's prompt in a
+// forward of its own and copies it in (both caches here have it); otherwise the prompt is fed in
+// the next step's forward, which every running row is then padded to.
 template <class C>
 concept AppendableKVCache = BatchedKVCache<C> && requires(C& c, int64_t n) { c.append_rows(n); };
 

@@ -171,6 +171,18 @@ class RowLengths {
     ragged_ = !rows_.empty() && std::any_of(rows_.begin(), rows_.end(), [&](int64_t l) { return l != rows_.front(); });
     device_ = at::Tensor();
   }
+  // New rows follow the others, row i holding lengths[i] positions.
+  void append(std::span<const int64_t> lengths) {
+    std::vector<int64_t> rows = rows_;
+    rows.insert(rows.end(), lengths.begin(), lengths.end());
+    assign(rows);
+  }
+  // Row r holds lengths[r] positions (any lengths: the caller wrote them).
+  void assign(std::span<const int64_t> lengths) {
+    rows_.assign(lengths.begin(), lengths.end());
+    ragged_ = !rows_.empty() && std::any_of(rows_.begin(), rows_.end(), [&](int64_t l) { return l != rows_.front(); });
+    device_ = at::Tensor();
+  }
   // Row i becomes old row rows[i] (host indices, checked by the caller).
   void select(std::span<const int64_t> rows) {
     if (rows_.empty()) return;  // nothing cached yet
@@ -264,6 +276,45 @@ class DynamicKVCache {
       }
     }
     narrow_to(rows_.longest());
+  }
+
+  // AppendableKVCache: the rows of `source` follow the others, each holding the positions it
+  // holds there (a request prefilled on its own joins a running batch). `source` has the same
+  // layers, heads, head size, dtype and device, and has held positions (its rows are known).
+  // Copies the cache once, zeros after shorter rows (never attended to).
+  void append_rows_from(const DynamicKVCache& source) {
+    const std::span<const int64_t> lengths = source.rows_.rows();
+    if (source.num_layers() != num_layers()) {
+      detail::throw_invalid_message("append_rows_from: the source has ", source.num_layers(), " layers, this cache ",
+                                    num_layers());
+    }
+    if (lengths.empty()) {
+      throw std::invalid_argument("append_rows_from: the source has held no positions, so its rows are unknown: "
+                                  "use append_rows()");
+    }
+    const auto batch = static_cast<int64_t>(rows_.rows().size());
+    const auto n = static_cast<int64_t>(lengths.size());
+    const int64_t longest = std::max(length_, *std::max_element(lengths.begin(), lengths.end()));
+    for (size_t layer = 0; layer < keys_.size(); ++layer) {
+      for (auto* tensors : {&keys_, &values_}) {
+        const at::Tensor& from = (tensors == &keys_ ? source.keys_ : source.values_)[layer];
+        at::Tensor& t = (*tensors)[layer];
+        const at::Tensor& like = from.defined() ? from : t;
+        if (!like.defined()) continue;  // no positions on either side yet
+        if (from.defined() && t.defined()) detail::check_joinable(0, from, t);
+        at::Tensor joined = at::zeros({batch + n, like.size(1), longest, like.size(3)}, like.options());
+        if (t.defined() && length_ > 0) joined.narrow(0, 0, batch).narrow(2, 0, length_).copy_(t.narrow(2, 0, length_));
+        if (from.defined()) {
+          for (int64_t r = 0; r < n; ++r) {
+            const int64_t length = lengths[static_cast<size_t>(r)];
+            if (length > 0) joined[batch + r].narrow(1, 0, length).copy_(from[r].narrow(1, 0, length));
+          }
+        }
+        t = std::move(joined);
+      }
+    }
+    rows_.append(lengths);
+    length_ = rows_.longest();
   }
 
   // JoinableKVCache: one cache whose row r is caches[r] (one-row caches, empty ones included;
@@ -535,6 +586,46 @@ class StaticKVCache {
     storage_ = slots_.narrow(2, 0, batch + n);
     shape_.batch = batch + n;
     rows_.append(n);
+    length_ = rows_.longest();
+  }
+
+  // AppendableKVCache: the rows of `source` follow the others, each holding the positions it
+  // holds there (a request prefilled on its own joins a running batch): slots reused as
+  // append_rows() reuses them, each joined row's positions copied once. `source` has the same
+  // layers, heads, head size, dtype and device; its rows fit this capacity.
+  void append_rows_from(const StaticKVCache& source) {
+    const StaticKVCacheShape& from = source.shape_;
+    if (from.num_layers != shape_.num_layers || from.kv_heads != shape_.kv_heads || from.head_dim != shape_.head_dim ||
+        source.storage_.scalar_type() != storage_.scalar_type() || source.storage_.device() != storage_.device()) {
+      detail::throw_invalid_message("append_rows_from: the source's [layers ", from.num_layers, ", kv_heads ",
+                                    from.kv_heads, ", head_dim ", from.head_dim, "] ", source.storage_.scalar_type(),
+                                    " on ", source.storage_.device(), " differ from this cache's [", shape_.num_layers,
+                                    ", ", shape_.kv_heads, ", ", shape_.head_dim, "] ", storage_.scalar_type(), " on ",
+                                    storage_.device());
+    }
+    const std::span<const int64_t> lengths = source.rows_.rows();
+    const int64_t longest = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+    if (longest > shape_.capacity) {
+      detail::throw_invalid_message("append_rows_from: a source row holds ", longest, " positions, the capacity is ",
+                                    shape_.capacity);
+    }
+    const int64_t batch = shape_.batch;
+    // The other rows see positions up to the longest (masked): they must be finite.
+    if (longest > initialized_) {
+      if (batch > 0) storage_.narrow(4, initialized_, longest - initialized_).zero_();
+      initialized_ = longest;
+    }
+    const auto n = static_cast<int64_t>(lengths.size());
+    append_rows(n);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t length = lengths[static_cast<size_t>(r)];
+      if (length > 0) {
+        storage_.narrow(2, batch + r, 1).narrow(4, 0, length).copy_(source.storage_.narrow(2, r, 1).narrow(4, 0, length));
+      }
+    }
+    std::vector<int64_t> held(rows_.rows().begin(), rows_.rows().end() - n);
+    held.insert(held.end(), lengths.begin(), lengths.end());
+    rows_.assign(held);
     length_ = rows_.longest();
   }
 
