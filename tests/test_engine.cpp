@@ -361,7 +361,8 @@ TEST(EngineDraftLength, TheCostModelChoosesWhatPays) {
   const auto model = [](double fixed, double per_position, double per_column) {
     specdec::detail::DraftCostModel costs;
     for (const int64_t positions : {4, 8, 12, 16, 24}) {
-      costs.observe(positions, fixed + per_position * static_cast<double>(positions), 2, 2 * per_column);
+      costs.observe_target(positions, fixed + per_position * static_cast<double>(positions));
+      costs.observe_drafting(2, 0, 2 * per_column);
     }
     return costs;
   };
@@ -371,23 +372,66 @@ TEST(EngineDraftLength, TheCostModelChoosesWhatPays) {
   EXPECT_NEAR(memory_bound.fixed_seconds(), 1.0, 1e-9);
   EXPECT_NEAR(memory_bound.seconds_per_position(), 0.001, 1e-9);
   EXPECT_NEAR(memory_bound.seconds_per_column(), 0.01, 1e-9);
-  EXPECT_EQ(memory_bound.choose(sure, caps), 6);
-  EXPECT_EQ(memory_bound.choose(sure, std::vector<int64_t>{3, 2}), 3);
-  EXPECT_EQ(model(0.0, 0.1, 0.0).choose(sure, caps), 0);         // cost grows with every position
-  EXPECT_EQ(model(1.0, 0.0, 1.0).choose(unsure, caps), 0);       // drafts cost a forward each
-  EXPECT_GT(model(1.0, 0.0, 0.05).choose(unsure, caps), 0);      // cheap drafts pay a little
-  EXPECT_EQ(model(1.0, 0.0, 0.0).choose(sure, std::vector<int64_t>{0, 0}), 0);
-  EXPECT_EQ(specdec::detail::DraftCostModel{}.choose(unsure, caps), 6);  // nothing measured: draft, to measure
+  EXPECT_EQ(memory_bound.choose(sure, caps, 2), 6);
+  EXPECT_EQ(memory_bound.choose(sure, std::vector<int64_t>{3, 2}, 2), 3);
+  EXPECT_EQ(model(0.0, 0.1, 0.0).choose(sure, caps, 2), 0);         // cost grows with every position
+  EXPECT_EQ(model(1.0, 0.0, 1.0).choose(unsure, caps, 2), 0);       // drafts cost a forward each
+  EXPECT_GT(model(1.0, 0.0, 0.05).choose(unsure, caps, 2), 0);      // cheap drafts pay a little
+  EXPECT_EQ(model(1.0, 0.0, 0.0).choose(sure, std::vector<int64_t>{0, 0}, 2), 0);
+  EXPECT_EQ(specdec::detail::DraftCostModel{}.choose(unsure, caps, 2), 6);  // nothing measured: draft, to measure
+  // The rest of a step counts as the forwards do: a step overhead the size of the forward
+  // makes drafts that cost a third of it pay.
+  specdec::detail::DraftCostModel overhead = model(1.0, 0.0, 0.35);
+  EXPECT_EQ(overhead.choose(std::vector<double>{0.3, 0.3}, caps, 2), 0);
+  for (int i = 0; i < 20; ++i) overhead.observe_overhead(i % 2 == 0, 1.0);
+  EXPECT_NEAR(overhead.overhead_seconds(true), 1.0, 1e-9);
+  EXPECT_GT(overhead.choose(std::vector<double>{0.3, 0.3}, caps, 2), 0);
+}
+
+// The drafting's cost is split between its columns and its positions: a first draft that feeds
+// the drafter a whole prompt (or the tokens of target-only steps) charges those positions, not
+// the columns, so one more column is priced at what it costs.
+TEST(EngineDraftLength, CatchUpPositionsDoNotInflateTheCostOfAColumn) {
+  specdec::detail::DraftCostModel costs;
+  const double per_column = 0.002, per_position = 0.0001;
+  for (int step = 0; step < 40; ++step) {
+    const int64_t columns = 1 + step % 4;
+    const int64_t positions = 2 * (columns + 1) + (step % 5 == 0 ? 60 : 0);  // 2 rows, a prompt now and then
+    costs.observe_drafting(columns, positions, per_column * static_cast<double>(columns) +
+                                                   per_position * static_cast<double>(positions));
+  }
+  EXPECT_NEAR(costs.seconds_per_column(), per_column, 1e-9);
+  EXPECT_NEAR(costs.seconds_per_drafter_position(), per_position, 1e-9);
+  // Host drafting (no positions): all in the column.
+  specdec::detail::DraftCostModel host;
+  for (int step = 0; step < 5; ++step) host.observe_drafting(3, 0, 0.003);
+  EXPECT_NEAR(host.seconds_per_column(), 0.001, 1e-12);
+  EXPECT_DOUBLE_EQ(host.seconds_per_drafter_position(), 0.0);
+}
+
+// A request's acceptance: its own decayed counts, starting from the engine's pooled estimate
+// scaled to a few steps' weight, so that its own drafts soon outweigh the start.
+TEST(EngineDraftLength, AcceptanceStartsFromThePoolAndFollowsTheRequest) {
   specdec::detail::AcceptanceEstimate acceptance;
   EXPECT_DOUBLE_EQ(acceptance.alpha(), 0.5);
   for (int i = 0; i < 20; ++i) acceptance.observe(4, 4);
   EXPECT_GT(acceptance.alpha(), 0.95);
   for (int i = 0; i < 40; ++i) acceptance.observe(4, 0);
   EXPECT_LT(acceptance.alpha(), 0.2);
+  specdec::detail::AcceptanceEstimate pooled(specdec::detail::AcceptanceEstimate::kPooledDecay);
+  for (int i = 0; i < 200; ++i) pooled.observe(5, 4);  // 4 of 5 accepted: 4 / (4 + 1) tested
+  EXPECT_NEAR(pooled.alpha(), 0.8, 0.01);
+  specdec::detail::AcceptanceEstimate joined;
+  joined.start_from(pooled);
+  EXPECT_NEAR(joined.alpha(), (0.8 * specdec::detail::AcceptanceEstimate::kStartWeight + 1) /
+                                  (specdec::detail::AcceptanceEstimate::kStartWeight + 2), 1e-9);
+  for (int i = 0; i < 6; ++i) joined.observe(4, 0);  // this request's drafter does badly
+  EXPECT_LT(joined.alpha(), 0.5);
 }
 
 // A drafter that never agrees with the target: after it is measured, the engine drafts nothing
-// but its exploration steps (one column every kExploreEvery steps), and the output is unchanged.
+// but its exploration steps (one column after kExploreEvery steps, then less often), and the
+// output is unchanged.
 TEST(EngineDraftLength, AUselessDrafterIsTurnedOff) {
   const models::LlamaConfig config = test::small_llama_config();
   models::LlamaModel<StaticKVCache> target(config, models::LlamaWeights::random(config, 21, at::kDouble));
@@ -497,6 +541,82 @@ TYPED_TEST(AppendableCache, RowsLeaveAndJoinKeepingTheOthersPositions) {
   TypeParam fresh = model.make_cache(1);
   const at::Tensor alone = model.forward(next.narrow(0, 2, 1), fresh);
   EXPECT_TRUE(at::allclose(logits.narrow(0, 2, 1), alone, 1e-9, 1e-9));
+}
+
+// A row prefilled in a cache of its own joins with its positions (append_rows_from): longer than
+// every running row (the others then see zeros they never attend to) or shorter; afterwards each
+// row computes what its own sequence computes alone, through the fp64 forward and the fp32 CPU
+// loops. A source of another shape is refused, naming both.
+TYPED_TEST(AppendableCache, RowsPrefilledAloneJoinWithTheirPositions) {
+  const models::LlamaConfig config = test::small_llama_config();
+  for (const at::ScalarType dtype : {at::kDouble, at::kFloat}) {
+    models::LlamaModel<TypeParam> model(config, models::LlamaWeights::random(config, 21, dtype));
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    const auto tokens = [&](int64_t rows, int64_t count) {
+      return at::randint(config.vocab_size, {rows, count}, gen, at::TensorOptions(at::kLong));
+    };
+    TypeParam cache = model.make_cache(2);
+    const at::Tensor running = tokens(2, 5);
+    static_cast<void>(model.forward(running, cache));
+    cache.prune_rows(std::vector<int64_t>{5, 3});
+    std::vector<at::Tensor> sequences{running[0], running[1].narrow(0, 0, 3)};
+    for (const int64_t length : {9, 2}) {  // longer than both running rows, then shorter
+      const at::Tensor prompt = tokens(1, length);
+      TypeParam alone = model.make_cache(1);
+      static_cast<void>(model.forward(prompt, alone));
+      cache.append_rows_from(alone);
+      sequences.push_back(prompt[0]);
+    }
+    EXPECT_EQ(std::vector<int64_t>(cache.row_lengths().begin(), cache.row_lengths().end()),
+              (std::vector<int64_t>{5, 3, 9, 2}));
+    const at::Tensor next = tokens(4, 2);
+    const at::Tensor logits = model.forward(next, cache);
+    for (int64_t r = 0; r < 4; ++r) {
+      TypeParam fresh = model.make_cache(1);
+      const at::Tensor whole = at::cat({sequences[static_cast<size_t>(r)], next[r]}).view({1, -1});
+      const at::Tensor expected = model.forward(whole, fresh)[0].narrow(0, whole.size(1) - 2, 2);
+      const double tolerance = dtype == at::kDouble ? 1e-9 : 1e-4;
+      EXPECT_TRUE(at::allclose(logits[r], expected, tolerance, tolerance)) << "row " << r << " in " << dtype;
+    }
+  }
+  models::LlamaConfig other = config;
+  other.n_layers = config.n_layers + 1;
+  models::LlamaModel<TypeParam> deeper(other, models::LlamaWeights::random(other, 2, at::kDouble));
+  models::LlamaModel<TypeParam> model(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  TypeParam cache = model.make_cache(1);
+  TypeParam source = deeper.make_cache(1);
+  static_cast<void>(deeper.forward(at::zeros({1, 2}, at::kLong), source));
+  test::expect_invalid([&] { cache.append_rows_from(source); }, {"append_rows_from", "layers"});
+}
+
+// A request that joins is prefilled by a forward of its own: the running rows' forward stays one
+// token wide rather than being padded to the joining prompt (the step's positions count it).
+TEST(EngineGreedy, AJoiningPromptIsPrefilledApartFromTheRunningRows) {
+  const models::LlamaConfig config = test::small_llama_config();
+  models::LlamaModel<StaticKVCache> target(config, models::LlamaWeights::random(config, 21, at::kDouble));
+  Engine engine(target, {.max_rows = 4});
+  Request first = request_number(0, config.vocab_size);
+  first.max_new_tokens = 12;
+  first.drafting = DraftMethod::none;
+  ASSERT_TRUE(engine.add(first).has_value());
+  std::map<RequestId, std::vector<int64_t>> streamed;
+  std::map<RequestId, GenerationResult> results;
+  collect(engine.step(), streamed, results);
+  collect(engine.step(), streamed, results);
+  Request second = request_number(1, config.vocab_size);
+  second.prompt.resize(20, 3);
+  second.max_new_tokens = 6;
+  second.drafting = DraftMethod::none;
+  ASSERT_TRUE(engine.add(second).has_value());
+  const int64_t before = engine.stats().target_positions;
+  std::vector<EngineEvent> events = engine.step();
+  ASSERT_EQ(events.size(), 2U);
+  // The prompt's first 19 tokens alone, then one token for each of the two rows.
+  EXPECT_EQ(engine.stats().target_positions - before, 19 + 2);
+  collect(std::move(events), streamed, results);
+  while (!engine.idle()) collect(engine.step(), streamed, results);
+  EXPECT_EQ(results.at(0).tokens, autoregressive_generate(target, first.prompt, {.max_new_tokens = 12}).tokens);
+  EXPECT_EQ(results.at(1).tokens, autoregressive_generate(target, second.prompt, {.max_new_tokens = 6}).tokens);
 }
 
 }  // namespace

@@ -272,6 +272,38 @@ class BatchRunner {
     lengths_.insert(lengths_.end(), static_cast<size_t>(n), 0);
   }
 
+  // A row joins after the others with all but the last token of `sequence` prefilled by a forward
+  // of its own (one row, in a scratch cache kept for the next), then copied into the batch's
+  // cache: the batch's next forward feeds it one token, as the others, rather than every row
+  // being padded to its prompt. Where the cache cannot take rows from another
+  // (append_rows_from), the row joins empty (add_rows) and is prefilled with the others.
+  void add_row_prefilled(std::span<const int64_t> sequence)
+    requires AppendableKVCache<typename M::cache_type>
+  {
+    const auto prefix = static_cast<int64_t>(sequence.size()) - 1;
+    if constexpr (requires(typename M::cache_type& c, const typename M::cache_type& from) { c.append_rows_from(from); }) {
+      if (prefix > 0) {
+        if (!scratch_) {
+          scratch_.emplace(model_.make_cache(1));
+        } else {
+          scratch_->prune(scratch_->length());
+        }
+        const at::Tensor ids = to_device<int64_t>(sequence.first(static_cast<size_t>(prefix)), {1, prefix}, device_);
+        {
+          ScopedTimer timer(*counters_.seconds);
+          at::NoGradGuard no_grad;
+          static_cast<void>(model_.forward(ids, *scratch_));
+        }
+        ++*counters_.calls;
+        *counters_.positions += prefix;
+        cache_.append_rows_from(*scratch_);
+        lengths_.push_back(prefix);
+        return;
+      }
+    }
+    add_rows(1);
+  }
+
  private:
   M& model_;
   std::string_view role_;
@@ -285,6 +317,7 @@ class BatchRunner {
   std::vector<int64_t> uncached_, buffer_;
   std::vector<int64_t> taps_, fed_from_;  // set_taps(), fed_from()
   at::Tensor features_;                   // features()
+  std::optional<typename M::cache_type> scratch_;  // add_row_prefilled()'s one-row cache
 };
 
 // Drafts of a batch step: tokens [b, k], their q [b, k, V] (or undefined), valid [b] drafts per
@@ -393,9 +426,11 @@ class BatchCore {
   // A new row after the others, generating after `prompt` under `options` (its own end tokens,
   // stop sequences, max_new_tokens and callback). Returns its result instead where it ends
   // before a step (max_new_tokens 0, a prompt at the limit): such a row is never added.
+  // `prefill_alone`: a row appended to the cache has its prompt prefilled by a forward of its own
+  // (BatchRunner::add_row_prefilled), not in the next step's forward beside the others.
   template <class Options>
   std::optional<GenerationResult> add(int64_t tag, std::span<const int64_t> prompt, const Options& options,
-                                      int64_t gamma) {
+                                      int64_t gamma, bool prefill_alone = false) {
     BatchRow row{.tag = tag, .sequence = std::make_unique<std::vector<int64_t>>(prompt.begin(), prompt.end()),
                  .gamma = gamma};
     row.state = std::make_unique<GenerationState>(*row.sequence, options, limit_);
@@ -403,7 +438,11 @@ class BatchCore {
     if (row.state->finished()) return std::move(*row.state).finish();
     if (rows_.size() == runner_.lengths().size()) {
       if constexpr (AppendableKVCache<typename T::cache_type>) {
-        runner_.add_rows(1);
+        if (prefill_alone) {
+          runner_.add_row_prefilled(prompt);
+        } else {
+          runner_.add_rows(1);
+        }
       } else {
         throw std::logic_error("BatchCore::add: the target's cache holds no free row and cannot append one");
       }
@@ -718,17 +757,27 @@ class ModelBatchDrafts {
     row_of_ = std::move(row_of);
   }
 
+  // The positions the drafter's forwards computed so far (padded rows times tokens), and the
+  // batch rows it drafts for now.
+  [[nodiscard]] int64_t positions() const noexcept { return positions_; }
+  [[nodiscard]] int64_t members() const noexcept {
+    return static_cast<int64_t>(std::count_if(row_of_.begin(), row_of_.end(), [](int64_t row) { return row >= 0; }));
+  }
+
   // A row joins the batch after the others (continuous batching): with `drafts`, it drafts from
-  // the drafter (its whole sequence is fed at its first draft); otherwise it never does.
-  void join(bool drafts)
+  // the drafter, its `prompt` prefilled now by a drafter forward of its own where the drafter's
+  // cache allows (BatchRunner::add_row_prefilled), else fed whole at its first draft; otherwise
+  // it never drafts.
+  void join(bool drafts, std::span<const int64_t> prompt = {})
     requires AppendableKVCache<typename D::cache_type>
   {
-    if (!drafts) {
+    // A prompt past the drafter's limit never drafts (leave_where_full would take it out).
+    if (!drafts || static_cast<int64_t>(prompt.size()) > runner_.limit()) {
       row_of_.push_back(-1);
       return;
     }
     row_of_.push_back(static_cast<int64_t>(runner_.lengths().size()));
-    runner_.add_rows(1);
+    runner_.add_row_prefilled(prompt);  // timed and counted as drafter forwards
   }
 
  private:

@@ -19,17 +19,22 @@
 // allocated per step). A request added while max_rows are generating waits in a first-in,
 // first-out queue of at most max_waiting; beyond that add() refuses it (returns nullopt) and
 // changes nothing. A waiting request joins at the first step where a row is free and its prompt
-// fits the step's forward: it is prefilled in that same forward, its whole prompt beside the
-// other rows' drafts (a forward's rows are padded to its widest input, so a long prompt joining
-// makes that one step wider for every row).
+// fits under the target's limit. Its prompt is prefilled by a forward of its own, one row in a
+// scratch cache copied into its slot (AppendableKVCache's append_rows_from), so the step's shared
+// forward feeds it one token beside the other rows' drafts: a shared forward is padded to its
+// widest row, and a long prompt there would make every row compute its width. A cache type
+// without append_rows_from has the prompt fed whole in that shared forward instead.
 //
 // Draft length: each step drafts, for every row, at most the k that the engine's cost model
 // says gives the batch the most tokens per second, from what it measured: each request's
 // acceptance, the target forward's fixed cost and cost per position, the drafting's cost per
-// column (detail/draft_cost.hpp has the model). Each request's gamma caps it; k falls to 0 (the
-// rows decode with the target alone, the drafter does not run) when speculation does not pay,
-// with one drafting step every 16 to keep measuring. EngineOptions::adaptive_draft_length =
-// false drafts every request's own gamma every step instead.
+// column and per drafter position, the rest of a step (detail/draft_cost.hpp has the model).
+// Each request's gamma caps it; k falls to 0 (the rows decode with the target alone, the drafter
+// does not run) when speculation does not pay, with one drafting column after 16 target-only
+// steps, then after twice as many each time that leaves k at 0 (at most 256), to keep measuring.
+// A joining request's acceptance starts from the engine's pooled estimate for its draft method.
+// EngineOptions::adaptive_draft_length = false drafts every request's own gamma every step
+// instead.
 //
 // Exactness: under greedy decoding every request's tokens equal its own speculative_generate
 // (and autoregressive_generate) output, whatever joins, leaves or is cancelled around it; a
@@ -41,6 +46,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <deque>
 #include <limits>
@@ -110,12 +116,17 @@ struct EngineOptions {
                                       // false: every request drafts its own gamma every step
 };
 
-// The engine's cost model as it stands (detail/draft_cost.hpp): a step of b rows and k drafts
-// each is predicted to cost fixed_seconds + seconds_per_position b (k + 1) + seconds_per_column k.
+// The engine's cost model as it stands (detail/draft_cost.hpp): a step of b rows and k > 0
+// drafts each, m of the rows drafting with the drafter model, is predicted to cost
+//   fixed_seconds + seconds_per_position b (k + 1) + seconds_per_column k
+//     + seconds_per_drafter_position m (k + 1) + overhead_seconds[1]
+// and a step without drafts fixed_seconds + seconds_per_position b + overhead_seconds[0].
 struct EngineCosts {
   double fixed_seconds = 0;
   double seconds_per_position = 0;
   double seconds_per_column = 0;
+  double seconds_per_drafter_position = 0;
+  double overhead_seconds[2]{};
   int64_t draft_length = 0;  // the last step's k
 };
 
@@ -141,11 +152,12 @@ class EngineDrafts {
     }
   }
 
-  void join(DraftMethod method) {
+  // A row of `prompt` joins after the others, drafting by `method`.
+  void join(DraftMethod method, std::span<const int64_t> prompt) {
     methods_.push_back(method);
     contexts_.emplace_back();
     drafted_.push_back(0);
-    if constexpr (!std::is_void_v<D>) model_->join(method == DraftMethod::drafter);
+    if constexpr (!std::is_void_v<D>) model_->join(method == DraftMethod::drafter, prompt);
   }
 
   template <LogitsProcessor P>
@@ -208,6 +220,16 @@ class EngineDrafts {
 
   void after(const BatchStep& step) {
     if constexpr (!std::is_void_v<D>) model_->after(step);
+  }
+
+  // The drafter model's positions so far, and the rows it drafts for (0 without one).
+  [[nodiscard]] int64_t model_positions() const noexcept {
+    if constexpr (!std::is_void_v<D>) return model_->positions();
+    return 0;
+  }
+  [[nodiscard]] int64_t model_rows() const noexcept {
+    if constexpr (!std::is_void_v<D>) return model_->members();
+    return 0;
   }
 
   void select(std::span<const int64_t> rows) {
@@ -287,7 +309,8 @@ class Engine {
                                 .prompt_length = static_cast<int64_t>(request.prompt.size()),
                                 .sampling = request.sampling,
                                 .options = generation_options(request),
-                                .gamma = request.drafting == DraftMethod::none ? 0 : request.gamma});
+                                .gamma = request.drafting == DraftMethod::none ? 0 : request.gamma,
+                                .drafting = request.drafting});
     queue_.push_back({id, std::move(request)});
     return id;
   }
@@ -302,9 +325,18 @@ class Engine {
     if (core_.empty()) return events;
     outcomes_.clear();
     const int64_t k = draft_length();
-    const detail::StepCost cost =
-        core_.step(drafts_, processor_, /*first_target=*/true, /*skip_sample_adjustment=*/false, outcomes_, k);
-    costs_.observe(cost.positions, cost.target_seconds, cost.columns, cost.drafter_seconds);
+    // A forward wider than the widest draft step prefilled a prompt (detail/draft_cost.hpp).
+    int64_t widest = 1;
+    for (const detail::BatchRow& row : core_.rows()) widest = std::max(widest, requests_.at(row.tag).gamma + 1);
+    const int64_t decode_positions = widest * static_cast<int64_t>(core_.rows().size());
+    const int64_t drafter_positions = drafts_.model_positions();
+    double seconds = 0;
+    detail::StepCost cost;
+    {
+      const detail::ScopedTimer timer(seconds);
+      cost = core_.step(drafts_, processor_, /*first_target=*/true, /*skip_sample_adjustment=*/false, outcomes_, k);
+    }
+    observe(cost, cost.positions > decode_positions, drafts_.model_positions() - drafter_positions, seconds);
     last_draft_length_ = cost.columns;
     steps_without_drafts_ = cost.columns > 0 ? 0 : steps_without_drafts_ + 1;
     size_t kept = 0;
@@ -314,6 +346,7 @@ class Engine {
       EngineEvent event{.id = outcome.tag};
       Entry& entry = requests_.at(outcome.tag);
       entry.acceptance.observe(outcome.drafted, outcome.accepted);
+      pooled(entry.drafting).observe(outcome.drafted, outcome.accepted);
       const int64_t prompt_length = entry.prompt_length;
       if (outcome.result) {
         const auto& tokens = outcome.result->tokens;
@@ -379,6 +412,8 @@ class Engine {
     return {.fixed_seconds = costs_.fixed_seconds(),
             .seconds_per_position = costs_.seconds_per_position(),
             .seconds_per_column = costs_.seconds_per_column(),
+            .seconds_per_drafter_position = costs_.seconds_per_drafter_position(),
+            .overhead_seconds = {costs_.overhead_seconds(false), costs_.overhead_seconds(true)},
             .draft_length = last_draft_length_};
   }
 
@@ -390,6 +425,7 @@ class Engine {
     GenerationOptions options{};  // its row's stopping rules read them (an unordered_map's
                                   // elements stay where they are while others come and go)
     int64_t gamma = 0;            // its most drafts per step (0: none)
+    DraftMethod drafting = DraftMethod::none;
     detail::AcceptanceEstimate acceptance{};
   };
   struct Waiting {
@@ -448,13 +484,18 @@ class Engine {
       queue_.pop_front();
       const Request& request = next.request;
       const int64_t gamma = request.drafting == DraftMethod::none ? 0 : request.gamma;
-      if (auto result = core_.add(next.id, request.prompt, requests_.at(next.id).options, gamma)) {
+      if (auto result = core_.add(next.id, request.prompt, requests_.at(next.id).options, gamma, /*prefill_alone=*/true)) {
         events.push_back({.id = next.id, .result = std::move(result)});  // max_new_tokens 0
         requests_.erase(next.id);
         continue;
       }
-      drafts_.join(request.drafting);
-      requests_.at(next.id).state = RequestState::generating;
+      // While the engine drafts, the drafter prefills the prompt now, apart from the batch; while
+      // it runs target-only, the row joins the drafter empty and is fed at its first draft.
+      const bool drafting = !options_.adaptive_draft_length || last_draft_length_ > 0 || steps_without_drafts_ == 0;
+      drafts_.join(request.drafting, drafting ? std::span<const int64_t>(request.prompt) : std::span<const int64_t>());
+      Entry& entry = requests_.at(next.id);
+      entry.state = RequestState::generating;
+      entry.acceptance.start_from(pooled(request.drafting));
       joined = true;
     }
     if (joined) rebuild_processor();
@@ -471,11 +512,30 @@ class Engine {
       alphas_.push_back(entry.acceptance.alpha());
       caps_.push_back(row.stepped ? entry.gamma : 0);
     }
-    const int64_t k = costs_.choose(alphas_, caps_);
+    const int64_t k = costs_.choose(alphas_, caps_, drafts_.model_rows());
+    if (k > 0) {
+      explore_every_ = detail::DraftCostModel::kExploreEvery;
+      return k;
+    }
+    // Target-only steps: a one-column step now and then, less often while each one confirms k = 0.
     const bool wanted = std::any_of(caps_.begin(), caps_.end(), [](int64_t cap) { return cap > 0; });
-    if (k == 0 && wanted && steps_without_drafts_ >= detail::DraftCostModel::kExploreEvery) return 1;
-    return k;
+    if (!wanted || steps_without_drafts_ < explore_every_) return 0;
+    explore_every_ = std::min(2 * explore_every_, detail::DraftCostModel::kExploreAtMost);
+    return 1;
   }
+
+  // What the step measured, for the cost model: the target's forward unless a prompt's prefill
+  // made it wider than a draft step, the drafting where it drafted, the rest of the step
+  // (detail/draft_cost.hpp).
+  void observe(const detail::StepCost& cost, bool prefill, int64_t drafter_positions, double seconds) {
+    const bool drafted = cost.columns > 0;
+    if (drafted) costs_.observe_drafting(cost.columns, drafter_positions, cost.drafter_seconds);
+    if (prefill) return;
+    costs_.observe_target(cost.positions, cost.target_seconds);
+    costs_.observe_overhead(drafted, seconds - cost.target_seconds - (drafted ? cost.drafter_seconds : 0.0));
+  }
+
+  detail::AcceptanceEstimate& pooled(DraftMethod method) { return pooled_[static_cast<size_t>(method)]; }
 
   // The rows' sampling parameters as tensors, once per change of the batch.
   void rebuild_processor() {
@@ -497,8 +557,14 @@ class Engine {
   std::vector<detail::RowOutcome> outcomes_;
   detail::DraftCostModel costs_;
   int64_t last_draft_length_ = 0, steps_without_drafts_ = 0;
+  int64_t explore_every_ = detail::DraftCostModel::kExploreEvery;
   std::vector<double> alphas_;
   std::vector<int64_t> caps_;
+  // Each draft method's acceptance over the engine's requests: where a joining request starts.
+  std::array<detail::AcceptanceEstimate, 3> pooled_{
+      detail::AcceptanceEstimate(detail::AcceptanceEstimate::kPooledDecay),
+      detail::AcceptanceEstimate(detail::AcceptanceEstimate::kPooledDecay),
+      detail::AcceptanceEstimate(detail::AcceptanceEstimate::kPooledDecay)};
 };
 
 template <class T>

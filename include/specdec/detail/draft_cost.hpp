@@ -1,46 +1,75 @@
 // The cost model behind an Engine's draft length (engine.hpp), from what the engine measures.
 //
-// A step of b rows drafting k tokens each costs
-//   T(b (k + 1)) + k d,   with T(x) = A + B x
-// the target's forward over x positions (a fixed part A, the weights read once, and B per
-// position), and d the drafting of one column for the batch (the drafter's forwards, or host
-// lookups). Row r, whose drafts are accepted with probability alpha_r each and whose own gamma
-// caps it at g_r, emits in expectation E_r(k) = 1 + alpha_r + ... + alpha_r^min(k, g_r) tokens
+// A step of b rows drafting k tokens each, m of the rows with the drafter model, costs
+//   T(b (k + 1)) + D(k) + O_k,   T(x) = A + B x,   D(k) = f k + p m (k + 1)  (D(0) = 0)
+// T is the target's forward over x positions: a fixed part A (the weights read once) and B per
+// position. D is the drafting: f per drafted column (one drafter forward for the batch, or the
+// host's lookups) and p per position the drafter computes (its first forward of a step feeds
+// each row what was emitted since its last draft, about 2 positions, then 1 a column). O_k is
+// the rest of a step (verification, sampling, the host copy), measured apart for k = 0 and
+// k > 0. Row r, whose drafts are accepted with probability alpha_r each and whose own gamma caps
+// it at g_r, emits in expectation E_r(k) = 1 + alpha_r + ... + alpha_r^min(k, g_r) tokens
 // (Leviathan et al., 2023, under their i.i.d. acceptance model). The step drafts the k in
-// [0, max g_r] that maximises the batch's tokens per second, sum_r E_r(k) / (T(b (k + 1)) + k d);
-// k = 0 is the target alone (the drafter does not run). On a memory-bound target A dominates and
-// k grows with acceptance; where the forward's cost grows with its positions (a compute-bound
-// device, a full batch) B dominates and k falls, down to 0.
+// [0, max g_r] that maximises the batch's tokens per second, sum_r E_r(k) / cost(k); k = 0 is the
+// target alone (the drafter does not run). On a memory-bound target A dominates and k grows with
+// acceptance; where the forward's cost grows with its positions (a compute-bound device, a full
+// batch) B dominates and k falls, down to 0.
 //
-// A, B and d are decayed least-squares fits to the steps the engine ran; alpha_r is the row's
-// decayed count of accepted drafts over drafts tested (accepted plus the first rejected), with one
-// of each as a prior. Until two different widths are seen, B is taken as 0 (drafting looks free),
-// so the engine measures a drafting step before it judges one; while k stays 0 it drafts one
-// column every kExploreEvery steps to keep alpha, d and B current. The rule only chooses how many
-// tokens are drafted: what is emitted stays exactly the target's.
+// What is fitted, and from which steps:
+// - A and B: decayed least squares over the steps whose forward was no wider than a draft step
+//   (rows times the largest gamma + 1). A prompt prefilled in the same forward makes it wider for
+//   reasons the draft length does not control, and on a cache-resident model T is not linear
+//   that far out: such steps would overstate B several times. Until two widths are seen, B is 0 (drafting looks free), so the
+//   engine measures a drafting step before it judges one.
+// - f and p: decayed least squares without intercept of the drafting's seconds on its columns
+//   and its drafter positions. A row's first draft feeds the drafter its whole prompt and a
+//   draft after target-only steps feeds it those steps' tokens: p takes that cost, so it does not
+//   inflate f, the cost of one more column.
+// - O_0, O_1: decayed means of what the step took beyond the target's and the drafter's forwards.
+// - alpha_r: the row's decayed count of accepted drafts over drafts tested (accepted plus the
+//   first rejected), with one of each as a prior. A request that joins starts from the engine's
+//   pooled estimate for its draft method (worth a few steps of its own), not from 1/2: requests
+//   are often shorter than the steps an estimate needs to settle.
+// While k stays 0 the engine drafts one column after kExploreEvery target-only steps to keep
+// alpha, D and B current, and waits twice as long after each such step that leaves k at 0 (up to
+// kExploreAtMost steps): an exploration step pays for the drafter to catch up on every row. The rule only chooses how many tokens are drafted: what is emitted stays exactly the
+// target's.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <span>
+#include <utility>
 
 namespace specdec::detail {
 
 // A row's per-draft acceptance, decayed.
 class AcceptanceEstimate {
  public:
-  static constexpr double kDecay = 0.9;  // per observed step
+  static constexpr double kDecay = 0.9;          // per observed step, for a request's own estimate
+  static constexpr double kPooledDecay = 0.98;   // for the engine's estimate over all its requests
+  static constexpr double kStartWeight = 8.0;    // drafts tested that a pooled start is worth
+
+  explicit AcceptanceEstimate(double decay = kDecay) noexcept : decay_(decay) {}
 
   // A step verified `drafted` drafts of the row and accepted the leading `accepted`.
-  void observe(int64_t drafted, int64_t accepted) {
+  void observe(int64_t drafted, int64_t accepted) noexcept {
     if (drafted <= 0) return;
-    accepted_ = kDecay * accepted_ + static_cast<double>(accepted);
-    rejected_ = kDecay * rejected_ + (accepted < drafted ? 1.0 : 0.0);
+    accepted_ = decay_ * accepted_ + static_cast<double>(accepted);
+    rejected_ = decay_ * rejected_ + (accepted < drafted ? 1.0 : 0.0);
+  }
+  // Starts from `pooled`'s counts, scaled down to at most `weight` drafts tested.
+  void start_from(const AcceptanceEstimate& pooled, double weight = kStartWeight) noexcept {
+    const double tested = pooled.accepted_ + pooled.rejected_;
+    const double scale = tested > weight ? weight / tested : 1.0;
+    accepted_ = pooled.accepted_ * scale;
+    rejected_ = pooled.rejected_ * scale;
   }
   [[nodiscard]] double alpha() const noexcept { return (accepted_ + 1.0) / (accepted_ + rejected_ + 2.0); }
 
  private:
+  double decay_;
   double accepted_ = 0, rejected_ = 0;
 };
 
@@ -53,43 +82,77 @@ inline double expected_tokens(double alpha, int64_t k) {
 class DraftCostModel {
  public:
   static constexpr double kDecay = 0.95;        // per observed step
-  static constexpr int64_t kExploreEvery = 16;  // steps at k = 0 between two one-column steps
+  static constexpr int64_t kExploreEvery = 16;   // target-only steps before a one-column step
+  static constexpr int64_t kExploreAtMost = 256;  // ... doubled while they confirm k = 0, up to this
 
-  // One step: `positions` computed by the target in `target_seconds`; `columns` drafted in
-  // `drafter_seconds`.
-  void observe(int64_t positions, double target_seconds, int64_t columns, double drafter_seconds) {
+  // A step in which no row was prefilled: the target computed `positions` in `seconds`.
+  void observe_target(int64_t positions, double seconds) noexcept {
     const auto x = static_cast<double>(positions);
     s0_ = kDecay * s0_ + 1.0;
     s1_ = kDecay * s1_ + x;
     s2_ = kDecay * s2_ + x * x;
-    t0_ = kDecay * t0_ + target_seconds;
-    t1_ = kDecay * t1_ + x * target_seconds;
-    if (columns > 0) {
-      c0_ = kDecay * c0_ + static_cast<double>(columns);
-      d0_ = kDecay * d0_ + drafter_seconds;
-    }
+    t0_ = kDecay * t0_ + seconds;
+    t1_ = kDecay * t1_ + x * seconds;
+  }
+  // A step that drafted `columns` (> 0) with the drafter computing `positions` (0 for host
+  // drafting), in `seconds`.
+  void observe_drafting(int64_t columns, int64_t positions, double seconds) noexcept {
+    if (columns <= 0) return;
+    const auto c = static_cast<double>(columns);
+    const auto p = static_cast<double>(positions);
+    cc_ = kDecay * cc_ + c * c;
+    cp_ = kDecay * cp_ + c * p;
+    pp_ = kDecay * pp_ + p * p;
+    cs_ = kDecay * cs_ + c * seconds;
+    ps_ = kDecay * ps_ + p * seconds;
+  }
+  // What a step (of drafts, or without) took beyond the target's and the drafter's forwards.
+  void observe_overhead(bool drafted, double seconds) noexcept {
+    auto& [weight, sum] = overhead_[drafted ? 1 : 0];
+    weight = kDecay * weight + 1.0;
+    sum = kDecay * sum + seconds;
   }
 
   // A and B (seconds, seconds per position).
-  [[nodiscard]] double fixed_seconds() const noexcept { return fit().first; }
-  [[nodiscard]] double seconds_per_position() const noexcept { return fit().second; }
-  // d: seconds per drafted column (0 before any drafting step).
-  [[nodiscard]] double seconds_per_column() const noexcept { return c0_ > 0 ? d0_ / c0_ : 0.0; }
+  [[nodiscard]] double fixed_seconds() const noexcept { return target_fit().first; }
+  [[nodiscard]] double seconds_per_position() const noexcept { return target_fit().second; }
+  // f and p: seconds per drafted column and per drafter position (0 before any drafting step).
+  [[nodiscard]] double seconds_per_column() const noexcept { return drafting_fit().first; }
+  [[nodiscard]] double seconds_per_drafter_position() const noexcept { return drafting_fit().second; }
+  // O_0 or O_1.
+  [[nodiscard]] double overhead_seconds(bool drafted) const noexcept {
+    const auto& measured = overhead_[drafted ? 1 : 0];
+    if (measured.first > 0) return measured.second / measured.first;
+    const auto& other = overhead_[drafted ? 0 : 1];
+    return other.first > 0 ? other.second / other.first : 0.0;
+  }
+
+  // The predicted seconds of a step of `rows` rows, `model_rows` of them drafting with the
+  // drafter model, drafting k.
+  [[nodiscard]] double step_seconds(int64_t rows, int64_t model_rows, int64_t k) const noexcept {
+    const auto [a, b] = target_fit();
+    const auto kk = static_cast<double>(k);
+    double seconds = a + b * static_cast<double>(rows) * (kk + 1.0) + overhead_seconds(k > 0);
+    if (k > 0) {
+      const auto [f, p] = drafting_fit();
+      seconds += f * kk + p * static_cast<double>(model_rows) * (kk + 1.0);
+    }
+    return seconds;
+  }
 
   // The k in [0, max caps] with the most expected tokens per second for rows of acceptances
-  // `alphas` and caps `caps` (0: the row drafts nothing). With nothing measured yet: the largest.
-  [[nodiscard]] int64_t choose(std::span<const double> alphas, std::span<const int64_t> caps) const {
+  // `alphas` and caps `caps` (0: the row drafts nothing), `model_rows` of them drafting with the
+  // drafter model. With no target step measured yet: the largest.
+  [[nodiscard]] int64_t choose(std::span<const double> alphas, std::span<const int64_t> caps, int64_t model_rows) const {
     const int64_t most = caps.empty() ? 0 : *std::max_element(caps.begin(), caps.end());
     if (most == 0 || s0_ == 0.0) return most;
-    const auto [a, b] = fit();
-    const double d = seconds_per_column();
-    const auto rows = static_cast<double>(alphas.size());
+    const auto rows = static_cast<int64_t>(alphas.size());
     int64_t best = 0;
     double best_rate = -1;
     for (int64_t k = 0; k <= most; ++k) {
       double tokens = 0;
       for (size_t r = 0; r < alphas.size(); ++r) tokens += expected_tokens(alphas[r], std::min(k, caps[r]));
-      const double seconds = a + b * rows * static_cast<double>(k + 1) + d * static_cast<double>(k);
+      const double seconds = step_seconds(rows, model_rows, k);
       const double rate = seconds > 0 ? tokens / seconds : tokens;
       if (rate > best_rate) {
         best_rate = rate;
@@ -102,7 +165,7 @@ class DraftCostModel {
  private:
   // Decayed least squares of seconds on positions, clamped to A, B >= 0; flat (B = 0) until the
   // positions vary.
-  [[nodiscard]] std::pair<double, double> fit() const noexcept {
+  [[nodiscard]] std::pair<double, double> target_fit() const noexcept {
     if (s0_ == 0.0) return {0.0, 0.0};
     const double spread = s0_ * s2_ - s1_ * s1_;
     if (!(spread > 1e-9 * s0_ * s2_)) return {t0_ / s0_, 0.0};
@@ -113,8 +176,23 @@ class DraftCostModel {
     return {a, b};
   }
 
-  double s0_ = 0, s1_ = 0, s2_ = 0, t0_ = 0, t1_ = 0;  // positions and target seconds
-  double c0_ = 0, d0_ = 0;                             // drafted columns and drafter seconds
+  // Decayed least squares of seconds = f columns + p positions, clamped to f, p >= 0; all in f
+  // while columns and positions have not varied apart (host drafting, a batch that never changed).
+  [[nodiscard]] std::pair<double, double> drafting_fit() const noexcept {
+    if (cc_ == 0.0) return {0.0, 0.0};
+    const double det = cc_ * pp_ - cp_ * cp_;
+    if (det > 1e-9 * cc_ * pp_) {
+      const double f = (cs_ * pp_ - ps_ * cp_) / det;
+      const double p = (cc_ * ps_ - cp_ * cs_) / det;
+      if (f >= 0 && p >= 0) return {f, p};
+      if (f < 0) return {0.0, ps_ / pp_};
+    }
+    return {cs_ / cc_, 0.0};
+  }
+
+  double s0_ = 0, s1_ = 0, s2_ = 0, t0_ = 0, t1_ = 0;  // target: positions and seconds
+  double cc_ = 0, cp_ = 0, pp_ = 0, cs_ = 0, ps_ = 0;  // drafting: columns, positions, seconds
+  std::pair<double, double> overhead_[2]{};            // O_0, O_1: decayed weight and sum
 };
 
 }  // namespace specdec::detail
