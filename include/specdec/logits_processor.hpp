@@ -75,18 +75,22 @@ inline at::Tensor mask_top_p(const at::Tensor& logits, double top_p) {
   return logits.masked_fill(drop, -std::numeric_limits<double>::infinity());
 }
 
+// The token of each distribution of probs [..., vocab] at uniform [..., 1] in [0, 1): the inverse
+// of its distribution function (a one-hot row gives its argmax). Returns int64 [..., 1].
+inline at::Tensor sample_at_uniform(const at::Tensor& probs, const at::Tensor& uniform) {
+  const at::Tensor cdf = probs.to(at::kDouble).cumsum(-1);
+  const at::Tensor threshold = uniform.to(cdf.device()) * cdf.narrow(-1, cdf.size(-1) - 1, 1);
+  return at::searchsorted(cdf, threshold, /*out_int32=*/false, /*right=*/true)
+      .clamp_max(cdf.size(-1) - 1);
+}
+
 // Draws one index per row of probs [..., vocab] by inverting the cumulative distribution with
 // uniforms from `gen`. Returns int64 [..., 1] on probs' device.
 inline at::Tensor sample_categorical(const at::Tensor& probs, at::Generator& gen) {
   check_logits(probs);
-  const at::Tensor cdf = probs.to(at::kDouble).cumsum(-1);
-  auto shape = cdf.sizes().vec();
+  auto shape = probs.sizes().vec();
   shape.back() = 1;
-  const at::Tensor uniform =
-      at::rand(shape, gen, at::TensorOptions().dtype(at::kDouble).device(gen.device()));
-  const at::Tensor threshold = uniform.to(cdf.device()) * cdf.narrow(-1, cdf.size(-1) - 1, 1);
-  return at::searchsorted(cdf, threshold, /*out_int32=*/false, /*right=*/true)
-      .clamp_max(cdf.size(-1) - 1);
+  return sample_at_uniform(probs, at::rand(shape, gen, at::TensorOptions().dtype(at::kDouble).device(gen.device())));
 }
 
 }  // namespace detail
