@@ -277,6 +277,40 @@ class EagleBatchCache {
     lengths_ = std::move(lengths);
   }
 
+  // The rows of `other` follow this cache's, each with its positions and entries (a row whose
+  // head was fed on its own joins a batch). The entries are copied once; buffers of different
+  // heads (kv_heads, head_dim, dtype, device) are refused.
+  void append_rows_from(const EagleBatchCache& other) {
+    const int64_t n = other.rows();
+    if (n == 0) return;
+    if (other.keys_.defined() && other.longest() > 0) {
+      const at::Tensor& from = other.keys_;
+      if (keys_.defined() && (keys_.size(1) != from.size(1) || keys_.size(3) != from.size(3) ||
+                              keys_.scalar_type() != from.scalar_type() || keys_.device() != from.device())) {
+        detail::throw_invalid_message("EagleBatchCache::append_rows_from: entries ", from.sizes(), " ",
+                                      from.scalar_type(), " do not fit this cache's ", keys_.sizes(), " ",
+                                      keys_.scalar_type());
+      }
+      const int64_t capacity = std::max(keys_.defined() ? keys_.size(2) : 0, from.size(2));
+      const auto grown = [&](const at::Tensor& mine, const at::Tensor& theirs) {
+        at::Tensor t = at::zeros({rows() + n, theirs.size(1), capacity, theirs.size(3)}, theirs.options());
+        if (mine.defined() && rows() > 0) t.narrow(0, 0, rows()).narrow(2, 0, mine.size(2)).copy_(mine);
+        t.narrow(0, rows(), n).narrow(2, 0, other.longest()).copy_(theirs.narrow(2, 0, other.longest()));
+        return t;
+      };
+      keys_ = grown(keys_, other.keys_);
+      values_ = grown(values_, other.values_);
+    } else if (keys_.defined()) {
+      const auto grown = [&](const at::Tensor& mine) {
+        return at::cat({mine, at::zeros({n, mine.size(1), mine.size(2), mine.size(3)}, mine.options())});
+      };
+      keys_ = grown(keys_);
+      values_ = grown(values_);
+    }
+    starts_.insert(starts_.end(), other.starts_.begin(), other.starts_.end());
+    lengths_.insert(lengths_.end(), other.lengths_.begin(), other.lengths_.end());
+  }
+
   // The whole buffers [rows, kv_heads, capacity, head_dim] (for EagleHead::forward_rows).
   [[nodiscard]] const at::Tensor& key_buffer() const noexcept { return keys_; }
   [[nodiscard]] const at::Tensor& value_buffer() const noexcept { return values_; }
