@@ -17,7 +17,10 @@
 // learns in the warm-up):
 //   ar:    every request DraftMethod::none (the engine as an autoregressive batcher);
 //   spec:  every request drafts with the drafter, gamma 6, the adaptive draft length;
-//   fixed: gamma 4 every step (EngineOptions::adaptive_draft_length = false).
+//   fixed: gamma 4 every step (EngineOptions::adaptive_draft_length = false);
+//   eagle: every request drafts with the EAGLE head, gamma 6, the adaptive draft length, where
+//     the pair has one (SPECDEC_BENCH_EAGLE, a folder; default: the bundled target's eagle3).
+//     Counters eagle_over_ar, eagle_tpc.
 // Two workloads per method:
 //   closed loop: L requests from the start, a new one as soon as one ends. Counters <m>_tps
 //     (generated tokens per second) and spec_over_ar, fixed_over_ar (the ratios);
@@ -33,6 +36,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -42,6 +46,7 @@
 #include "story_openings.hpp"
 #include "specdec/engine.hpp"
 #include "specdec/io/checkpoint.hpp"
+#include "specdec/io/eagle.hpp"
 #include "specdec/io/tokenizer.hpp"
 #include "specdec/models/llama.hpp"
 
@@ -65,6 +70,7 @@ std::unique_ptr<Model> load(const std::string& path) {
 
 struct Pair {
   std::unique_ptr<Model> target, drafter;
+  std::optional<models::EagleHead> eagle;  // SPECDEC_BENCH_EAGLE, or the bundled target's head
   std::vector<std::vector<int64_t>> prompts;
   bool large = false;  // a target of a billion parameters: shorter outputs
 };
@@ -76,6 +82,8 @@ Pair& pair() {
     made.target = load(setting("SPECDEC_BENCH_TARGET", bundled + "/target"));
     made.drafter = load(setting("SPECDEC_BENCH_DRAFTER", bundled + "/drafter"));
     made.large = made.target->config().dim >= 1024;
+    const std::string head = setting("SPECDEC_BENCH_EAGLE", setting("SPECDEC_BENCH_TARGET", "").empty() ? bundled + "/eagle3" : "");
+    if (!head.empty()) made.eagle.emplace(io::load_eagle(head, io::EagleTarget::of(*made.target)));
     const std::filesystem::path tokenizer = setting("SPECDEC_MODELS_DIR", "") + "/stories260K/tok512.bin";
     if (made.target->vocab_size() == 512 && std::filesystem::exists(tokenizer)) {
       const auto tok = io::Llama2cTokenizer::load(tokenizer, 512);
@@ -115,9 +123,19 @@ struct Method {
   int64_t gamma;
   bool adaptive;
 };
-constexpr Method kMethods[] = {{"ar", DraftMethod::none, 0, true},
-                               {"spec", DraftMethod::drafter, 6, true},
-                               {"fixed", DraftMethod::drafter, 4, false}};
+constexpr Method kAllMethods[] = {{"ar", DraftMethod::none, 0, true},
+                                  {"spec", DraftMethod::drafter, 6, true},
+                                  {"fixed", DraftMethod::drafter, 4, false},
+                                  {"eagle", DraftMethod::eagle, 6, true}};
+
+// The methods this pair runs: eagle where it has a head.
+std::vector<Method> methods() {
+  std::vector<Method> result;
+  for (const Method& method : kAllMethods) {
+    if (method.drafting != DraftMethod::eagle || pair().eagle) result.push_back(method);
+  }
+  return result;
+}
 
 struct Run {
   double seconds = 0;
@@ -194,15 +212,18 @@ void BM_Engine(benchmark::State& state) {
   // One engine per method for the whole benchmark, as a server keeps one: the warm-up run is also
   // where its cost model first measures the steps.
   std::map<std::string, std::unique_ptr<Engine<Model, Model>>> engines;
-  for (const Method& method : kMethods) {
+  const std::vector<Method> chosen = methods();
+  for (const Method& method : chosen) {
+    const bool eagle = method.drafting == DraftMethod::eagle;
     engines[method.name] = std::make_unique<Engine<Model, Model>>(
         *pair().drafter, *pair().target,
-        EngineOptions{.max_rows = std::max<int64_t>(load, 1) * 2, .seed = 1, .adaptive_draft_length = method.adaptive});
+        EngineOptions{.max_rows = std::max<int64_t>(load, 1) * 2, .seed = 1, .adaptive_draft_length = method.adaptive,
+                      .eagle = eagle ? &*pair().eagle : nullptr});
   }
   for (auto _ : state) {
-    for (const Method& method : kMethods) static_cast<void>(run(*engines[method.name], method, load, count, {}));  // warm-up
+    for (const Method& method : chosen) static_cast<void>(run(*engines[method.name], method, load, count, {}));  // warm-up
     for (int round = 0; round < rounds; ++round) {
-      for (const Method& method : kMethods) {
+      for (const Method& method : chosen) {
         Run r = run(*engines[method.name], method, load, count, {});
         auto& best = closed[method.name];
         if (best.seconds == 0 || r.tokens / r.seconds > best.tokens / best.seconds) best = std::move(r);
@@ -214,14 +235,14 @@ void BM_Engine(benchmark::State& state) {
       std::vector<double> arrivals;
       double at = 0;
       for (int64_t i = 0; i < count; ++i) arrivals.push_back(at += (i == 0 ? 0.0 : gap(gen)));
-      for (const Method& method : kMethods) {
+      for (const Method& method : chosen) {
         Run r = run(*engines[method.name], method, load, count, arrivals);
         auto& best = open[method.name];
         if (best.seconds == 0 || percentile(r.tpot, 0.5) < percentile(best.tpot, 0.5)) best = std::move(r);
       }
     }
   }
-  for (const Method& method : kMethods) {
+  for (const Method& method : chosen) {
     const std::string m = method.name;
     const Run& c = closed[m];
     const Run& o = open[m];
@@ -235,6 +256,11 @@ void BM_Engine(benchmark::State& state) {
   const double ar = state.counters["ar_tps"];
   state.counters["spec_over_ar"] = state.counters["spec_tps"] / ar;
   state.counters["fixed_over_ar"] = state.counters["fixed_tps"] / ar;
+  if (pair().eagle) {
+    state.counters["eagle_over_ar"] = state.counters["eagle_tps"] / ar;
+    const Run& eagle = closed["eagle"];
+    state.counters["eagle_tpc"] = static_cast<double>(eagle.tokens) / static_cast<double>(std::max<int64_t>(1, eagle.target_calls));
+  }
   const Run& spec = closed["spec"];
   state.counters["spec_tpc"] = static_cast<double>(spec.tokens) / static_cast<double>(std::max<int64_t>(1, spec.target_calls));
   state.counters["spec_k"] = static_cast<double>(spec.drafted_columns) / static_cast<double>(std::max<int64_t>(1, spec.steps));

@@ -7,13 +7,19 @@
 // RowProcessor against the single-policy processors; caches that rows join and leave.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <vector>
 
 #include "specdec/engine.hpp"
+#include "specdec/io/eagle.hpp"
+#include "specdec/io/checkpoint.hpp"
+#include "specdec/io/medusa.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/models/llama.hpp"
+#include "support/exact_continuations.hpp"
 #include "support/expect_invalid.hpp"
+#include "support/head_fixtures.hpp"
 #include "support/host_copies.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/markov_fixtures.hpp"
@@ -328,15 +334,20 @@ bool fits(const std::map<std::vector<int64_t>, int64_t>& observed, const std::ma
 // Two sampled requests with different parameters share every step (drafted by the Markov drafter,
 // whose q differs from the target's p): each row's three tokens follow its own parameters'
 // distribution, and each fails its neighbour's (the test can tell the rows' parameters apart).
-TEST(EngineSampling, RowsWithDifferentParametersEachFollowTheirOwnDistribution) {
+// `seeded` rows draw from seeds of their own (sample i: seeds 2 i and 2 i + 1), the others from
+// the engine's generator.
+void sampled_rows_follow_their_own_distribution(bool first_seeded, bool second_seeded) {
+  SCOPED_TRACE(::testing::Message() << "seeds: " << first_seeded << ", " << second_seeded);
   test::MarkovModel target(test::markov_target_rows());
   test::MarkovModel drafter(test::markov_drafter_rows());
-  const SamplingParams plain{.temperature = 1.0};
-  const SamplingParams filtered{.temperature = 0.7, .top_k = 3, .top_p = 0.9};
   const std::vector<int64_t> prompts[] = {{0}, {2, 1}};
   constexpr int64_t kSamples = 3000;
   std::map<std::vector<int64_t>, int64_t> observed[2];
   for (int64_t i = 0; i < kSamples; ++i) {
+    SamplingParams plain{.temperature = 1.0};
+    SamplingParams filtered{.temperature = 0.7, .top_k = 3, .top_p = 0.9};
+    if (first_seeded) plain.seed = static_cast<uint64_t>(2 * i);
+    if (second_seeded) filtered.seed = static_cast<uint64_t>(2 * i + 1);
     Engine engine(drafter, target, {.max_rows = 2, .seed = static_cast<uint64_t>(i)});
     const RequestId a = *engine.add({.prompt = prompts[0], .max_new_tokens = 3, .sampling = plain, .gamma = 2});
     const RequestId b = *engine.add({.prompt = prompts[1], .max_new_tokens = 3, .sampling = filtered, .gamma = 2});
@@ -352,6 +363,62 @@ TEST(EngineSampling, RowsWithDifferentParametersEachFollowTheirOwnDistribution) 
   // Power: each row judged by its neighbour's parameters fails.
   EXPECT_FALSE(fits(observed[0], filtered_expected(0), kSamples));
   EXPECT_FALSE(fits(observed[1], plain_expected(1), kSamples));
+}
+
+TEST(EngineSampling, RowsWithDifferentParametersEachFollowTheirOwnDistribution) {
+  sampled_rows_follow_their_own_distribution(false, false);
+}
+
+// Seeded rows, beside a row without a seed and beside another seeded row.
+TEST(EngineSampling, SeededRowsFollowTheirOwnDistribution) {
+  sampled_rows_follow_their_own_distribution(true, false);
+  sampled_rows_follow_their_own_distribution(true, true);
+}
+
+// A seeded request's tokens depend on its seed, prompt, parameters and drafts only: alone, or
+// beside sampled requests that join, leave and are cancelled around it, with drafts from the
+// drafter, from prompt lookup or none (each request's own gamma every step), it emits the same
+// tokens; another seed emits others.
+TEST(EngineSampling, ASeededRequestIgnoresTheRequestsAroundIt) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  models::LlamaModel<StaticKVCache> drafter(config, test::perturbed(weights, 0.04, 4));
+  for (const DraftMethod method : {DraftMethod::drafter, DraftMethod::prompt_lookup, DraftMethod::none}) {
+    SCOPED_TRACE(::testing::Message() << method);
+    const auto seeded = [&](uint64_t seed) {
+      return Request{.prompt = {1, 5, 9, 5, 9, 2}, .max_new_tokens = 24,
+                     .sampling = {.temperature = 1.0, .top_k = 12, .seed = seed}, .drafting = method, .gamma = 3};
+    };
+    const auto alone = [&](uint64_t seed) {
+      Engine engine(drafter, target, {.max_rows = 4, .seed = 1, .adaptive_draft_length = false});
+      const RequestId id = *engine.add(seeded(seed));
+      std::map<RequestId, std::vector<int64_t>> streamed;
+      return drain(engine, streamed).at(id).tokens;
+    };
+    Engine engine(drafter, target, {.max_rows = 4, .seed = 2, .adaptive_draft_length = false});
+    const auto neighbour = [&](int64_t i) {
+      Request request = request_number(i, config.vocab_size);
+      request.sampling = {.temperature = 0.9, .top_p = 0.9};
+      return *engine.add(request);
+    };
+    std::map<RequestId, std::vector<int64_t>> streamed;
+    std::map<RequestId, GenerationResult> results;
+    neighbour(0);
+    const RequestId cancelled = neighbour(1);
+    collect(engine.step(), streamed, results);
+    const RequestId id = *engine.add(seeded(99));
+    for (int64_t i = 2; i < 6; ++i) {
+      neighbour(i);
+      collect(engine.step(), streamed, results);
+      if (i == 3 && !results.contains(cancelled)) static_cast<void>(engine.cancel(cancelled));
+    }
+    while (!engine.idle()) collect(engine.step(), streamed, results);
+    const std::vector<int64_t> first = alone(99);
+    EXPECT_EQ(results.at(id).tokens, first);
+    EXPECT_EQ(alone(99), first);
+    EXPECT_NE(alone(100), first);
+  }
 }
 
 // The draft-length rule on costs it is told: a forward whose cost is fixed and free drafts draft
@@ -456,6 +523,199 @@ TEST(EngineDraftLength, AUselessDrafterIsTurnedOff) {
 }
 
 // RowProcessor's row r equals the single-policy processor of row r's parameters, in one batch.
+// --- Heads as per-request draft methods -------------------------------------------------------
+
+// The bundled target with its trained EAGLE-3 head and Medusa heads: requests drafting from each
+// head, the drafter, prompt lookup or nothing join one engine at different steps. Every greedy
+// request equals autoregressive decoding, and each head request drafts and accepts exactly what
+// the same head does for it alone (eagle_generate_batch, medusa_generate_batch): its head saw the
+// whole prompt (the prefill's hidden states) and only its own row. A seeded sampled head request
+// emits the same tokens alone and in the crowd.
+TEST(EngineHeads, HeadRequestsDraftAsTheyWouldAloneBesideTheOtherMethods) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  const std::string bundled = SPECDEC_BUNDLED_MODELS_DIR;
+  const auto t = io::load_llama(bundled + "/target");
+  const auto d = io::load_llama(bundled + "/drafter");
+  Model target(t.config, t.weights), drafter(d.config, d.weights);
+  const models::EagleHead eagle = io::load_eagle(bundled + "/eagle3", io::EagleTarget::of(target));
+  const models::MedusaHeads medusa = io::load_medusa(bundled + "/medusa", target.hidden_size(), target.vocab_size());
+  const std::vector<std::string> texts{"import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return ",
+                                       "class Stack(object):\n    def __init__(self):\n        self.",
+                                       "for i in range(10):\n    print(", "def main(argv):\n    parser = "};
+  const DraftMethod methods[] = {DraftMethod::eagle, DraftMethod::medusa, DraftMethod::drafter,
+                                 DraftMethod::prompt_lookup, DraftMethod::none, DraftMethod::eagle,
+                                 DraftMethod::medusa};
+  constexpr int64_t kTokens = 40, kGamma = 3;
+  Engine engine(drafter, target, {.max_rows = 4, .adaptive_draft_length = false, .eagle = &eagle, .medusa = &medusa});
+  std::map<RequestId, Request> requests;
+  std::map<RequestId, std::vector<int64_t>> streamed;
+  std::map<RequestId, GenerationResult> results;
+  for (size_t i = 0; i < std::size(methods) || !engine.idle(); ++i) {
+    if (i < std::size(methods)) {
+      const std::string& text = texts[i % texts.size()];
+      Request request{.prompt = std::vector<int64_t>(text.begin(), text.end()), .max_new_tokens = kTokens,
+                      .drafting = methods[i], .gamma = kGamma};
+      requests.emplace(*engine.add(request), request);
+    }
+    collect(engine.step(), streamed, results);
+  }
+  int64_t head_accepted = 0;
+  for (const auto& [id, request] : requests) {
+    SCOPED_TRACE(::testing::Message() << "request " << id << " (" << request.drafting << ")");
+    const GenerationResult& result = results.at(id);
+    EXPECT_EQ(result.tokens, autoregressive_generate(target, request.prompt, {.max_new_tokens = kTokens}).tokens);
+    if (request.drafting != DraftMethod::eagle && request.drafting != DraftMethod::medusa) continue;
+    const std::vector<std::vector<int64_t>> prompt{request.prompt};
+    const SpeculativeOptions options{.max_new_tokens = kTokens, .gamma = kGamma};
+    const GenerationResult alone = request.drafting == DraftMethod::eagle
+                                       ? eagle_generate_batch(eagle, target, prompt, options).front()
+                                       : medusa_generate_batch(medusa, target, prompt, options).front();
+    EXPECT_EQ(result.stats.drafted, alone.stats.drafted);
+    EXPECT_EQ(result.stats.accepted, alone.stats.accepted);
+    head_accepted += result.stats.accepted;
+  }
+  EXPECT_GT(head_accepted, 20) << "the trained heads should be accepted";
+  // A seeded, sampled EAGLE request: alone, and beside requests of every method.
+  const std::string text = texts[1];
+  const Request seeded{.prompt = std::vector<int64_t>(text.begin(), text.end()), .max_new_tokens = 24,
+                       .sampling = {.temperature = 0.8, .top_k = 20, .seed = 5}, .drafting = DraftMethod::eagle,
+                       .gamma = kGamma};
+  const EngineOptions options{.max_rows = 4, .adaptive_draft_length = false, .eagle = &eagle, .medusa = &medusa};
+  Engine lone(drafter, target, options);
+  const RequestId lone_id = *lone.add(seeded);
+  std::map<RequestId, std::vector<int64_t>> lone_streamed;
+  const auto lone_tokens = drain(lone, lone_streamed).at(lone_id).tokens;
+  Engine crowd(drafter, target, options);
+  for (const DraftMethod method : {DraftMethod::medusa, DraftMethod::drafter}) {
+    static_cast<void>(crowd.add({.prompt = {100, 101, 102}, .max_new_tokens = 16,
+                                 .sampling = {.temperature = 1.0}, .drafting = method}));
+  }
+  std::map<RequestId, std::vector<int64_t>> crowd_streamed;
+  std::map<RequestId, GenerationResult> crowd_results;
+  collect(crowd.step(), crowd_streamed, crowd_results);
+  const RequestId crowd_id = *crowd.add(seeded);
+  while (!crowd.idle()) collect(crowd.step(), crowd_streamed, crowd_results);
+  EXPECT_EQ(crowd_results.at(crowd_id).tokens, lone_tokens);
+  EXPECT_GT(crowd_results.at(crowd_id).stats.drafted, 0);
+}
+
+// Sampled requests drafting from an EAGLE head and from Medusa heads, with different parameters,
+// beside a drafter row, in one batch: each row's three tokens follow its own target distribution
+// (chi-square), and each fails its neighbour's.
+TEST(EngineHeads, SampledHeadRowsEachFollowTheirOwnDistribution) {
+  using Model = models::LlamaModel<StaticKVCache>;
+  models::LlamaConfig config = test::small_llama_config();
+  config.vocab_size = 6;
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 8);
+  Model target(config, weights);
+  Model drafter(config, test::perturbed(weights, 0.3, 2));
+  const models::EagleHead eagle = test::random_eagle(config, weights, models::EagleKind::eagle3, 4, 6);
+  const models::MedusaConfig heads_config{.hidden_size = config.dim, .vocab_size = config.vocab_size, .num_heads = 2};
+  const models::MedusaHeads medusa(heads_config, models::MedusaHeads::random(heads_config, 3));
+  const SamplingParams hot{.temperature = 2.0}, filtered{.temperature = 0.8, .top_k = 3};
+  const std::vector<std::vector<int64_t>> prompts{{1, 4, 2}, {5, 0, 3, 3, 1}};
+  // The single-policy processors of the two parameter sets.
+  const auto expected = [&](const SamplingParams& p, size_t r) {
+    return p.top_k > 0 ? test::exact_continuations(target, TopKNucleusProcessor(p.top_k, 1.0, p.temperature), prompts[r], 3)
+                       : test::exact_continuations(target, MultinomialProcessor(p.temperature), prompts[r], 3);
+  };
+  constexpr int64_t kSamples = 4000;
+  std::map<std::vector<int64_t>, int64_t> observed[2];
+  int64_t drafted[2] = {0, 0};
+  for (int64_t i = 0; i < kSamples; ++i) {
+    Engine engine(drafter, target,
+                  {.max_rows = 3, .seed = static_cast<uint64_t>(i), .adaptive_draft_length = false, .eagle = &eagle,
+                   .medusa = &medusa});
+    SamplingParams seeded = filtered;
+    seeded.seed = static_cast<uint64_t>(i);  // the Medusa row draws from its own seed
+    const RequestId a = *engine.add({.prompt = prompts[0], .max_new_tokens = 3, .sampling = hot,
+                                     .drafting = DraftMethod::eagle, .gamma = 2});
+    const RequestId b = *engine.add({.prompt = prompts[1], .max_new_tokens = 3, .sampling = seeded,
+                                     .drafting = DraftMethod::medusa, .gamma = 2});
+    static_cast<void>(engine.add({.prompt = {2, 2}, .max_new_tokens = 3, .sampling = hot, .gamma = 2}));
+    std::map<RequestId, std::vector<int64_t>> streamed;
+    auto results = drain(engine, streamed);
+    ++observed[0][results.at(a).tokens];
+    ++observed[1][results.at(b).tokens];
+    drafted[0] += results.at(a).stats.drafted;
+    drafted[1] += results.at(b).stats.drafted;
+  }
+  EXPECT_GT(drafted[0], kSamples / 2);
+  EXPECT_GT(drafted[1], kSamples / 2);
+  EXPECT_TRUE(fits(observed[0], expected(hot, 0), kSamples));
+  EXPECT_TRUE(fits(observed[1], expected(filtered, 1), kSamples));
+  EXPECT_FALSE(fits(observed[0], expected(filtered, 0), kSamples));
+  EXPECT_FALSE(fits(observed[1], expected(hot, 1), kSamples));
+}
+
+// A request for a head the engine does not have is refused, naming the option.
+TEST(EngineHeads, ARequestForAMissingHeadIsRefused) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto weights = models::LlamaWeights::random(config, 21);
+  models::LlamaModel<StaticKVCache> target(config, weights);
+  Engine engine(target, {.max_rows = 2});
+  test::expect_invalid([&] { (void)engine.add({.prompt = {1, 2}, .drafting = DraftMethod::eagle}); },
+                       {"request.drafting is eagle", "EngineOptions::eagle"});
+  test::expect_invalid([&] { (void)engine.add({.prompt = {1, 2}, .drafting = DraftMethod::medusa}); },
+                       {"request.drafting is medusa", "EngineOptions::medusa"});
+  EXPECT_TRUE(engine.idle());
+}
+
+// The tensor mixer computes the host's, over the whole 32-bit range.
+TEST(RowProcessorSeeds, TheTensorMixerEqualsTheHostOne) {
+  std::vector<int64_t> values = {0, 1, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000LL, 0xFFFFFFFFLL};
+  uint64_t x = 12345;
+  for (int i = 0; i < 2000; ++i) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    values.push_back(static_cast<int64_t>(x >> 32));
+  }
+  const at::Tensor mixed = specdec::detail::mix32(at::tensor(values, at::kLong));
+  for (size_t i = 0; i < values.size(); ++i) {
+    ASSERT_EQ(mixed[static_cast<int64_t>(i)].item<int64_t>(), specdec::detail::mix32(static_cast<uint32_t>(values[i])))
+        << "value " << values[i];
+  }
+}
+
+// A seeded row's uniforms are a function of its seed and the position alone (not of its row, its
+// neighbours or the call), uniform on [0, 1) and uncorrelated from one position to the next; an
+// unseeded row's come from the generator.
+TEST(RowProcessorSeeds, KeyedUniformsAreUniformAndDependOnSeedAndPositionOnly) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  constexpr int64_t kSeeds = 100, kPositions = 200;
+  std::vector<SamplingParams> rows;
+  for (int64_t s = 0; s < kSeeds; ++s) rows.push_back({.temperature = 1.0, .seed = static_cast<uint64_t>(s)});
+  const RowProcessor processor(rows, at::Device(at::kCPU));
+  const at::Tensor zero = at::zeros({kSeeds}, at::kLong);
+  const at::Tensor u = processor.uniforms(gen, zero, kPositions, RandomUse::accept);
+  ASSERT_EQ(u.sizes(), (std::vector<int64_t>{kSeeds, kPositions}));
+  // 20 equal bins: chi-square with 19 degrees of freedom.
+  const at::Tensor bins = (u * 20).floor().to(at::kLong).flatten().bincount({}, 20).to(at::kDouble);
+  const double expected = static_cast<double>(kSeeds * kPositions) / 20;
+  const double statistic = ((bins - expected).pow(2) / expected).sum().item<double>();
+  EXPECT_LT(statistic, test::chi_square_quantile(19, 4.75));
+  EXPECT_GE(u.min().item<double>(), 0.0);
+  EXPECT_LT(u.max().item<double>(), 1.0);
+  const at::Tensor centred = u - 0.5;
+  const double lag = (centred.narrow(1, 0, kPositions - 1) * centred.narrow(1, 1, kPositions - 1)).mean().item<double>();
+  EXPECT_LT(std::abs(lag / centred.pow(2).mean().item<double>()), 0.03);
+  // Other purposes draw other numbers at the same positions, uncorrelated with these.
+  const at::Tensor drafted = processor.uniforms(gen, zero, kPositions, RandomUse::draft) - 0.5;
+  EXPECT_LT(std::abs((centred * drafted).mean().item<double>() / centred.pow(2).mean().item<double>()), 0.03);
+  // Row 5 of the batch, moved to row 0 of a batch with an unseeded row, at positions 10..19.
+  const RowProcessor moved(std::vector<SamplingParams>{rows[5], {.temperature = 1.0}}, at::Device(at::kCPU));
+  const at::Tensor at_ten = at::full({2}, 10, at::kLong);
+  const at::Tensor a = moved.uniforms(gen, at_ten, 10, RandomUse::accept);
+  const at::Tensor b = moved.uniforms(gen, at_ten, 10, RandomUse::accept);
+  EXPECT_TRUE(at::equal(a[0], u[5].narrow(0, 10, 10)));
+  EXPECT_TRUE(at::equal(b[0], a[0]));
+  EXPECT_FALSE(at::equal(b[1], a[1]));  // the unseeded row drew from the generator twice
+  // Sampling at those uniforms; plain sample() refuses a seeded row.
+  const at::Tensor probs = at::full({2, 4}, 0.25, at::kDouble);
+  EXPECT_TRUE(at::equal(moved.sample_at(probs, gen, at_ten, RandomUse::sample)[0],
+                        moved.sample_at(probs, gen, at_ten, RandomUse::sample)[0]));
+  EXPECT_THROW(static_cast<void>(moved.sample(probs, gen)), std::logic_error);
+}
+
 TEST(RowProcessor, EachRowEqualsItsSinglePolicyProcessor) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
   const at::Tensor logits = at::randn({6, 3, 50}, gen, at::TensorOptions(at::kFloat)) * 3;

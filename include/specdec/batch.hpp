@@ -44,6 +44,7 @@
 #include "specdec/ngram_storage.hpp"
 #include "specdec/options.hpp"
 #include "specdec/result.hpp"
+#include "specdec/row_processor.hpp"
 #include "specdec/step.hpp"
 
 namespace specdec {
@@ -73,15 +74,38 @@ inline at::Tensor drafter_flags(const at::Tensor& q, int64_t k, const at::Tensor
   return ok.to(at::kLong) * kFiniteDrafter;
 }
 
+// Uniforms [b, k] for the acceptance of drafts at positions positions[r] + j: a processor with
+// per-row seeds (RowProcessor) draws a seeded row's from its seed and the position, the others'
+// (and every row of a processor without seeds) from `gen`.
+template <LogitsProcessor P>
+at::Tensor accept_uniforms(const P& processor, at::Generator& gen, const at::Tensor& positions, int64_t b, int64_t k,
+                           const at::Device& device) {
+  if constexpr (requires { processor.seeded(); }) {
+    if (processor.seeded()) return processor.uniforms(gen, positions, k, RandomUse::accept).to(device);
+  }
+  return at::rand({b, k}, gen, at::TensorOptions().dtype(at::kDouble).device(gen.device())).to(device);
+}
+
+// One token per row of probs [b, V] for position positions[r] (as accept_uniforms draws).
+template <LogitsProcessor P>
+at::Tensor sample_rows(const P& processor, const at::Tensor& probs, at::Generator& gen, const at::Tensor& positions,
+                       RandomUse use) {
+  if constexpr (requires { processor.seeded(); }) {
+    if (processor.seeded()) return processor.sample_at(probs, gen, positions, use);
+  }
+  return processor.sample(probs, gen);
+}
+
 // Per-row rejection sampling for a batch, one tensor expression: p [b, k + 1, V], q [b, k, V]
 // (undefined: deterministic drafts, q one-hot), drafts int64 [b, k], valid int64 [b] (row r's
 // drafts beyond valid[r] are padding and never accepted), drafter_finite bool [b] (whether the
 // logits behind row r's deterministic drafts were finite; undefined: all were). Returns int64
-// [b, 3 + k]: accepted, token, finite, drafts.
+// [b, 3 + k]: accepted, token, finite, drafts. positions int64 [b]: the index in row r's sequence
+// of its first draft, where the processor has rows with seeds (undefined otherwise).
 template <LogitsProcessor P>
 at::Tensor verify_batch(const at::Tensor& p, const at::Tensor& q, const at::Tensor& drafts, const at::Tensor& valid,
                         const P& processor, at::Generator& gen, bool skip_sample_adjustment,
-                        const at::Tensor& drafter_finite = {}) {
+                        const at::Tensor& drafter_finite = {}, const at::Tensor& positions = {}) {
   const int64_t b = p.size(0);
   const int64_t k = drafts.size(1);
   const int64_t vocab = p.size(2);
@@ -92,7 +116,7 @@ at::Tensor verify_batch(const at::Tensor& p, const at::Tensor& q, const at::Tens
     const at::Tensor index = drafts.unsqueeze(2);
     const at::Tensor p_drafted = p.narrow(1, 0, k).gather(2, index).squeeze(2).to(at::kDouble);
     const at::Tensor q_drafted = q.defined() ? q.gather(2, index).squeeze(2).to(at::kDouble) : at::ones({b, k}, as_double);
-    const at::Tensor uniforms = at::rand({b, k}, gen, at::TensorOptions().dtype(at::kDouble).device(gen.device())).to(p.device());
+    const at::Tensor uniforms = accept_uniforms(processor, gen, positions, b, k, p.device());
     const at::Tensor in_range = at::arange(k, long_options).view({1, k}) < valid.view({b, 1});
     accepted = ((uniforms * q_drafted < p_drafted).logical_and(in_range)).to(at::kLong).cumprod(1).sum(1);
   }
@@ -108,7 +132,9 @@ at::Tensor verify_batch(const at::Tensor& p, const at::Tensor& q, const at::Tens
     const at::Tensor mass = residual.sum(1, /*keepdim=*/true);
     next = at::where(mass > 0, residual / mass.clamp_min(1e-300), p_row);
   }
-  const at::Tensor token = processor.sample(next, gen).view({b, 1});
+  const at::Tensor token =
+      sample_rows(processor, next, gen, positions.defined() ? positions + accepted : positions, RandomUse::sample)
+          .view({b, 1});
   const at::Tensor finite = at::isfinite(p.sum({1, 2})).to(at::kLong) * kFiniteTarget +
                             drafter_flags(q, k, drafter_finite, b, p.device());
   return at::cat({accepted.view({b, 1}), token.to(at::kLong), finite.view({b, 1}), drafts}, 1);
@@ -186,6 +212,10 @@ class BatchRunner {
   [[nodiscard]] const at::Tensor& features() const noexcept { return features_; }
   // Each row's first position the last forward() fed (the positions it held before).
   [[nodiscard]] std::span<const int64_t> fed_from() const noexcept { return fed_from_; }
+  // The tapped states [1, prefix, taps * hidden] of positions 0..prefix - 1 that the last
+  // add_row_prefilled() computed; undefined where it computed none (no taps, a one-token prompt,
+  // a cache that fed the row with the others).
+  [[nodiscard]] const at::Tensor& prefilled_features() const noexcept { return prefilled_features_; }
 
   // One forward over each row's uncached tokens of `sequences` followed by `tail` [b, k] (device
   // tokens, every row the same count). Returns logits [b, width, V] and, per row, the index of its
@@ -277,10 +307,13 @@ class BatchRunner {
   // cache: the batch's next forward feeds it one token, as the others, rather than every row
   // being padded to its prompt. Where the cache cannot take rows from another
   // (append_rows_from), the row joins empty (add_rows) and is prefilled with the others.
+  // With taps (set_taps), the prefill's tapped states are prefilled_features() until the next
+  // add_row_prefilled().
   void add_row_prefilled(std::span<const int64_t> sequence)
     requires AppendableKVCache<typename M::cache_type>
   {
     const auto prefix = static_cast<int64_t>(sequence.size()) - 1;
+    prefilled_features_ = at::Tensor();
     if constexpr (requires(typename M::cache_type& c, const typename M::cache_type& from) { c.append_rows_from(from); }) {
       if (prefix > 0) {
         if (!scratch_) {
@@ -292,7 +325,15 @@ class BatchRunner {
         {
           ScopedTimer timer(*counters_.seconds);
           at::NoGradGuard no_grad;
-          static_cast<void>(model_.forward(ids, *scratch_));
+          if constexpr (FeatureTarget<M>) {
+            if (!taps_.empty()) {
+              prefilled_features_ = model_.forward_features(ids, *scratch_, taps_).features;
+            } else {
+              static_cast<void>(model_.forward(ids, *scratch_));
+            }
+          } else {
+            static_cast<void>(model_.forward(ids, *scratch_));
+          }
         }
         ++*counters_.calls;
         *counters_.positions += prefix;
@@ -317,6 +358,7 @@ class BatchRunner {
   std::vector<int64_t> uncached_, buffer_;
   std::vector<int64_t> taps_, fed_from_;  // set_taps(), fed_from()
   at::Tensor features_;                   // features()
+  at::Tensor prefilled_features_;         // prefilled_features()
   std::optional<typename M::cache_type> scratch_;  // add_row_prefilled()'s one-row cache
 };
 
@@ -404,6 +446,9 @@ class BatchCore {
   [[nodiscard]] at::Generator& generator() noexcept { return gen_; }
   // Counts of the forwards the rows shared (each row's stats count them whole).
   [[nodiscard]] const GenerationStats& shared() const noexcept { return shared_; }
+  // The target's tapped states of the prompt that the last add() prefilled alone (see
+  // BatchRunner::prefilled_features).
+  [[nodiscard]] at::Tensor prefilled_features() const { return prefilled_ ? runner_.prefilled_features() : at::Tensor(); }
 
   template <class Drafting>
   void set_taps(const Drafting& drafting) {
@@ -435,11 +480,13 @@ class BatchCore {
                  .gamma = gamma};
     row.state = std::make_unique<GenerationState>(*row.sequence, options, limit_);
     row.state->set_row(tag);
+    prefilled_ = false;
     if (row.state->finished()) return std::move(*row.state).finish();
     if (rows_.size() == runner_.lengths().size()) {
       if constexpr (AppendableKVCache<typename T::cache_type>) {
         if (prefill_alone) {
           runner_.add_row_prefilled(prompt);
+          prefilled_ = true;
         } else {
           runner_.add_rows(1);
         }
@@ -597,8 +644,12 @@ class BatchCore {
       if constexpr (requires { processor.greedy(); }) {
         if (processor.greedy()) return verify_batch_greedy(target_rows, q, drafts, valid, drafter_finite);
       }
+      at::Tensor positions;
+      if constexpr (requires { processor.seeded(); }) {
+        if (processor.seeded()) positions = to_device<int64_t>(positions_, {target_rows.size(0)}, target_.device());
+      }
       return verify_batch(processor(target_rows), q, drafts, valid, processor, gen_, skip_sample_adjustment,
-                          drafter_finite);
+                          drafter_finite, positions);
     }
   }
 
@@ -607,6 +658,7 @@ class BatchCore {
   BatchRunner<T> runner_;
   int64_t limit_;
   at::Generator gen_;
+  bool prefilled_ = false;  // whether the last add() prefilled its row alone
   std::vector<BatchRow> rows_;
   std::vector<std::span<const int64_t>> views_;
   std::vector<int64_t> positions_, rooms_, prune_to_, accepted_, local_keep_;
@@ -707,6 +759,15 @@ class ModelBatchDrafts {
     if (members_.empty() || k <= 0) return BatchDrafts{.tokens = {}, .probs = {}, .valid = std::vector<int64_t>(static_cast<size_t>(b), 0)};
     const auto m = static_cast<int64_t>(members_.size());
     const P member_processor = rows_processor(processor, members_, b);
+    // Where rows have seeds, column j of member i drafts position |sequence| + j.
+    at::Tensor positions;
+    if constexpr (requires { member_processor.seeded(); }) {
+      if (member_processor.seeded()) {
+        lengths_.clear();
+        for (const auto& sequence : member_sequences_) lengths_.push_back(static_cast<int64_t>(sequence.size()));
+        positions = to_device<int64_t>(lengths_, {m}, runner_.device());
+      }
+    }
     std::vector<at::Tensor> tokens, probs;
     at::Tensor next;
     for (int64_t j = 0; j < k; ++j) {
@@ -722,7 +783,8 @@ class ModelBatchDrafts {
         last_logits = runner_.forward_tail(next).select(1, 0);
       }
       const at::Tensor q = member_processor(last_logits);  // [m, V]
-      next = member_processor.sample(q, gen).view({m, 1});
+      next = sample_rows(member_processor, q, gen, positions.defined() ? positions + j : positions, RandomUse::draft)
+                 .view({m, 1});
       tokens.push_back(next);
       probs.push_back(q.unsqueeze(1));
     }

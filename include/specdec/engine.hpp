@@ -9,10 +9,12 @@
 //   }
 //
 // A step is batch generation's step (batch.hpp, the one implementation both share): the rows
-// that draft with the drafter model draft together in batched forwards, prompt-lookup rows draft
-// on the host, the target verifies every row's drafts in one forward, each row keeps its own
-// accepted prefix, and the whole step costs one device-to-host copy. Sampling parameters are
-// per-row tensors (RowProcessor): one forward and one verification whatever the mix.
+// that draft with the drafter model draft together in batched forwards, the rows that draft with
+// the engine's EAGLE head or Medusa heads (EngineOptions::eagle, medusa) in batched head forwards
+// fed the target's tapped hidden states, prompt-lookup rows draft on the host; the target
+// verifies every row's drafts in one forward, each row keeps its own accepted prefix, and the
+// whole step costs one device-to-host copy. Sampling parameters are per-row tensors
+// (RowProcessor): one forward and one verification whatever the mix.
 //
 // The pool: the target's cache (and the drafter's) holds max_rows rows, allocated once
 // (StaticKVCache: rows that finish free their slots, rows that join reuse them, nothing is
@@ -41,8 +43,13 @@
 // sampled request's tokens are distributed as its target distribution under its own parameters.
 // The draft method and gamma of a request change only what is drafted, never the output.
 //
-// Randomness: one generator, seeded by EngineOptions::seed, serves the whole batch, so a sampled
-// request's tokens depend on which other requests share its steps (their distribution does not).
+// Randomness: a request with a seed (SamplingParams::seed) draws every random number from its
+// seed and the position it decides (row_processor.hpp), so its tokens depend on its seed, prompt,
+// parameters and drafts only, whatever shares its steps; with the adaptive draft length its drafts
+// depend on what the engine measured, so a seeded request is reproducible under a fixed draft
+// length (adaptive_draft_length = false, or gamma 0). Requests without a seed draw from one
+// generator, seeded by EngineOptions::seed, whose draws depend on the whole batch (their
+// distribution does not).
 #pragma once
 
 #include <algorithm>
@@ -61,6 +68,7 @@
 #include "specdec/concepts.hpp"
 #include "specdec/detail/check.hpp"
 #include "specdec/detail/draft_cost.hpp"
+#include "specdec/drafting/head_batches.hpp"
 #include "specdec/ngram_storage.hpp"
 #include "specdec/options.hpp"
 #include "specdec/result.hpp"
@@ -73,6 +81,8 @@ enum class DraftMethod {
   none,           // no drafts: the target alone, one token per step
   drafter,        // the engine's drafter model (batched with the other rows that use it)
   prompt_lookup,  // the request's own text (PromptLookupDrafter: n-grams of up to 3 tokens)
+  eagle,          // the engine's EAGLE head (EngineOptions::eagle), batched
+  medusa,         // the engine's Medusa heads (EngineOptions::medusa), batched
 };
 
 inline std::ostream& operator<<(std::ostream& out, DraftMethod method) {
@@ -80,6 +90,8 @@ inline std::ostream& operator<<(std::ostream& out, DraftMethod method) {
     case DraftMethod::none: return out << "none";
     case DraftMethod::drafter: return out << "drafter";
     case DraftMethod::prompt_lookup: return out << "prompt_lookup";
+    case DraftMethod::eagle: return out << "eagle";
+    case DraftMethod::medusa: return out << "medusa";
   }
   return out << "unknown";
 }
@@ -91,9 +103,10 @@ struct Request {
   std::vector<int64_t> eos_token_ids{};  // tokens that end the request (kept in its output)
   std::vector<std::vector<int64_t>> stop_sequences{};  // token sequences that end it (kept)
   SamplingParams sampling{};             // its own sampling (default: greedy)
-  DraftMethod drafting = DraftMethod::drafter;  // an engine without a drafter takes none or
-                                                // prompt_lookup
-  int64_t gamma = 4;                     // most drafts per step (>= 0; 0 drafts nothing)
+  DraftMethod drafting = DraftMethod::drafter;  // drafter, eagle and medusa where the engine
+                                                // has them; none and prompt_lookup always
+  int64_t gamma = 4;                     // most drafts per step (>= 0; 0 drafts nothing; Medusa
+                                         // drafts at most one per head)
 };
 
 using RequestId = int64_t;
@@ -110,10 +123,16 @@ struct EngineEvent {
 struct EngineOptions {
   int64_t max_rows = 8;             // requests generating at once: the rows of the caches (>= 1)
   int64_t max_waiting = 1024;       // requests queued beyond those (>= 0); add() refuses more
-  std::optional<uint64_t> seed{};   // seed of the sampling generator; unset: nondeterministic
+  std::optional<uint64_t> seed{};   // seed of the generator of the requests without a seed of
+                                    // their own; unset: nondeterministic
   bool adaptive_draft_length = true;  // each step drafts what the cost model says pays, up to
                                       // each request's gamma, down to 0 (detail/draft_cost.hpp);
                                       // false: every request drafts its own gamma every step
+  // Heads the requests may draft from (DraftMethod::eagle, DraftMethod::medusa), kept by the
+  // caller for the engine's life. With either, the target models FeatureTarget and every target
+  // forward taps the hidden states they read.
+  const models::EagleHead* eagle = nullptr;
+  const models::MedusaHeads* medusa = nullptr;
 };
 
 // The engine's cost model as it stands (detail/draft_cost.hpp): a step of b rows and k > 0
@@ -138,88 +157,180 @@ enum class RequestState {
 
 namespace detail {
 
-// The drafting of an Engine's batch: each row's DraftMethod, the drafter model's rows batched
-// together (ModelBatchDrafts), prompt-lookup rows drafted on the host, one [b, k] block of drafts
-// (q one-hot for the deterministic ones wherever drafter rows bring q).
-template <class D>
+// One [b, W] block of drafts from the parts each draft method made (row i's drafts come from the
+// part of methods[i]; every part has valid 0 at the other rows). q: each part's own where it has
+// one, one-hot at the deterministic parts' drafts; finite: each part's where it has one.
+struct DraftPart {
+  DraftMethod method = DraftMethod::none;
+  BatchDrafts drafts{};
+};
+
+inline BatchDrafts merge_drafts(std::vector<DraftPart>& parts, std::span<const DraftMethod> methods, int64_t vocab,
+                                const at::Device& device) {
+  const auto b = static_cast<int64_t>(methods.size());
+  BatchDrafts result{.valid = std::vector<int64_t>(static_cast<size_t>(b), 0)};
+  int64_t width = 0;
+  DraftPart* only = nullptr;
+  int64_t with_tokens = 0;
+  for (DraftPart& part : parts) {
+    for (int64_t i = 0; i < b; ++i) {
+      if (methods[static_cast<size_t>(i)] == part.method) {
+        result.valid[static_cast<size_t>(i)] = part.drafts.valid[static_cast<size_t>(i)];
+        width = std::max(width, result.valid[static_cast<size_t>(i)]);
+      }
+    }
+    if (part.drafts.tokens.defined()) {
+      ++with_tokens;
+      only = &part;
+    }
+  }
+  if (width == 0) return result;
+  if (with_tokens == 1) {  // one method drafted: its block as it is
+    only->drafts.valid = std::move(result.valid);
+    return std::move(only->drafts);
+  }
+  const auto fit = [&](const at::Tensor& t) {  // [b, w, ...] to [b, width, ...]
+    if (t.size(1) >= width) return t.narrow(1, 0, width);
+    auto shape = t.sizes().vec();
+    shape[1] = width - t.size(1);
+    return at::cat({t, at::zeros(shape, t.options())}, 1);
+  };
+  const auto rows_of = [&](DraftMethod method) {
+    std::vector<uint8_t> mask(static_cast<size_t>(b), 0);
+    for (int64_t i = 0; i < b; ++i) mask[static_cast<size_t>(i)] = methods[static_cast<size_t>(i)] == method ? 1 : 0;
+    return to_device<uint8_t>(mask, {b}, device).to(at::kBool);
+  };
+  at::Tensor tokens = at::zeros({b, width}, at::TensorOptions().dtype(at::kLong).device(device));
+  std::vector<at::Tensor> masks;
+  bool any_probs = false, any_finite = false;
+  for (const DraftPart& part : parts) {
+    masks.push_back(part.drafts.tokens.defined() ? rows_of(part.method) : at::Tensor());
+    if (!part.drafts.tokens.defined()) continue;
+    tokens = at::where(masks.back().view({b, 1}), fit(part.drafts.tokens), tokens);
+    any_probs = any_probs || part.drafts.probs.defined();
+    any_finite = any_finite || part.drafts.finite.defined();
+  }
+  result.tokens = tokens.contiguous();
+  if (any_probs) {
+    // One-hot at every draft, then each sampled part's q at its rows.
+    at::Tensor q = at::zeros({b, width, vocab}, at::TensorOptions().dtype(at::kFloat).device(device))
+                       .scatter_(2, result.tokens.unsqueeze(2), 1.0);
+    for (size_t p = 0; p < parts.size(); ++p) {
+      if (!parts[p].drafts.probs.defined()) continue;
+      q = at::where(masks[p].view({b, 1, 1}), fit(parts[p].drafts.probs).to(q.scalar_type()), q);
+    }
+    result.probs = q;
+  }
+  if (any_finite) {
+    at::Tensor finite = at::ones({b}, at::TensorOptions().dtype(at::kBool).device(device));
+    for (size_t p = 0; p < parts.size(); ++p) {
+      if (!parts[p].drafts.finite.defined()) continue;
+      finite = at::where(masks[p], parts[p].drafts.finite.to(device), finite);
+    }
+    result.finite = finite;
+  }
+  return result;
+}
+
+// The drafting of an Engine's batch: each row's DraftMethod; the drafter model's rows batched
+// together (ModelBatchDrafts), the EAGLE head's rows in batched head forwards (EagleBatchDrafts),
+// the Medusa rows in one pass of the heads (MedusaBatchDrafts), prompt-lookup rows drafted on the
+// host; one [b, k] block of drafts (merge_drafts). With heads, every target forward taps the
+// hidden states they read (feature_taps(): the EAGLE head's layers, then the final layer).
+template <class D, class T>
 class EngineDrafts {
  public:
-  EngineDrafts(D* drafter, int64_t max_rows, const at::Device& device, int64_t vocab)
-      : device_(device), vocab_(vocab) {
+  EngineDrafts(D* drafter, T& target, int64_t max_rows, const models::EagleHead* eagle,
+               const models::MedusaHeads* medusa)
+      : device_(target.device()), vocab_(static_cast<int64_t>(target.vocab_size())) {
     if constexpr (!std::is_void_v<D>) {
       model_.emplace(*drafter, max_rows);
       model_->select({});
     }
+    if constexpr (FeatureTarget<T>) {
+      hidden_ = static_cast<int64_t>(target.hidden_size());
+      if (eagle != nullptr) {
+        eagle_.emplace(*eagle, target, 0);
+        const auto layers = eagle_->feature_taps();
+        taps_.assign(layers.begin(), layers.end());
+        eagle_taps_ = static_cast<int64_t>(taps_.size());
+      }
+      if (medusa != nullptr) {
+        medusa_.emplace(*medusa, target, 0);
+        const int64_t last = medusa_->feature_taps().front();
+        const auto found = std::find(taps_.begin(), taps_.end(), last);
+        medusa_tap_ = found - taps_.begin();
+        if (found == taps_.end()) taps_.push_back(last);
+      }
+    } else if (eagle != nullptr || medusa != nullptr) {
+      throw std::invalid_argument(
+          "EngineOptions: heads (eagle, medusa) read the target's hidden states: the target must model FeatureTarget");
+    }
   }
 
-  // A row of `prompt` joins after the others, drafting by `method`.
-  void join(DraftMethod method, std::span<const int64_t> prompt) {
+  [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept
+    requires FeatureTarget<T>
+  {
+    return taps_;
+  }
+  [[nodiscard]] bool has(DraftMethod method) const noexcept {
+    switch (method) {
+      case DraftMethod::drafter: return !std::is_void_v<D>;
+      case DraftMethod::eagle: return eagle_.has_value();
+      case DraftMethod::medusa: return medusa_.has_value();
+      default: return true;
+    }
+  }
+
+  // A row of `prompt` joins after the others, drafting by `method`. `drafter_prompt`: what the
+  // drafter model prefills now (empty: fed at its first draft). `features`: the target's tapped
+  // states of the prompt's positions but the last (BatchCore::prefilled_features), for a head.
+  void join(DraftMethod method, std::span<const int64_t> prompt, std::span<const int64_t> drafter_prompt,
+            const at::Tensor& features) {
     methods_.push_back(method);
     contexts_.emplace_back();
     drafted_.push_back(0);
-    if constexpr (!std::is_void_v<D>) model_->join(method == DraftMethod::drafter, prompt);
+    if constexpr (!std::is_void_v<D>) model_->join(method == DraftMethod::drafter, drafter_prompt);
+    if (eagle_) {
+      const bool member = method == DraftMethod::eagle;
+      eagle_->join(member, prompt, member && features.defined() ? eagle_features(features) : at::Tensor());
+    }
+    if (medusa_) medusa_->join(method == DraftMethod::medusa);
   }
 
   template <LogitsProcessor P>
   BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences, std::span<const int64_t> rooms, int64_t k,
                     const P& processor, at::Generator& gen, GenerationStats& shared) {
-    const auto b = static_cast<int64_t>(sequences.size());
-    BatchDrafts model;
+    parts_.clear();
     if constexpr (!std::is_void_v<D>) {
-      if (std::find(methods_.begin(), methods_.end(), DraftMethod::drafter) != methods_.end()) {
-        model = model_->draft(sequences, rooms, k, processor, gen, shared);
+      if (uses(DraftMethod::drafter)) {
+        parts_.push_back({DraftMethod::drafter, model_->draft(sequences, rooms, k, processor, gen, shared)});
       }
     }
-    // Prompt lookup, row by row on the host.
-    buffer_.assign(static_cast<size_t>(b * k), 0);
-    std::vector<int64_t> valid = model.tokens.defined() ? std::move(model.valid) : std::vector<int64_t>(static_cast<size_t>(b), 0);
-    int64_t width = model.tokens.defined() ? model.tokens.size(1) : 0;
-    bool lookup = false;
-    for (int64_t i = 0; i < b; ++i) {
-      const auto r = static_cast<size_t>(i);
-      if (methods_[r] != DraftMethod::prompt_lookup || rooms[r] == 0) continue;
-      // The row's context is its sequence followed by its last drafts: brought up to date by
-      // dropping those and appending what was emitted since, so no step copies the sequence.
-      const auto sequence = sequences[r];
-      std::vector<int64_t>& context = contexts_[r];
-      context.resize(std::min(context.size() - drafted_[r], sequence.size()));
-      context.insert(context.end(), sequence.begin() + static_cast<std::ptrdiff_t>(context.size()), sequence.end());
-      int64_t calls = 0;
-      const auto out = std::span(buffer_).subspan(static_cast<size_t>(i * k), static_cast<size_t>(rooms[r]));
-      const int64_t made = draft_ngrams(lookup_, context, out, NGramDraftRule{}, /*stop_if_unknown=*/true, calls);
-      drafted_[r] = static_cast<size_t>(made);
-      valid[r] = made;
-      width = std::max(width, made);
-      lookup = lookup || made > 0;
+    if (eagle_ && uses(DraftMethod::eagle)) {
+      parts_.push_back({DraftMethod::eagle, eagle_->draft(sequences, rooms_of(DraftMethod::eagle, rooms), k, processor,
+                                                           gen, shared)});
     }
-    if (!lookup) {
-      model.valid = std::move(valid);
-      return model;
+    if (medusa_ && uses(DraftMethod::medusa)) {
+      parts_.push_back({DraftMethod::medusa, medusa_->draft(sequences, rooms_of(DraftMethod::medusa, rooms), k,
+                                                             processor, gen, shared)});
     }
-    const auto long_options = at::TensorOptions().dtype(at::kLong).device(device_);
-    at::Tensor tokens = to_device<int64_t>(buffer_, {b, k}, device_).narrow(1, 0, width);
-    BatchDrafts result{.valid = valid};
-    if (!model.tokens.defined()) {  // deterministic drafts only: q is one-hot (verify's default)
-      result.tokens = tokens.contiguous();
-      return result;
-    }
-    const int64_t drafted = model.tokens.size(1);
-    std::vector<uint8_t> from_model(static_cast<size_t>(b), 0);
-    for (int64_t i = 0; i < b; ++i) from_model[static_cast<size_t>(i)] = methods_[static_cast<size_t>(i)] == DraftMethod::drafter;
-    const at::Tensor model_rows = to_device<uint8_t>(from_model, {b}, device_).to(at::kBool).view({b, 1});
-    at::Tensor model_tokens = at::zeros({b, width}, long_options);
-    model_tokens.narrow(1, 0, drafted).copy_(model.tokens);
-    result.tokens = at::where(model_rows, model_tokens, tokens).contiguous();
-    // q: the drafter's where it drafted, one-hot at the lookup rows' drafts.
-    at::Tensor q = at::zeros({b, width, vocab_}, model.probs.options());
-    q.narrow(1, 0, drafted).copy_(model.probs);
-    const at::Tensor one_hot = at::zeros_like(q).scatter_(2, result.tokens.unsqueeze(2), 1.0);
-    result.probs = at::where(model_rows.view({b, 1, 1}), q, one_hot);
-    return result;
+    if (uses(DraftMethod::prompt_lookup)) parts_.push_back({DraftMethod::prompt_lookup, lookup(sequences, rooms, k)});
+    return merge_drafts(parts_, methods_, vocab_, device_);
   }
 
   void after(const BatchStep& step) {
     if constexpr (!std::is_void_v<D>) model_->after(step);
+    if (eagle_) {
+      BatchStep mine = step;
+      if (step.features.defined()) mine.features = eagle_features(step.features);
+      eagle_->after(mine);
+    }
+    if (medusa_) {
+      BatchStep mine = step;
+      if (step.features.defined()) mine.features = step.features.narrow(2, medusa_tap_ * hidden_, hidden_);
+      medusa_->after(mine);
+    }
   }
 
   // The drafter model's positions so far, and the rows it drafts for (0 without one).
@@ -239,6 +350,8 @@ class EngineDrafts {
     for (const int64_t r : rows) contexts.push_back(std::move(contexts_[static_cast<size_t>(r)]));
     contexts_ = std::move(contexts);
     if constexpr (!std::is_void_v<D>) model_->select(rows);
+    if (eagle_) eagle_->select(rows);
+    if (medusa_) medusa_->select(rows);
   }
 
  private:
@@ -253,14 +366,60 @@ class EngineDrafts {
   };
   using Model = typename ModelOf<D>::type;
 
+  [[nodiscard]] bool uses(DraftMethod method) const {
+    return std::find(methods_.begin(), methods_.end(), method) != methods_.end();
+  }
+  // The rooms of the rows drafting by `method`, 0 at the others.
+  std::span<const int64_t> rooms_of(DraftMethod method, std::span<const int64_t> rooms) {
+    method_rooms_.assign(rooms.begin(), rooms.end());
+    for (size_t i = 0; i < methods_.size(); ++i) {
+      if (methods_[i] != method) method_rooms_[i] = 0;
+    }
+    return method_rooms_;
+  }
+  [[nodiscard]] at::Tensor eagle_features(const at::Tensor& features) const {
+    return features.narrow(2, 0, eagle_taps_ * hidden_);
+  }
+
+  // Prompt lookup, row by row on the host.
+  BatchDrafts lookup(const std::vector<std::span<const int64_t>>& sequences, std::span<const int64_t> rooms, int64_t k) {
+    const auto b = static_cast<int64_t>(sequences.size());
+    buffer_.assign(static_cast<size_t>(b * k), 0);
+    BatchDrafts result{.valid = std::vector<int64_t>(static_cast<size_t>(b), 0)};
+    int64_t width = 0;
+    for (int64_t i = 0; i < b; ++i) {
+      const auto r = static_cast<size_t>(i);
+      if (methods_[r] != DraftMethod::prompt_lookup || rooms[r] == 0) continue;
+      // The row's context is its sequence followed by its last drafts: brought up to date by
+      // dropping those and appending what was emitted since, so no step copies the sequence.
+      const auto sequence = sequences[r];
+      std::vector<int64_t>& context = contexts_[r];
+      context.resize(std::min(context.size() - drafted_[r], sequence.size()));
+      context.insert(context.end(), sequence.begin() + static_cast<std::ptrdiff_t>(context.size()), sequence.end());
+      int64_t calls = 0;
+      const auto out = std::span(buffer_).subspan(static_cast<size_t>(i * k), static_cast<size_t>(rooms[r]));
+      const int64_t made = draft_ngrams(lookup_, context, out, NGramDraftRule{}, /*stop_if_unknown=*/true, calls);
+      drafted_[r] = static_cast<size_t>(made);
+      result.valid[r] = made;
+      width = std::max(width, made);
+    }
+    if (width > 0) result.tokens = to_device<int64_t>(buffer_, {b, k}, device_).narrow(1, 0, width).contiguous();
+    return result;
+  }
+
   at::Device device_;
   int64_t vocab_;
   std::optional<Model> model_;
-  std::vector<DraftMethod> methods_;  // each batch row's
+  std::optional<EagleBatchDrafts> eagle_;
+  std::optional<MedusaBatchDrafts> medusa_;
+  std::vector<int64_t> taps_;  // the target's hidden states the heads read
+  int64_t hidden_ = 0, eagle_taps_ = 0, medusa_tap_ = 0;
+  std::vector<DraftMethod> methods_;            // each batch row's
   std::vector<std::vector<int64_t>> contexts_;  // prompt lookup: each row's sequence and last drafts
   std::vector<size_t> drafted_;                 // the drafts at the end of each row's context
   PromptLookupDrafter lookup_{};
-  std::vector<int64_t> buffer_;
+  std::vector<int64_t> buffer_, method_rooms_;
+  std::vector<DraftPart> parts_;
 };
 
 }  // namespace detail
@@ -440,7 +599,7 @@ class Engine {
         vocab_(static_cast<int64_t>(target.vocab_size())),
         limit_(detail::sequence_limit(target)),
         core_(target, options.max_rows, limit_, options.seed),
-        drafts_(drafter, options.max_rows, target.device(), vocab_) {
+        drafts_(drafter, target, options.max_rows, options.eagle, options.medusa) {
     if constexpr (!std::is_void_v<D>) {
       if (static_cast<int64_t>(drafter->vocab_size()) != vocab_) {
         detail::throw_invalid_message("drafter.vocab_size() must equal target.vocab_size() = ", vocab_, ", got ",
@@ -448,6 +607,7 @@ class Engine {
       }
     }
     core_.release_rows();
+    core_.set_taps(drafts_);
   }
 
   static const EngineOptions& check_options(const EngineOptions& options) {
@@ -464,9 +624,12 @@ class Engine {
       detail::throw_invalid_message("request: ", e.what());
     }
     if (request.gamma < 0) detail::throw_invalid("request.gamma", "be >= 0", request.gamma);
-    if (request.drafting == DraftMethod::drafter && std::is_void_v<D>) {
-      throw std::invalid_argument(
-          "request.drafting is drafter, but this engine has no drafter model: use none or prompt_lookup");
+    if (!drafts_.has(request.drafting)) {
+      detail::throw_invalid_message("request.drafting is ", request.drafting, ", but this engine has no ",
+                                    request.drafting == DraftMethod::drafter ? "drafter model"
+                                    : request.drafting == DraftMethod::eagle ? "EAGLE head (EngineOptions::eagle)"
+                                                                             : "Medusa heads (EngineOptions::medusa)",
+                                    ": use none or prompt_lookup");
     }
   }
 
@@ -492,7 +655,9 @@ class Engine {
       // While the engine drafts, the drafter prefills the prompt now, apart from the batch; while
       // it runs target-only, the row joins the drafter empty and is fed at its first draft.
       const bool drafting = !options_.adaptive_draft_length || last_draft_length_ > 0 || steps_without_drafts_ == 0;
-      drafts_.join(request.drafting, drafting ? std::span<const int64_t>(request.prompt) : std::span<const int64_t>());
+      drafts_.join(request.drafting, request.prompt,
+                   drafting ? std::span<const int64_t>(request.prompt) : std::span<const int64_t>(),
+                   core_.prefilled_features());
       Entry& entry = requests_.at(next.id);
       entry.state = RequestState::generating;
       entry.acceptance.start_from(pooled(request.drafting));
@@ -549,7 +714,7 @@ class Engine {
   int64_t vocab_;
   int64_t limit_;
   detail::BatchCore<T> core_;
-  detail::EngineDrafts<D> drafts_;
+  detail::EngineDrafts<D, T> drafts_;
   RowProcessor processor_;
   std::deque<Waiting> queue_;
   std::unordered_map<RequestId, Entry> requests_;
@@ -561,7 +726,9 @@ class Engine {
   std::vector<double> alphas_;
   std::vector<int64_t> caps_;
   // Each draft method's acceptance over the engine's requests: where a joining request starts.
-  std::array<detail::AcceptanceEstimate, 3> pooled_{
+  std::array<detail::AcceptanceEstimate, 5> pooled_{
+      detail::AcceptanceEstimate(detail::AcceptanceEstimate::kPooledDecay),
+      detail::AcceptanceEstimate(detail::AcceptanceEstimate::kPooledDecay),
       detail::AcceptanceEstimate(detail::AcceptanceEstimate::kPooledDecay),
       detail::AcceptanceEstimate(detail::AcceptanceEstimate::kPooledDecay),
       detail::AcceptanceEstimate(detail::AcceptanceEstimate::kPooledDecay)};

@@ -80,6 +80,32 @@ inline at::Tensor pick_tensor_rows(const at::Tensor& x, std::span<const int64_t>
                         to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, x.device()));
 }
 
+// Where the processor has rows with seeds (RowProcessor), each row's sequence length as int64 [b]
+// on `device`: the position of its first draft, where its draws are keyed. Undefined otherwise.
+template <LogitsProcessor P>
+at::Tensor draft_positions(const P& processor, const std::vector<std::span<const int64_t>>& sequences,
+                           const at::Device& device) {
+  if constexpr (requires { processor.seeded(); }) {
+    if (processor.seeded()) {
+      std::vector<int64_t> lengths;
+      for (const auto& sequence : sequences) lengths.push_back(static_cast<int64_t>(sequence.size()));
+      return to_device<int64_t>(lengths, {static_cast<int64_t>(lengths.size())}, device);
+    }
+  }
+  return {};
+}
+
+// The distributions of logits [b, width, V] as [b * width, V]: a processor with parameters per
+// row (RowProcessor) applies row i's to its width positions; the others apply theirs to all.
+template <LogitsProcessor P>
+at::Tensor rows_apply(const P& processor, const at::Tensor& logits) {
+  if constexpr (requires { processor.seeded(); }) {
+    return processor(logits).flatten(0, 1);
+  } else {
+    return processor(logits.flatten(0, 1));
+  }
+}
+
 // How many of the step's fed positions row i keeps for its head: those up to its last accepted
 // draft, within its sequence (a stop may have cut the step's tokens short; position p reads the
 // token at p + 1).
@@ -94,8 +120,38 @@ class EagleBatchDrafts {
  public:
   template <FeatureTarget T>
   EagleBatchDrafts(const models::EagleHead& head, const T& target, int64_t rows)
-      : head_(head), device_(target.device()), cache_(rows), ready_(static_cast<size_t>(rows), 0) {
+      : head_(head), device_(target.device()), cache_(rows), ready_(static_cast<size_t>(rows), 0),
+        members_(static_cast<size_t>(rows), 1) {
     const EagleHeadState fits(head, target);  // throws where the head does not fit the target
+  }
+
+  // A row joins after the others (continuous batching). A `member` drafts from the head: given
+  // `features`, the target's tapped states [1, n, taps * hidden] at positions 0..n-1 of
+  // `sequence` (n < sequence.size(), a prompt prefilled on its own), its head is fed them now in a
+  // forward of that row alone, so it drafts from the whole prompt; without, its head starts at the
+  // first positions a step feeds it. Other rows never draft here and feed the head nothing.
+  void join(bool member, std::span<const int64_t> sequence = {}, const at::Tensor& features = {}) {
+    const int64_t before = cache_.rows();
+    models::EagleBatchCache row(1);
+    at::Tensor last;
+    if (member && features.defined() && features.size(1) > 0) {
+      const int64_t n = features.size(1);
+      if (features.dim() != 3 || features.size(0) != 1 || n >= static_cast<int64_t>(sequence.size())) {
+        throw_invalid_message("EagleBatchDrafts::join: features must be [1, n, F] with n < ", sequence.size(),
+                              ", got ", features.sizes());
+      }
+      const at::Tensor ids = to_device<int64_t>(sequence.subspan(1, static_cast<size_t>(n)), {1, n}, head_.device());
+      const std::vector<int64_t> counts{n};
+      last = head_.forward_rows(ids, head_.fuse(features.to(head_.device())), row, counts).select(1, n - 1);
+    }
+    cache_.append_rows_from(row);
+    members_.push_back(member ? 1 : 0);
+    ready_.push_back(last.defined() ? 1 : 0);
+    if (last.defined() || last_.defined()) {
+      const at::Tensor& like = last.defined() ? last : last_;
+      const at::Tensor old = last_.defined() ? last_ : at::zeros({before, like.size(1)}, like.options());
+      last_ = at::cat({old, last.defined() ? last : at::zeros({1, like.size(1)}, like.options())});
+    }
   }
 
   [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept {
@@ -118,6 +174,7 @@ class EagleBatchDrafts {
     if (width == 0) return result;
     std::vector<at::Tensor> tokens, rows;
     std::vector<int64_t> counts(static_cast<size_t>(b));
+    const at::Tensor positions = draft_positions(processor, sequences, head_.device());
     at::Tensor out = last_;  // [B, H]
     for (int64_t j = 0; j < width; ++j) {
       if (j > 0) {  // the rows that draft a j-th token keep the entry of the (j - 1)-th
@@ -133,7 +190,9 @@ class EagleBatchDrafts {
         rows.push_back(logits.amax(-1));
       } else {
         const at::Tensor q = processor(head_.target_logits(logits));  // [B, V]
-        tokens.push_back(processor.sample(q, gen).view({b}));
+        tokens.push_back(sample_rows(processor, q, gen, positions.defined() ? positions + j : positions,
+                                     RandomUse::draft)
+                             .view({b}));
         rows.push_back(q);
       }
     }
@@ -155,7 +214,7 @@ class EagleBatchDrafts {
     for (int64_t i = 0; i < b; ++i) {
       const auto row = static_cast<size_t>(i);
       const int64_t from = step.features_from[row];
-      const int64_t n = std::max<int64_t>(verified_count(step, row), 0);
+      const int64_t n = members_[row] != 0 ? std::max<int64_t>(verified_count(step, row), 0) : 0;
       if (n == 0) {
         cache_.reset(i, 0);
       } else if (from < cache_.start(i) || from > cache_.end(i)) {
@@ -186,6 +245,7 @@ class EagleBatchDrafts {
   void select(std::span<const int64_t> rows) {
     cache_.select(rows);
     ready_ = pick_rows(ready_, rows);
+    members_ = pick_rows(members_, rows);
     last_ = pick_tensor_rows(last_, rows);
   }
 
@@ -193,8 +253,9 @@ class EagleBatchDrafts {
   const models::EagleHead& head_;
   at::Device device_;
   models::EagleBatchCache cache_;
-  std::vector<uint8_t> ready_;  // rows whose last_ is the head's output at their cache's end - 1
-  at::Tensor last_{};           // [B, H]
+  std::vector<uint8_t> ready_;    // rows whose last_ is the head's output at their cache's end - 1
+  std::vector<uint8_t> members_;  // rows that draft from the head (1); the others feed it nothing
+  at::Tensor last_{};             // [B, H]
   std::vector<int64_t> ids_;
 };
 
@@ -206,8 +267,17 @@ class MedusaBatchDrafts {
       : heads_(heads),
         device_(target.device()),
         taps_{static_cast<int64_t>(target.num_hidden_layers())},
-        positions_(static_cast<size_t>(rows), -1) {
+        positions_(static_cast<size_t>(rows), -1),
+        members_(static_cast<size_t>(rows), 1) {
     const MedusaHeadState fits(heads, target);  // throws where the heads do not fit the target
+  }
+
+  // A row joins after the others (continuous batching); a `member` drafts from the heads once a
+  // step has given it a hidden state.
+  void join(bool member) {
+    members_.push_back(member ? 1 : 0);
+    positions_.push_back(-1);
+    if (hidden_.defined()) hidden_ = at::cat({hidden_, at::zeros({1, hidden_.size(1)}, hidden_.options())});
   }
 
   [[nodiscard]] std::span<const int64_t> feature_taps() const noexcept { return taps_; }
@@ -232,9 +302,20 @@ class MedusaBatchDrafts {
       result.tokens = logits.argmax(-1).to(device_);
       result.finite = finite_rows(logits.amax(-1), result.valid).to(device_);
     } else {
-      const at::Tensor q = processor(logits.reshape({b * width, vocab}));
-      result.tokens = processor.sample(q, gen).view({b, width}).to(device_);
-      result.probs = q.view({b, width, vocab}).to(device_);
+      const at::Tensor positions = draft_positions(processor, sequences, heads_.device());
+      if (positions.defined()) {  // per-row parameters and seeds: row i's own, column by column
+        const at::Tensor q = processor(logits);  // [B, width, V]
+        std::vector<at::Tensor> tokens;
+        for (int64_t j = 0; j < width; ++j) {
+          tokens.push_back(sample_rows(processor, q.select(1, j), gen, positions + j, RandomUse::draft).view({b}));
+        }
+        result.tokens = at::stack(tokens, 1).to(device_);
+        result.probs = q.to(device_);
+      } else {
+        const at::Tensor q = rows_apply(processor, logits);  // [B * width, V]
+        result.tokens = processor.sample(q, gen).view({b, width}).to(device_);
+        result.probs = q.view({b, width, vocab}).to(device_);
+      }
     }
     return result;
   }
@@ -245,7 +326,7 @@ class MedusaBatchDrafts {
     std::vector<int64_t> lasts(static_cast<size_t>(b));
     bool any = false;
     for (size_t i = 0; i < lasts.size(); ++i) {
-      const int64_t n = step.positions[i] - step.features_from[i] + step.accepted[i];
+      const int64_t n = members_[i] != 0 ? step.positions[i] - step.features_from[i] + step.accepted[i] : 0;
       lasts[i] = std::max<int64_t>(n - 1, 0);
       positions_[i] = n > 0 ? step.features_from[i] + n - 1 : -1;
       any = any || n > 0;
@@ -264,6 +345,7 @@ class MedusaBatchDrafts {
 
   void select(std::span<const int64_t> rows) {
     positions_ = pick_rows(positions_, rows);
+    members_ = pick_rows(members_, rows);
     hidden_ = pick_tensor_rows(hidden_, rows);
   }
 
@@ -272,6 +354,7 @@ class MedusaBatchDrafts {
   at::Device device_;
   std::vector<int64_t> taps_;
   std::vector<int64_t> positions_;  // each row's hidden state's position (-1: none)
+  std::vector<uint8_t> members_;    // rows that draft from the heads (1)
   at::Tensor hidden_{};             // [B, hidden]
 };
 
