@@ -250,7 +250,7 @@ class EngineDrafts {
     if constexpr (FeatureTarget<T>) {
       hidden_ = static_cast<int64_t>(target.hidden_size());
       if (eagle != nullptr) {
-        eagle_.emplace(*eagle, target, 0);
+        eagle_.emplace(*eagle, target, 0, /*lazy=*/true);  // steps without drafts cost the head nothing
         const auto layers = eagle_->feature_taps();
         taps_.assign(layers.begin(), layers.end());
         eagle_taps_ = static_cast<int64_t>(taps_.size());
@@ -333,14 +333,17 @@ class EngineDrafts {
     }
   }
 
-  // The drafter model's positions so far, and the rows it drafts for (0 without one).
+  // The positions the drafter model and the EAGLE head computed so far, and the rows drafting
+  // with them (the cost model prices both per position: a catch-up is no column's cost).
   [[nodiscard]] int64_t model_positions() const noexcept {
-    if constexpr (!std::is_void_v<D>) return model_->positions();
-    return 0;
+    int64_t positions = eagle_ ? eagle_->positions() : 0;
+    if constexpr (!std::is_void_v<D>) positions += model_->positions();
+    return positions;
   }
   [[nodiscard]] int64_t model_rows() const noexcept {
-    if constexpr (!std::is_void_v<D>) return model_->members();
-    return 0;
+    int64_t rows = eagle_ ? eagle_->members() : 0;
+    if constexpr (!std::is_void_v<D>) rows += model_->members();
+    return rows;
   }
 
   void select(std::span<const int64_t> rows) {

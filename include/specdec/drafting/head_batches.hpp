@@ -118,39 +118,38 @@ inline int64_t verified_count(const BatchStep& step, size_t i) {
 // The drafting of run_batch from one EAGLE head for all rows (see the top of this file).
 class EagleBatchDrafts {
  public:
+  // `lazy`: the target's states each step verified are kept per row and fed to the head only
+  // when the row next drafts (one forward for everything it missed), so steps that draft nothing
+  // cost the head nothing; otherwise they are fed after every step.
   template <FeatureTarget T>
-  EagleBatchDrafts(const models::EagleHead& head, const T& target, int64_t rows)
+  EagleBatchDrafts(const models::EagleHead& head, const T& target, int64_t rows, bool lazy = false)
       : head_(head), device_(target.device()), cache_(rows), ready_(static_cast<size_t>(rows), 0),
-        members_(static_cast<size_t>(rows), 1) {
+        members_(static_cast<size_t>(rows), 1), pending_(static_cast<size_t>(rows)), lazy_(lazy) {
     const EagleHeadState fits(head, target);  // throws where the head does not fit the target
   }
 
   // A row joins after the others (continuous batching). A `member` drafts from the head: given
   // `features`, the target's tapped states [1, n, taps * hidden] at positions 0..n-1 of
-  // `sequence` (n < sequence.size(), a prompt prefilled on its own), its head is fed them now in a
-  // forward of that row alone, so it drafts from the whole prompt; without, its head starts at the
-  // first positions a step feeds it. Other rows never draft here and feed the head nothing.
+  // `sequence` (n < sequence.size(), a prompt prefilled on its own), its head is fed them (now,
+  // or at its first draft when lazy), so it drafts from the whole prompt; without, its head starts
+  // at the first positions a step feeds it. Other rows never draft here and feed the head nothing.
   void join(bool member, std::span<const int64_t> sequence = {}, const at::Tensor& features = {}) {
-    const int64_t before = cache_.rows();
-    models::EagleBatchCache row(1);
-    at::Tensor last;
-    if (member && features.defined() && features.size(1) > 0) {
-      const int64_t n = features.size(1);
-      if (features.dim() != 3 || features.size(0) != 1 || n >= static_cast<int64_t>(sequence.size())) {
-        throw_invalid_message("EagleBatchDrafts::join: features must be [1, n, F] with n < ", sequence.size(),
-                              ", got ", features.sizes());
-      }
-      const at::Tensor ids = to_device<int64_t>(sequence.subspan(1, static_cast<size_t>(n)), {1, n}, head_.device());
-      const std::vector<int64_t> counts{n};
-      last = head_.forward_rows(ids, head_.fuse(features.to(head_.device())), row, counts).select(1, n - 1);
-    }
-    cache_.append_rows_from(row);
+    cache_.append_rows_from(models::EagleBatchCache(1));
     members_.push_back(member ? 1 : 0);
-    ready_.push_back(last.defined() ? 1 : 0);
-    if (last.defined() || last_.defined()) {
-      const at::Tensor& like = last.defined() ? last : last_;
-      const at::Tensor old = last_.defined() ? last_ : at::zeros({before, like.size(1)}, like.options());
-      last_ = at::cat({old, last.defined() ? last : at::zeros({1, like.size(1)}, like.options())});
+    ready_.push_back(0);
+    pending_.emplace_back();
+    if (last_.defined()) last_ = at::cat({last_, at::zeros({1, last_.size(1)}, last_.options())});
+    if (!member || !features.defined() || features.size(1) == 0) return;
+    const int64_t n = features.size(1);
+    if (features.dim() != 3 || features.size(0) != 1 || n >= static_cast<int64_t>(sequence.size())) {
+      throw_invalid_message("EagleBatchDrafts::join: features must be [1, n, F] with n < ", sequence.size(), ", got ",
+                            features.sizes());
+    }
+    pending_.back() = Pending{.from = 0, .count = n, .chunks = {features[0].clone()}};
+    if (!lazy_) {
+      std::vector<std::span<const int64_t>> sequences(pending_.size());
+      sequences.back() = sequence;
+      catch_up(sequences, [&](size_t row) { return row + 1 == pending_.size(); });
     }
   }
 
@@ -158,12 +157,20 @@ class EagleBatchDrafts {
     return head_.config().feature_layers;
   }
   [[nodiscard]] const models::EagleBatchCache& cache() const noexcept { return cache_; }
+  // The positions the head's forwards computed so far (rows times width, padding included).
+  [[nodiscard]] int64_t positions() const noexcept { return positions_; }
+  // The rows that draft from the head.
+  [[nodiscard]] int64_t members() const noexcept {
+    return static_cast<int64_t>(std::count(members_.begin(), members_.end(), uint8_t{1}));
+  }
 
   template <LogitsProcessor P>
   BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences,
                     std::span<const int64_t> rooms, int64_t /*k*/, const P& processor,
                     at::Generator& gen, GenerationStats& /*shared*/) {
     const auto b = static_cast<int64_t>(sequences.size());
+    // Rows about to draft first take in what they missed.
+    catch_up(sequences, [&](size_t row) { return rooms[row] > 0; });
     // A row drafts where its head's last output is at the position before its last token.
     BatchDrafts result = draft_counts(rooms, std::numeric_limits<int64_t>::max(), [&](size_t row) {
       return ready_[row] != 0 && cache_.end(static_cast<int64_t>(row)) + 1 ==
@@ -183,6 +190,7 @@ class EagleBatchDrafts {
                   .forward_rows(tokens.back().to(head_.device()).view({b, 1}), out.unsqueeze(1),
                                 cache_, counts)
                   .squeeze(1);
+        positions_ += b;
       }
       const at::Tensor logits = head_.logits(out);  // [B, draft_vocab]
       if constexpr (std::is_same_v<P, GreedyProcessor>) {
@@ -205,56 +213,112 @@ class EagleBatchDrafts {
     return result;
   }
 
-  // Drops the step's draft entries and feeds every row's head the target's states at the
-  // positions that row verified, in one forward.
+  // Drops the step's draft entries and takes the target's states at the positions each row
+  // verified: fed to the head now in one forward, or kept for the row's next draft (lazy).
   void after(const BatchStep& step) {
     const auto b = static_cast<int64_t>(step.sequences.size());
-    std::vector<int64_t> counts(static_cast<size_t>(b)), lasts(static_cast<size_t>(b));
-    int64_t width = 0;
     for (int64_t i = 0; i < b; ++i) {
       const auto row = static_cast<size_t>(i);
       const int64_t from = step.features_from[row];
       const int64_t n = members_[row] != 0 ? std::max<int64_t>(verified_count(step, row), 0) : 0;
+      Pending& pending = pending_[row];
+      ready_[row] = 0;
       if (n == 0) {
         cache_.reset(i, 0);
-      } else if (from < cache_.start(i) || from > cache_.end(i)) {
-        cache_.reset(i, from);  // a gap: the row's head starts over at `from`
-      } else {
-        cache_.truncate(i, from);  // drops the draft entries
+        pending = {};
+        continue;
       }
-      counts[row] = n;
-      lasts[row] = std::max<int64_t>(n - 1, 0);
-      ready_[row] = n > 0 ? 1 : 0;
-      width = std::max(width, n);
-    }
-    if (width == 0) return;
-    ids_.assign(static_cast<size_t>(b * width), 0);
-    for (int64_t i = 0; i < b; ++i) {
-      const auto sequence = step.sequences[static_cast<size_t>(i)];
-      const int64_t from = step.features_from[static_cast<size_t>(i)];
-      for (int64_t t = 0; t < counts[static_cast<size_t>(i)]; ++t) {
-        ids_[static_cast<size_t>(i * width + t)] = sequence[static_cast<size_t>(from + 1 + t)];
+      if (pending.count > 0 && from != pending.from + pending.count) {
+        pending = {};  // not where the kept states end: the row's head starts over at `from`
+        cache_.reset(i, from);
+      } else if (pending.count == 0) {
+        if (from < cache_.start(i) || from > cache_.end(i)) {
+          cache_.reset(i, from);  // a gap: the row's head starts over at `from`
+        } else {
+          cache_.truncate(i, from);  // drops the draft entries
+        }
+        pending.from = from;
       }
+      pending.chunks.push_back(step.features[i].narrow(0, 0, n).clone());
+      pending.count += n;
     }
-    const at::Tensor ids = to_device<int64_t>(ids_, {b, width}, head_.device());
-    const at::Tensor outputs =
-        head_.forward_rows(ids, head_.fuse(step.features.narrow(1, 0, width)), cache_, counts);
-    last_ = pick_positions(outputs, lasts);
+    if (!lazy_) catch_up(step.sequences, [](size_t) { return true; });
   }
 
   void select(std::span<const int64_t> rows) {
     cache_.select(rows);
     ready_ = pick_rows(ready_, rows);
     members_ = pick_rows(members_, rows);
+    std::vector<Pending> pending;
+    for (const int64_t r : rows) pending.push_back(std::move(pending_[static_cast<size_t>(r)]));
+    pending_ = std::move(pending);
     last_ = pick_tensor_rows(last_, rows);
   }
 
  private:
+  // The target's states kept for a row's head: positions [from, from + count), in chunks.
+  struct Pending {
+    int64_t from = 0;
+    int64_t count = 0;
+    std::vector<at::Tensor> chunks{};  // [n, taps * hidden] each
+  };
+
+  // Feeds the head of every row where want(row) holds what it kept, in one forward (position p
+  // reads the token at p + 1 of the row's sequence); those rows are then ready to draft.
+  template <class Want>
+  void catch_up(std::span<const std::span<const int64_t>> sequences, Want&& want) {
+    const auto b = static_cast<int64_t>(pending_.size());
+    std::vector<int64_t> counts(static_cast<size_t>(b), 0), lasts(static_cast<size_t>(b), 0);
+    int64_t width = 0;
+    for (size_t row = 0; row < pending_.size(); ++row) {
+      if (pending_[row].count == 0 || !want(row)) continue;
+      counts[row] = pending_[row].count;
+      lasts[row] = counts[row] - 1;
+      width = std::max(width, counts[row]);
+    }
+    if (width == 0) return;
+    ids_.assign(static_cast<size_t>(b * width), 0);
+    std::vector<at::Tensor> features;
+    at::Tensor like;
+    for (size_t row = 0; row < pending_.size(); ++row) {
+      if (counts[row] > 0) like = pending_[row].chunks.front();
+    }
+    std::vector<uint8_t> fed(static_cast<size_t>(b), 0);
+    for (size_t row = 0; row < pending_.size(); ++row) {
+      const int64_t n = counts[row];
+      at::Tensor padded = at::zeros({width, like.size(1)}, like.options());
+      if (n > 0) {
+        const Pending& pending = pending_[row];
+        padded.narrow(0, 0, n).copy_(at::cat(pending.chunks));
+        for (int64_t t = 0; t < n; ++t) {
+          ids_[row * static_cast<size_t>(width) + static_cast<size_t>(t)] =
+              sequences[row][static_cast<size_t>(pending.from + 1 + t)];
+        }
+        fed[row] = 1;
+      }
+      features.push_back(std::move(padded));
+    }
+    const at::Tensor ids = to_device<int64_t>(ids_, {b, width}, head_.device());
+    const at::Tensor outputs = head_.forward_rows(ids, head_.fuse(at::stack(features)), cache_, counts);
+    positions_ += b * width;
+    const at::Tensor picked = pick_positions(outputs, lasts);
+    const at::Tensor mask = to_device<uint8_t>(fed, {b, 1}, picked.device()).to(at::kBool);
+    last_ = last_.defined() ? at::where(mask, picked, last_.to(picked.scalar_type())) : picked;
+    for (size_t row = 0; row < pending_.size(); ++row) {
+      if (fed[row] == 0) continue;
+      pending_[row] = {};
+      ready_[row] = 1;
+    }
+  }
+
   const models::EagleHead& head_;
   at::Device device_;
   models::EagleBatchCache cache_;
   std::vector<uint8_t> ready_;    // rows whose last_ is the head's output at their cache's end - 1
   std::vector<uint8_t> members_;  // rows that draft from the head (1); the others feed it nothing
+  std::vector<Pending> pending_;  // each row's states not yet fed to its head
+  bool lazy_ = false;
+  int64_t positions_ = 0;
   at::Tensor last_{};             // [B, H]
   std::vector<int64_t> ids_;
 };
