@@ -80,7 +80,9 @@ inline at::Tensor mask_top_p(const at::Tensor& logits, double top_p) {
 inline at::Tensor sample_at_uniform(const at::Tensor& probs, const at::Tensor& uniform) {
   const at::Tensor cdf = probs.to(at::kDouble).cumsum(-1);
   const at::Tensor threshold = uniform.to(cdf.device()) * cdf.narrow(-1, cdf.size(-1) - 1, 1);
-  return at::searchsorted(cdf, threshold, /*out_int32=*/false, /*right=*/true)
+  // `side` given (it agrees with `right`): GCC 12 warns that the empty default may be used
+  // uninitialized inside libtorch 1.13's optional.
+  return at::searchsorted(cdf, threshold, /*out_int32=*/false, /*right=*/true, /*side=*/c10::string_view("right"))
       .clamp_max(cdf.size(-1) - 1);
 }
 
