@@ -476,6 +476,110 @@ TEST(EngineDraftLength, CatchUpPositionsDoNotInflateTheCostOfAColumn) {
   EXPECT_DOUBLE_EQ(host.seconds_per_drafter_position(), 0.0);
 }
 
+// While k stays 0, a one-column step is drafted once what it is predicted to cost beyond a
+// target-only step, the drafters' catch-up included, is at most kExploreShare of the target-only
+// time since the last draft: a catch-up of c positions waits in proportion to one column plus c.
+TEST(EngineDraftLength, ExploringCostsAtMostItsShareOfTheTargetOnlyTime) {
+  specdec::detail::DraftCostModel costs;
+  const double fixed = 1e-3, per_position = 1e-5, per_column = 2e-4, per_drafter_position = 1e-5;
+  for (int step = 0; step < 40; ++step) {
+    const int64_t positions = 4 * (1 + step % 3);
+    costs.observe_target(positions, fixed + per_position * static_cast<double>(positions));
+    const int64_t columns = 1 + step % 4;
+    const int64_t drafter_positions = 4 * (columns + 1) + (step % 5 == 0 ? 200 : 0);
+    costs.observe_drafting(columns, drafter_positions,
+                           per_column * static_cast<double>(columns) +
+                               per_drafter_position * static_cast<double>(drafter_positions));
+    costs.observe_overhead(step % 2 == 0, 1e-4);
+  }
+  const double share = specdec::detail::DraftCostModel::kExploreShare;
+  // Beyond a target-only step of 4 rows, all drafting with the drafter: 4 more target positions,
+  // one column, 8 drafter positions, then the catch-up.
+  const auto extra = [&](int64_t catch_up) {
+    return 4 * per_position + per_column + per_drafter_position * static_cast<double>(8 + catch_up);
+  };
+  for (const int64_t catch_up : {int64_t{0}, int64_t{100}, int64_t{1000}}) {
+    SCOPED_TRACE(catch_up);
+    const double needed = extra(catch_up) / share;
+    EXPECT_FALSE(costs.explore(0.98 * needed, 4, 4, catch_up));
+    EXPECT_TRUE(costs.explore(1.02 * needed, 4, 4, catch_up));
+  }
+  // Host drafting (no drafter rows): the catch-up costs nothing.
+  EXPECT_TRUE(costs.explore(1.02 * (4 * per_position + per_column) / share, 4, 0, 0));
+}
+
+// Stalls only ever add time: the first call's setup and a preempted step. The first observation
+// of each kind is dropped and later ones count at most kOutlier times the fit's prediction, so a
+// stall does not inflate the fixed cost until drafting looks cheap beside it: a drafter whose
+// drafts are rarely accepted stays off.
+TEST(EngineDraftLength, AStallDoesNotMakeDraftingLookCheap) {
+  const double fixed = 1e-3, per_position = 1e-5, per_column = 5e-4;
+  specdec::detail::DraftCostModel costs;
+  costs.observe_target(2, 50 * fixed);  // the first forward's setup: dropped
+  costs.observe_drafting(1, 4, 50 * per_column);
+  costs.observe_overhead(false, 1.0);
+  costs.observe_overhead(true, 1.0);
+  for (int step = 0; step < 10; ++step) {
+    const int64_t positions = 2 * (1 + step % 2);
+    costs.observe_target(positions, fixed + per_position * static_cast<double>(positions));
+    costs.observe_drafting(1 + step % 2, 4, per_column * (1 + step % 2));
+    costs.observe_overhead(step % 2 == 0, 1e-5);
+  }
+  EXPECT_NEAR(costs.fixed_seconds(), fixed, 1e-9);
+  EXPECT_NEAR(costs.overhead_seconds(false), 1e-5, 1e-12);
+  const std::vector<double> useless{0.1, 0.1};
+  const std::vector<int64_t> caps{4, 4};
+  EXPECT_EQ(costs.choose(useless, caps, 2), 0);
+  costs.observe_target(2, 100 * fixed);  // preempted
+  EXPECT_LT(costs.fixed_seconds(), 1.5 * fixed);  // unbounded: about 12 times
+  EXPECT_EQ(costs.choose(useless, caps, 2), 0);
+  // A lasting change is followed: the forward became five times dearer (beyond kOutlier).
+  for (int step = 0; step < 200; ++step) {
+    const int64_t positions = 2 * (1 + step % 2);
+    costs.observe_target(positions, 5 * (fixed + per_position * static_cast<double>(positions)));
+  }
+  EXPECT_NEAR(costs.fixed_seconds(), 5 * fixed, 0.05 * fixed);
+}
+
+// The drafter's catch-up, what the exploration rule prices: the positions its next first forward
+// computes beyond two a row, every member padded to the widest uncached input; rows that do not
+// draft with it cost nothing.
+TEST(EngineDraftLength, CatchUpPositionsAreTheMembersPaddedToTheWidestBacklog) {
+  const models::LlamaConfig config = test::small_llama_config();
+  models::LlamaModel<StaticKVCache> drafter(config, models::LlamaWeights::random(config, 5, at::kDouble));
+  specdec::detail::ModelBatchDrafts<models::LlamaModel<StaticKVCache>> drafts(drafter, 4);
+  drafts.select({});
+  const std::vector<int64_t> first{1, 2, 3, 4, 5}, second{6, 7, 8, 9, 10, 11, 12, 13}, other{1, 1, 1, 1, 1, 1, 1, 1, 1};
+  drafts.join(true, first);    // caches its prompt but the last token
+  drafts.join(true, second);
+  drafts.join(false, other);   // never drafts
+  std::vector<int64_t> grown = first;
+  grown.insert(grown.end(), {7, 7, 7});  // three target-only steps later
+  const std::vector<std::span<const int64_t>> sequences{grown, second, other};
+  EXPECT_EQ(drafts.catch_up_positions(sequences), 2 * (4 - 2));
+  // A member that joined empty is fed its whole sequence at its first draft.
+  drafts.join(true, {});
+  const std::vector<int64_t> fourth{3, 3, 3, 3, 3, 3, 3};
+  const std::vector<std::span<const int64_t>> with_empty{grown, second, other, fourth};
+  EXPECT_EQ(drafts.catch_up_positions(with_empty), 3 * (7 - 2));
+}
+
+// The lazily fed EAGLE head's catch-up: the states its members kept, every row of the head's
+// batch padded to the widest; a row that does not draft from it keeps nothing.
+TEST(EngineDraftLength, ALazyHeadsCatchUpIsTheStatesItsMembersKept) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 8);
+  const models::LlamaModel<StaticKVCache> target(config, weights);
+  const models::EagleHead head = test::random_eagle(config, weights, models::EagleKind::eagle3, 4, 6);
+  specdec::detail::EagleBatchDrafts drafts(head, target, 0, /*lazy=*/true);
+  const int64_t width = 3 * config.dim;  // three tapped layers
+  const std::vector<int64_t> prompt{1, 2, 3, 4, 5, 6, 7};
+  drafts.join(true, prompt, at::zeros({1, 6, width}));  // the prefill's states of 6 positions
+  drafts.join(false, prompt, {});
+  drafts.join(true, prompt, at::zeros({1, 2, width}));
+  EXPECT_EQ(drafts.catch_up_positions(), 3 * (6 - 2));
+}
+
 // A request's acceptance: its own decayed counts, starting from the engine's pooled estimate
 // scaled to a few steps' weight, so that its own drafts soon outweigh the start.
 TEST(EngineDraftLength, AcceptanceStartsFromThePoolAndFollowsTheRequest) {

@@ -825,6 +825,19 @@ class ModelBatchDrafts {
   [[nodiscard]] int64_t members() const noexcept {
     return static_cast<int64_t>(std::count_if(row_of_.begin(), row_of_.end(), [](int64_t row) { return row >= 0; }));
   }
+  // The positions its next draft's first forward computes for `sequences` beyond the two a row
+  // brings after a drafting step (what target-only steps emitted, a prompt fed at a first draft):
+  // every member is padded to the widest.
+  [[nodiscard]] int64_t catch_up_positions(const std::vector<std::span<const int64_t>>& sequences) const {
+    const auto cached = runner_.lengths();
+    int64_t members = 0, widest = 0;
+    for (size_t i = 0; i < row_of_.size(); ++i) {
+      if (row_of_[i] < 0) continue;
+      ++members;
+      widest = std::max(widest, static_cast<int64_t>(sequences[i].size()) - cached[static_cast<size_t>(row_of_[i])]);
+    }
+    return members * std::max<int64_t>(0, widest - 2);
+  }
 
   // A row joins the batch after the others (continuous batching): with `drafts`, it drafts from
   // the drafter, its `prompt` prefilled now by a drafter forward of its own where the drafter's

@@ -32,8 +32,9 @@
 // acceptance, the target forward's fixed cost and cost per position, the drafting's cost per
 // column and per drafter position, the rest of a step (detail/draft_cost.hpp has the model).
 // Each request's gamma caps it; k falls to 0 (the rows decode with the target alone, the drafter
-// does not run) when speculation does not pay, with one drafting column after 16 target-only
-// steps, then after twice as many each time that leaves k at 0 (at most 256), to keep measuring.
+// does not run) when speculation does not pay; drafters that fell behind meanwhile catch up
+// when drafting would pay again (a smaller batch), and one drafting column now and then, at
+// most a small share of the target-only time, keeps the estimates current.
 // A joining request's acceptance starts from the engine's pooled estimate for its draft method.
 // EngineOptions::adaptive_draft_length = false drafts every request's own gamma every step
 // instead.
@@ -345,6 +346,13 @@ class EngineDrafts {
     if constexpr (!std::is_void_v<D>) rows += model_->members();
     return rows;
   }
+  // The positions the drafter model and the EAGLE head would compute beyond a drafting step's
+  // usual to draft now for rows of `sequences`: their catch-up on what they have not seen.
+  [[nodiscard]] int64_t catch_up_positions(const std::vector<std::span<const int64_t>>& sequences) const {
+    int64_t positions = eagle_ ? eagle_->catch_up_positions() : 0;
+    if constexpr (!std::is_void_v<D>) positions += model_->catch_up_positions(sequences);
+    return positions;
+  }
 
   void select(std::span<const int64_t> rows) {
     methods_ = pick_rows(methods_, rows);
@@ -501,6 +509,7 @@ class Engine {
     observe(cost, cost.positions > decode_positions, drafts_.model_positions() - drafter_positions, seconds);
     last_draft_length_ = cost.columns;
     steps_without_drafts_ = cost.columns > 0 ? 0 : steps_without_drafts_ + 1;
+    seconds_without_drafts_ = cost.columns > 0 ? 0.0 : seconds_without_drafts_ + seconds;
     size_t kept = 0;
     const auto rows = core_.rows();
     bool left = false;
@@ -680,16 +689,18 @@ class Engine {
       alphas_.push_back(entry.acceptance.alpha());
       caps_.push_back(row.stepped ? entry.gamma : 0);
     }
-    const int64_t k = costs_.choose(alphas_, caps_, drafts_.model_rows());
-    if (k > 0) {
-      explore_every_ = detail::DraftCostModel::kExploreEvery;
-      return k;
-    }
-    // Target-only steps: a one-column step now and then, less often while each one confirms k = 0.
+    const int64_t model_rows = drafts_.model_rows();
+    const int64_t k = costs_.choose(alphas_, caps_, model_rows);
+    if (k > 0 || steps_without_drafts_ < detail::DraftCostModel::kExploreEvery) return k;
+    // Target-only steps: a one-column step keeps the estimates current, once what it costs
+    // beyond a target-only step (the drafters' catch-up on what they have not seen included) is
+    // a small share of the target-only time since the last draft (detail/draft_cost.hpp).
     const bool wanted = std::any_of(caps_.begin(), caps_.end(), [](int64_t cap) { return cap > 0; });
-    if (!wanted || steps_without_drafts_ < explore_every_) return 0;
-    explore_every_ = std::min(2 * explore_every_, detail::DraftCostModel::kExploreAtMost);
-    return 1;
+    if (!wanted) return 0;
+    sequences_.clear();
+    for (const detail::BatchRow& row : core_.rows()) sequences_.push_back(row.state->sequence());
+    const int64_t behind = drafts_.catch_up_positions(sequences_);
+    return costs_.explore(seconds_without_drafts_, static_cast<int64_t>(alphas_.size()), model_rows, behind) ? 1 : 0;
   }
 
   // What the step measured, for the cost model: the target's forward unless a prompt's prefill
@@ -725,9 +736,10 @@ class Engine {
   std::vector<detail::RowOutcome> outcomes_;
   detail::DraftCostModel costs_;
   int64_t last_draft_length_ = 0, steps_without_drafts_ = 0;
-  int64_t explore_every_ = detail::DraftCostModel::kExploreEvery;
+  double seconds_without_drafts_ = 0;  // the steps' time since the last one that drafted
   std::vector<double> alphas_;
   std::vector<int64_t> caps_;
+  std::vector<std::span<const int64_t>> sequences_;
   // Each draft method's acceptance over the engine's requests: where a joining request starts.
   std::array<detail::AcceptanceEstimate, 5> pooled_{
       detail::AcceptanceEstimate(detail::AcceptanceEstimate::kPooledDecay),

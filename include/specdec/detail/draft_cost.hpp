@@ -26,14 +26,25 @@
 //   draft after target-only steps feeds it those steps' tokens: p takes that cost, so it does not
 //   inflate f, the cost of one more column.
 // - O_0, O_1: decayed means of what the step took beyond the target's and the drafter's forwards.
+// - Stalls: the time a step measures only ever grows by what is not its work (the first call's
+//   one-time setup, the thread preempted by another process), and a fixed cost inflated by one
+//   stall makes drafting look cheap beside it for the tens of steps the decay takes. So the first
+//   observation of each kind is dropped, and later ones count at most kOutlier times what the
+//   fit predicted for them.
 // - alpha_r: the row's decayed count of accepted drafts over drafts tested (accepted plus the
 //   first rejected), with one of each as a prior. A request that joins starts from the engine's
 //   pooled estimate for its draft method (worth a few steps of its own), not from 1/2: requests
 //   are often shorter than the steps an estimate needs to settle.
-// While k stays 0 the engine drafts one column after kExploreEvery target-only steps to keep
-// alpha, D and B current, and waits twice as long after each such step that leaves k at 0 (up to
-// kExploreAtMost steps): an exploration step pays for the drafter to catch up on every row. The rule only chooses how many tokens are drafted: what is emitted stays exactly the
-// target's.
+// While k stays 0 the drafter and the EAGLE head fall behind: a row's next draft first feeds them
+// what was emitted since (or the whole prompt of a row that joined meanwhile), every row padded
+// to the widest, c positions beyond the usual. Where the batch changes so that drafting pays
+// again (it got smaller, say), the next step drafts, catch-up included. Otherwise, after at least
+// kExploreEvery target-only steps, one column is drafted to keep alpha, D and B current, once its
+// predicted cost beyond a target-only step (one column, and p c for the catch-up) is at most
+// kExploreShare of the time the target-only steps took since the last draft: exploring costs at
+// most about that share of a run, and a batch whose drafters fall further behind explores less
+// often.
+// The rule only chooses how many tokens are drafted: what is emitted stays exactly the target's.
 #pragma once
 
 #include <algorithm>
@@ -82,12 +93,19 @@ inline double expected_tokens(double alpha, int64_t k) {
 class DraftCostModel {
  public:
   static constexpr double kDecay = 0.95;        // per observed step
-  static constexpr int64_t kExploreEvery = 16;   // target-only steps before a one-column step
-  static constexpr int64_t kExploreAtMost = 256;  // ... doubled while they confirm k = 0, up to this
+  static constexpr double kOutlier = 3.0;            // most an observation counts, times the fit's
+  static constexpr int64_t kExploreEvery = 16;      // fewest target-only steps before a draft
+  static constexpr double kExploreShare = 1.0 / 32;  // most of the target-only time an exploring
+                                                     // column may cost (see the top of this file)
 
   // A step in which no row was prefilled: the target computed `positions` in `seconds`.
   void observe_target(int64_t positions, double seconds) noexcept {
+    if (!std::exchange(seen_[0], true)) return;
     const auto x = static_cast<double>(positions);
+    if (s0_ > 0) {
+      const auto [a, b] = target_fit();
+      seconds = bounded(seconds, a + b * x);
+    }
     s0_ = kDecay * s0_ + 1.0;
     s1_ = kDecay * s1_ + x;
     s2_ = kDecay * s2_ + x * x;
@@ -97,9 +115,13 @@ class DraftCostModel {
   // A step that drafted `columns` (> 0) with the drafter computing `positions` (0 for host
   // drafting), in `seconds`.
   void observe_drafting(int64_t columns, int64_t positions, double seconds) noexcept {
-    if (columns <= 0) return;
+    if (columns <= 0 || !std::exchange(seen_[1], true)) return;
     const auto c = static_cast<double>(columns);
     const auto p = static_cast<double>(positions);
+    if (cc_ > 0) {
+      const auto [f, per_position] = drafting_fit();
+      seconds = bounded(seconds, f * c + per_position * p);
+    }
     cc_ = kDecay * cc_ + c * c;
     cp_ = kDecay * cp_ + c * p;
     pp_ = kDecay * pp_ + p * p;
@@ -108,7 +130,9 @@ class DraftCostModel {
   }
   // What a step (of drafts, or without) took beyond the target's and the drafter's forwards.
   void observe_overhead(bool drafted, double seconds) noexcept {
+    if (!std::exchange(seen_[drafted ? 3 : 2], true)) return;
     auto& [weight, sum] = overhead_[drafted ? 1 : 0];
+    if (weight > 0) seconds = bounded(seconds, sum / weight);
     weight = kDecay * weight + 1.0;
     sum = kDecay * sum + seconds;
   }
@@ -128,16 +152,23 @@ class DraftCostModel {
   }
 
   // The predicted seconds of a step of `rows` rows, `model_rows` of them drafting with the
-  // drafter model, drafting k.
-  [[nodiscard]] double step_seconds(int64_t rows, int64_t model_rows, int64_t k) const noexcept {
+  // drafter model, drafting k, the drafters catching up on `catch_up` positions if k > 0.
+  [[nodiscard]] double step_seconds(int64_t rows, int64_t model_rows, int64_t k, int64_t catch_up = 0) const noexcept {
     const auto [a, b] = target_fit();
     const auto kk = static_cast<double>(k);
     double seconds = a + b * static_cast<double>(rows) * (kk + 1.0) + overhead_seconds(k > 0);
     if (k > 0) {
       const auto [f, p] = drafting_fit();
-      seconds += f * kk + p * static_cast<double>(model_rows) * (kk + 1.0);
+      seconds += f * kk + p * (static_cast<double>(model_rows) * (kk + 1.0) + static_cast<double>(catch_up));
     }
     return seconds;
+  }
+
+  // Whether to draft one column now to measure, after target-only steps that took
+  // `idle_seconds` since the last draft (see the top of this file).
+  [[nodiscard]] bool explore(double idle_seconds, int64_t rows, int64_t model_rows, int64_t catch_up) const noexcept {
+    const double extra = step_seconds(rows, model_rows, 1, catch_up) - step_seconds(rows, model_rows, 0);
+    return extra <= kExploreShare * idle_seconds;
   }
 
   // The k in [0, max caps] with the most expected tokens per second for rows of acceptances
@@ -190,6 +221,12 @@ class DraftCostModel {
     return {cs_ / cc_, 0.0};
   }
 
+  // At most kOutlier times the prediction, where there is one.
+  [[nodiscard]] static double bounded(double seconds, double predicted) noexcept {
+    return predicted > 0 ? std::min(seconds, kOutlier * predicted) : seconds;
+  }
+
+  bool seen_[4]{};  // an observation of each kind so far: target, drafting, overhead O_0, O_1
   double s0_ = 0, s1_ = 0, s2_ = 0, t0_ = 0, t1_ = 0;  // target: positions and seconds
   double cc_ = 0, cp_ = 0, pp_ = 0, cs_ = 0, ps_ = 0;  // drafting: columns, positions, seconds
   std::pair<double, double> overhead_[2]{};            // O_0, O_1: decayed weight and sum

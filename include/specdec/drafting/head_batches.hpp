@@ -163,6 +163,15 @@ class EagleBatchDrafts {
   [[nodiscard]] int64_t members() const noexcept {
     return static_cast<int64_t>(std::count(members_.begin(), members_.end(), uint8_t{1}));
   }
+  // The positions the head's next draft computes to take in the states its members kept (lazy),
+  // beyond the two a row brings after a drafting step: every row is padded to the widest.
+  [[nodiscard]] int64_t catch_up_positions() const noexcept {
+    int64_t widest = 0;
+    for (size_t row = 0; row < pending_.size(); ++row) {
+      if (members_[row] != 0) widest = std::max(widest, pending_[row].count);
+    }
+    return static_cast<int64_t>(pending_.size()) * std::max<int64_t>(0, widest - 2);
+  }
 
   template <LogitsProcessor P>
   BatchDrafts draft(const std::vector<std::span<const int64_t>>& sequences,
