@@ -1095,6 +1095,80 @@ TEST(Eagle, BatchedForwardEqualsEachRowAlone) {
   }
 }
 
+// Rows join a batched head cache into free rows of its buffers and leave by moving the rows
+// after them up in place: the buffers are not reallocated, the entries every row keeps are its
+// own, and a reused row's stale entries never reach a forward (each row's outputs equal its head
+// fed alone, through the ATen pass and the CPU loops).
+TEST(Eagle, BatchRowsJoinAndLeaveInPlace) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const models::LlamaWeights weights = models::LlamaWeights::random(config, 23);
+  for (const auto& [kind, fused] : {std::pair{models::EagleKind::eagle3, false}, std::pair{models::EagleKind::eagle1, false},
+                                     std::pair{models::EagleKind::eagle3, true}, std::pair{models::EagleKind::eagle1, true}}) {
+    SCOPED_TRACE(std::string(models::to_string(kind)) + (fused ? " fused" : " aten"));
+    models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 30 : 48, 7);
+    head.use_cpu_kernels(fused);
+    const int64_t width = head.config().kind == models::EagleKind::eagle3 ? head.config().fc_inputs() : config.dim;
+    at::manual_seed(5);
+    std::vector<models::EagleCache> alone(3);
+    models::EagleBatchCache batch(3);
+    // One forward of counts[r] new tokens per row, each row checked against its head alone.
+    const auto round = [&](const std::vector<int64_t>& counts) {
+      const auto b = static_cast<int64_t>(counts.size());
+      const int64_t t = *std::max_element(counts.begin(), counts.end());
+      const at::Tensor ids = at::randint(0, config.vocab_size, {b, t}, at::kLong);
+      const at::Tensor hidden = head.fuse(at::randn({b, t, width}));
+      const at::Tensor outputs = head.forward_rows(ids, hidden, batch, counts);
+      for (int64_t r = 0; r < b; ++r) {
+        const int64_t n = counts[static_cast<size_t>(r)];
+        if (n == 0) continue;
+        models::EagleCache& own = alone[static_cast<size_t>(r)];
+        const at::Tensor expected = head.forward(ids[r].narrow(0, 0, n), hidden[r].narrow(0, 0, n), own);
+        EXPECT_TRUE(at::allclose(outputs[r].narrow(0, 0, n), expected, 1e-4, 1e-5)) << "row " << r;
+        ASSERT_EQ(batch.end(r), own.end()) << r;
+        EXPECT_TRUE(at::allclose(batch.keys(r), own.keys(), 1e-5, 1e-6)) << r;
+        EXPECT_TRUE(at::allclose(batch.values(r), own.values(), 1e-5, 1e-6)) << r;
+      }
+    };
+    round({6, 3, 9});
+    round({2, 4, 1});
+    // A row fed on its own joins.
+    models::EagleBatchCache single(1);
+    alone.emplace_back();
+    {
+      const at::Tensor ids = at::randint(0, config.vocab_size, {1, 5}, at::kLong);
+      const at::Tensor hidden = head.fuse(at::randn({1, 5, width}));
+      static_cast<void>(head.forward_rows(ids, hidden, single, std::vector<int64_t>{5}));
+      static_cast<void>(head.forward(ids[0], hidden[0], alone.back()));
+    }
+    batch.append_rows_from(single);
+    ASSERT_EQ(batch.rows(), 4);
+    EXPECT_TRUE(at::allclose(batch.keys(3), alone[3].keys(), 1e-5, 1e-6));
+    round({1, 2, 1, 3});
+    // Row 0 leaves: the rows after it move up within the same buffers.
+    const void* buffer = batch.key_buffer().data_ptr();
+    const int64_t capacity = batch.row_capacity();
+    batch.select(std::vector<int64_t>{1, 2, 3});
+    alone.erase(alone.begin());
+    EXPECT_EQ(batch.key_buffer().data_ptr(), buffer);
+    EXPECT_EQ(batch.row_capacity(), capacity);
+    ASSERT_EQ(batch.rows(), 3);
+    for (int64_t r = 0; r < 3; ++r) EXPECT_TRUE(at::allclose(batch.keys(r), alone[static_cast<size_t>(r)].keys(), 1e-5, 1e-6)) << r;
+    // An empty row joins into the free row, whose stale entries (row 3's before the move) must
+    // not reach its forward.
+    batch.append_rows_from(models::EagleBatchCache(1));
+    alone.emplace_back();
+    EXPECT_EQ(batch.key_buffer().data_ptr(), buffer);
+    EXPECT_EQ(batch.length(3), 0);
+    round({2, 1, 3, 4});
+    round({1, 1, 1, 2});
+    // Another order gathers the rows.
+    batch.select(std::vector<int64_t>{3, 1});
+    alone = {std::move(alone[3]), std::move(alone[1])};
+    round({2, 3});
+    test::expect_invalid([&] { batch.select(std::vector<int64_t>{0, 2}); }, {"row = 2", "[0, 2)"});
+  }
+}
+
 // A head that does not fit its target, or whose weights do not fit its config, is refused with
 // the field and value named, before any generation.
 TEST(Eagle, HeadsThatDoNotFitAreRefused) {

@@ -228,7 +228,11 @@ class EagleCache {
 // capacity, head_dim] that grow by doubling, rows cut back by moving their length alone. A
 // batched forward (EagleHead::forward_rows) writes each row's new entries after its own length,
 // so rows of different lengths need no padding in the cache; slots past a row's length are stale
-// and never read.
+// and never read unmasked (they always hold finite numbers).
+// The buffers keep room for more rows than rows() (they double too), so that rows joining and
+// leaving between steps (continuous batching) move only what they must: a joining row is copied
+// into a free row of the buffers, and select() keeping rows in their order moves each kept row's
+// entries up in place; nothing else is reallocated or copied.
 class EagleBatchCache {
  public:
   // `rows` empty rows, each starting at position 0.
@@ -260,7 +264,8 @@ class EagleBatchCache {
     }
     lengths_[static_cast<size_t>(row)] = position - starts_[static_cast<size_t>(row)];
   }
-  // Keeps the rows `rows` (indices in [0, rows()), in their new order).
+  // Keeps the rows `rows` (indices in [0, rows()), in their new order). Rows kept in increasing
+  // order move up in place (only their entries); any other order gathers them.
   void select(std::span<const int64_t> rows) {
     std::vector<int64_t> starts, lengths;
     for (const int64_t r : rows) {
@@ -268,22 +273,45 @@ class EagleBatchCache {
       lengths.push_back(length(r));
     }
     if (keys_.defined()) {
-      const at::Tensor index =
-          detail::to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, keys_.device());
-      keys_ = keys_.index_select(0, index);
-      values_ = values_.index_select(0, index);
+      bool increasing = true;
+      for (size_t i = 1; i < rows.size(); ++i) increasing = increasing && rows[i] > rows[i - 1];
+      if (increasing) {
+        // Row i's source rows[i] >= i, and every later source is beyond it: moving rows in order
+        // never overwrites a row still to be moved.
+        for (size_t i = 0; i < rows.size(); ++i) {
+          const int64_t from = rows[i], n = lengths[i];
+          if (from == static_cast<int64_t>(i) || n == 0) continue;
+          for (at::Tensor* buffer : {&keys_, &values_}) {
+            buffer->select(0, static_cast<int64_t>(i)).narrow(1, 0, n).copy_(buffer->select(0, from).narrow(1, 0, n));
+          }
+        }
+      } else {
+        const at::Tensor index =
+            detail::to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, keys_.device());
+        const int64_t span = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+        if (span > 0) {
+          for (at::Tensor* buffer : {&keys_, &values_}) {
+            at::Tensor gathered = buffer->narrow(2, 0, span).index_select(0, index);
+            if (buffer->size(0) < gathered.size(0)) *buffer = grown_rows(*buffer, gathered.size(0));
+            buffer->narrow(0, 0, gathered.size(0)).narrow(2, 0, span).copy_(gathered);
+          }
+        }
+      }
     }
     starts_ = std::move(starts);
     lengths_ = std::move(lengths);
+    refresh();
   }
 
   // The rows of `other` follow this cache's, each with its positions and entries (a row whose
-  // head was fed on its own joins a batch). The entries are copied once; buffers of different
-  // heads (kv_heads, head_dim, dtype, device) are refused.
+  // head was fed on its own joins a batch). Only their entries are copied, into free rows of the
+  // buffers (which double when none is free); buffers of different heads (kv_heads, head_dim,
+  // dtype, device) are refused.
   void append_rows_from(const EagleBatchCache& other) {
     const int64_t n = other.rows();
     if (n == 0) return;
-    if (other.keys_.defined() && other.longest() > 0) {
+    const int64_t held = other.keys_.defined() ? other.longest() : 0;
+    if (held > 0) {
       const at::Tensor& from = other.keys_;
       if (keys_.defined() && (keys_.size(1) != from.size(1) || keys_.size(3) != from.size(3) ||
                               keys_.scalar_type() != from.scalar_type() || keys_.device() != from.device())) {
@@ -291,51 +319,52 @@ class EagleBatchCache {
                                       from.scalar_type(), " do not fit this cache's ", keys_.sizes(), " ",
                                       keys_.scalar_type());
       }
-      const int64_t capacity = std::max(keys_.defined() ? keys_.size(2) : 0, from.size(2));
-      const auto grown = [&](const at::Tensor& mine, const at::Tensor& theirs) {
-        at::Tensor t = at::zeros({rows() + n, theirs.size(1), capacity, theirs.size(3)}, theirs.options());
-        if (mine.defined() && rows() > 0) t.narrow(0, 0, rows()).narrow(2, 0, mine.size(2)).copy_(mine);
-        t.narrow(0, rows(), n).narrow(2, 0, other.longest()).copy_(theirs.narrow(2, 0, other.longest()));
-        return t;
-      };
-      keys_ = grown(keys_, other.keys_);
-      values_ = grown(values_, other.values_);
-    } else if (keys_.defined()) {
-      const auto grown = [&](const at::Tensor& mine) {
-        return at::cat({mine, at::zeros({n, mine.size(1), mine.size(2), mine.size(3)}, mine.options())});
-      };
-      keys_ = grown(keys_);
-      values_ = grown(values_);
+      if (!keys_.defined()) {
+        keys_ = at::zeros({0, from.size(1), from.size(2), from.size(3)}, from.options());
+        values_ = at::zeros_like(keys_);
+      }
+      if (keys_.size(2) < held) grow(keys_.size(0), held);
+    }
+    if (keys_.defined()) {
+      if (keys_.size(0) < rows() + n) grow(std::max(rows() + n, 2 * keys_.size(0)), keys_.size(2));
+      if (held > 0) {
+        keys_.narrow(0, rows(), n).narrow(2, 0, held).copy_(other.keys_.narrow(2, 0, held));
+        values_.narrow(0, rows(), n).narrow(2, 0, held).copy_(other.values_.narrow(2, 0, held));
+      }
     }
     starts_.insert(starts_.end(), other.starts_.begin(), other.starts_.end());
     lengths_.insert(lengths_.end(), other.lengths_.begin(), other.lengths_.end());
+    refresh();
   }
 
-  // The whole buffers [rows, kv_heads, capacity, head_dim] (for EagleHead::forward_rows).
-  [[nodiscard]] const at::Tensor& key_buffer() const noexcept { return keys_; }
-  [[nodiscard]] const at::Tensor& value_buffer() const noexcept { return values_; }
+  // The buffers' rows [0, rows()): [rows, kv_heads, capacity, head_dim] (for
+  // EagleHead::forward_rows; contiguous views of the whole buffers, undefined before any entry).
+  [[nodiscard]] const at::Tensor& key_buffer() const noexcept { return key_rows_; }
+  [[nodiscard]] const at::Tensor& value_buffer() const noexcept { return value_rows_; }
+  // The rows the buffers have room for (rows() and the free ones).
+  [[nodiscard]] int64_t row_capacity() const noexcept { return keys_.defined() ? keys_.size(0) : 0; }
 
   // Room for `count` more slots after the longest row, of this shape and type (the buffers double
   // when full; rows keep their entries).
   void reserve(int64_t count, int64_t kv_heads, int64_t head_dim,
                const at::TensorOptions& options) {
     const int64_t need = longest() + count;
-    if (keys_.defined() && keys_.size(2) >= need && keys_.size(1) == kv_heads &&
-        keys_.size(3) == head_dim && keys_.scalar_type() == options.dtype().toScalarType() &&
-        keys_.device() == options.device()) {
+    const bool fits = keys_.defined() && keys_.size(1) == kv_heads && keys_.size(3) == head_dim &&
+                      keys_.scalar_type() == options.dtype().toScalarType() && keys_.device() == options.device();
+    if (fits && keys_.size(2) >= need) return;
+    const int64_t capacity = std::max<int64_t>(64, 2 * need);
+    if (fits) {
+      grow(keys_.size(0), capacity);
       return;
     }
-    // Zeros: a batched forward reads slots past a short row's length (masked, but a product with a
-    // masked probability of 0 is still NaN where the slot is).
-    const int64_t capacity = std::max<int64_t>(64, 2 * need);
-    at::Tensor k = at::zeros({rows(), kv_heads, capacity, head_dim}, options);
-    at::Tensor v = at::zeros({rows(), kv_heads, capacity, head_dim}, options);
-    if (keys_.defined() && longest() > 0) {
-      k.narrow(2, 0, longest()).copy_(keys_.narrow(2, 0, longest()));
-      v.narrow(2, 0, longest()).copy_(values_.narrow(2, 0, longest()));
+    // The first entries, or entries of another type: new buffers, the rows' entries converted.
+    const int64_t held = longest(), slots = std::max(rows(), row_capacity());
+    for (at::Tensor* buffer : {&keys_, &values_}) {
+      at::Tensor t = at::zeros({slots, kv_heads, capacity, head_dim}, options);
+      if (held > 0) t.narrow(0, 0, rows()).narrow(2, 0, held).copy_(buffer->narrow(0, 0, rows()).narrow(2, 0, held));
+      *buffer = std::move(t);
     }
-    keys_ = k;
-    values_ = v;
+    refresh();
   }
   // Adds counts[r] entries to row r (written by the forward after its old length).
   void advance(std::span<const int64_t> counts) {
@@ -383,7 +412,34 @@ class EagleBatchCache {
     return n == 0 ? at::Tensor() : buffer.select(0, row).narrow(1, 0, n);
   }
 
-  at::Tensor keys_{}, values_{};
+  // `buffer` with room for `rows` rows: its rows, then zeros (finite, as every slot must be).
+  static at::Tensor grown_rows(const at::Tensor& buffer, int64_t rows) {
+    at::Tensor t = at::zeros({rows, buffer.size(1), buffer.size(2), buffer.size(3)}, buffer.options());
+    t.narrow(0, 0, buffer.size(0)).copy_(buffer);
+    return t;
+  }
+  // Buffers of `rows` rows and `capacity` slots (zeros), the rows' entries copied over.
+  void grow(int64_t rows, int64_t capacity) {
+    const int64_t held = longest();
+    for (at::Tensor* buffer : {&keys_, &values_}) {
+      at::Tensor t = at::zeros({rows, buffer->size(1), capacity, buffer->size(3)}, buffer->options());
+      if (held > 0) t.narrow(0, 0, this->rows()).narrow(2, 0, held).copy_(buffer->narrow(0, 0, this->rows()).narrow(2, 0, held));
+      *buffer = std::move(t);
+    }
+    refresh();
+  }
+  // key_buffer() and value_buffer(): the rows in use.
+  void refresh() {
+    if (!keys_.defined()) return;
+    if (keys_.size(0) < rows()) {  // rows joined before any entry
+      for (at::Tensor* buffer : {&keys_, &values_}) *buffer = grown_rows(*buffer, std::max(rows(), 2 * buffer->size(0)));
+    }
+    key_rows_ = keys_.narrow(0, 0, rows());
+    value_rows_ = values_.narrow(0, 0, rows());
+  }
+
+  at::Tensor keys_{}, values_{};  // [row_capacity(), kv_heads, capacity, head_dim]
+  at::Tensor key_rows_{}, value_rows_{};
   std::vector<int64_t> starts_, lengths_;
 };
 
