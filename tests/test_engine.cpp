@@ -479,6 +479,7 @@ TEST(EngineDraftLength, CatchUpPositionsDoNotInflateTheCostOfAColumn) {
 // While k stays 0, a one-column step is drafted once what it is predicted to cost beyond a
 // target-only step, the drafters' catch-up included, is at most kExploreShare of the target-only
 // time since the last draft: a catch-up of c positions waits in proportion to one column plus c.
+// Explorations after which drafting still does not pay halve the share.
 TEST(EngineDraftLength, ExploringCostsAtMostItsShareOfTheTargetOnlyTime) {
   specdec::detail::DraftCostModel costs;
   const double fixed = 1e-3, per_position = 1e-5, per_column = 2e-4, per_drafter_position = 1e-5;
@@ -493,6 +494,7 @@ TEST(EngineDraftLength, ExploringCostsAtMostItsShareOfTheTargetOnlyTime) {
     costs.observe_overhead(step % 2 == 0, 1e-4);
   }
   const double share = specdec::detail::DraftCostModel::kExploreShare;
+  EXPECT_DOUBLE_EQ(costs.explore_share(), share);
   // Beyond a target-only step of 4 rows, all drafting with the drafter: 4 more target positions,
   // one column, 8 drafter positions, then the catch-up.
   const auto extra = [&](int64_t catch_up) {
@@ -501,11 +503,28 @@ TEST(EngineDraftLength, ExploringCostsAtMostItsShareOfTheTargetOnlyTime) {
   for (const int64_t catch_up : {int64_t{0}, int64_t{100}, int64_t{1000}}) {
     SCOPED_TRACE(catch_up);
     const double needed = extra(catch_up) / share;
-    EXPECT_FALSE(costs.explore(0.98 * needed, 4, 4, catch_up));
-    EXPECT_TRUE(costs.explore(1.02 * needed, 4, 4, catch_up));
+    specdec::detail::DraftCostModel probe = costs;
+    EXPECT_FALSE(probe.explore(0.98 * needed, 4, 4, catch_up));
+    EXPECT_TRUE(probe.explore(1.02 * needed, 4, 4, catch_up));
   }
   // Host drafting (no drafter rows): the catch-up costs nothing.
-  EXPECT_TRUE(costs.explore(1.02 * (4 * per_position + per_column) / share, 4, 0, 0));
+  specdec::detail::DraftCostModel host = costs;
+  EXPECT_TRUE(host.explore(1.02 * (4 * per_position + per_column) / share, 4, 0, 0));
+  // Each exploration halves the next one's share, down to kExploreShare / 2^kExploreBackoff, until
+  // a step drafts by choice.
+  const int64_t backoff = specdec::detail::DraftCostModel::kExploreBackoff;
+  for (int64_t futile = 0; futile <= backoff + 2; ++futile) {
+    SCOPED_TRACE(futile);
+    const double halved = share / static_cast<double>(int64_t{1} << std::min(futile, backoff));
+    EXPECT_DOUBLE_EQ(costs.explore_share(), halved);
+    const double needed = extra(100) / halved;
+    EXPECT_FALSE(costs.explore(0.98 * needed, 4, 4, 100));
+    costs.chose(0);  // target-only steps change nothing
+    EXPECT_TRUE(costs.explore(1.02 * needed, 4, 4, 100));
+  }
+  costs.chose(2);
+  EXPECT_DOUBLE_EQ(costs.explore_share(), share);
+  EXPECT_TRUE(costs.explore(1.02 * extra(100) / share, 4, 4, 100));
 }
 
 // Stalls only ever add time: the first call's setup and a preempted step. The first observation

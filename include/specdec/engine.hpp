@@ -34,7 +34,8 @@
 // Each request's gamma caps it; k falls to 0 (the rows decode with the target alone, the drafter
 // does not run) when speculation does not pay; drafters that fell behind meanwhile catch up
 // when drafting would pay again (a smaller batch), and one drafting column now and then, at
-// most a small share of the target-only time, keeps the estimates current.
+// most a small share of the target-only time (smaller while explorations find that drafting
+// still does not pay), keeps the estimates current.
 // A joining request's acceptance starts from the engine's pooled estimate for its draft method.
 // EngineOptions::adaptive_draft_length = false drafts every request's own gamma every step
 // instead.
@@ -148,6 +149,8 @@ struct EngineCosts {
   double seconds_per_drafter_position = 0;
   double overhead_seconds[2]{};
   int64_t draft_length = 0;  // the last step's k
+  double explore_share = 0;  // the most the next exploring column may cost, as a share of the
+                             // target-only time before it (halved by each futile exploration)
 };
 
 // Where a request stands.
@@ -585,7 +588,8 @@ class Engine {
             .seconds_per_column = costs_.seconds_per_column(),
             .seconds_per_drafter_position = costs_.seconds_per_drafter_position(),
             .overhead_seconds = {costs_.overhead_seconds(false), costs_.overhead_seconds(true)},
-            .draft_length = last_draft_length_};
+            .draft_length = last_draft_length_,
+            .explore_share = costs_.explore_share()};
   }
 
  private:
@@ -691,6 +695,7 @@ class Engine {
     }
     const int64_t model_rows = drafts_.model_rows();
     const int64_t k = costs_.choose(alphas_, caps_, model_rows);
+    costs_.chose(k);
     if (k > 0 || steps_without_drafts_ < detail::DraftCostModel::kExploreEvery) return k;
     // Target-only steps: a one-column step keeps the estimates current, once what it costs
     // beyond a target-only step (the drafters' catch-up on what they have not seen included) is

@@ -43,7 +43,11 @@
 // predicted cost beyond a target-only step (one column, and p c for the catch-up) is at most
 // kExploreShare of the time the target-only steps took since the last draft: exploring costs at
 // most about that share of a run, and a batch whose drafters fall further behind explores less
-// often.
+// often. Each exploration after which drafting still does not pay halves that share, down to
+// kExploreShare / 2^kExploreBackoff; the first step that drafts by choice (not to explore) brings
+// it back. A batch where speculation does not pay (on the bundled pair on a CPU, anything beyond
+// one or two rows) thus pays about 2^-kExploreBackoff of the first share once it has settled, and
+// a batch that changes so that drafting pays drafts at once, by the estimates it already has.
 // The rule only chooses how many tokens are drafted: what is emitted stays exactly the target's.
 #pragma once
 
@@ -97,6 +101,7 @@ class DraftCostModel {
   static constexpr int64_t kExploreEvery = 16;      // fewest target-only steps before a draft
   static constexpr double kExploreShare = 1.0 / 32;  // most of the target-only time an exploring
                                                      // column may cost (see the top of this file)
+  static constexpr int64_t kExploreBackoff = 3;      // most halvings of that share
 
   // A step in which no row was prefilled: the target computed `positions` in `seconds`.
   void observe_target(int64_t positions, double seconds) noexcept {
@@ -165,11 +170,20 @@ class DraftCostModel {
   }
 
   // Whether to draft one column now to measure, after target-only steps that took
-  // `idle_seconds` since the last draft (see the top of this file).
-  [[nodiscard]] bool explore(double idle_seconds, int64_t rows, int64_t model_rows, int64_t catch_up) const noexcept {
+  // `idle_seconds` since the last draft (see the top of this file). An exploration it allows
+  // counts as futile, halving the next one's share, until chose() is told of a step that drafts.
+  [[nodiscard]] bool explore(double idle_seconds, int64_t rows, int64_t model_rows, int64_t catch_up) noexcept {
     const double extra = step_seconds(rows, model_rows, 1, catch_up) - step_seconds(rows, model_rows, 0);
-    return extra <= kExploreShare * idle_seconds;
+    if (extra > explore_share() * idle_seconds) return false;
+    futile_ = std::min(futile_ + 1, kExploreBackoff);
+    return true;
   }
+  // The step takes choose()'s k: one that drafts (drafting pays) restores the first share.
+  void chose(int64_t k) noexcept {
+    if (k > 0) futile_ = 0;
+  }
+  // The most an exploration may cost now, as a share of the target-only time before it.
+  [[nodiscard]] double explore_share() const noexcept { return std::ldexp(kExploreShare, -static_cast<int>(futile_)); }
 
   // The k in [0, max caps] with the most expected tokens per second for rows of acceptances
   // `alphas` and caps `caps` (0: the row drafts nothing), `model_rows` of them drafting with the
@@ -227,6 +241,7 @@ class DraftCostModel {
   }
 
   bool seen_[4]{};  // an observation of each kind so far: target, drafting, overhead O_0, O_1
+  int64_t futile_ = 0;  // explorations since a step drafted by choice (at most kExploreBackoff)
   double s0_ = 0, s1_ = 0, s2_ = 0, t0_ = 0, t1_ = 0;  // target: positions and seconds
   double cc_ = 0, cp_ = 0, pp_ = 0, cs_ = 0, ps_ = 0;  // drafting: columns, positions, seconds
   std::pair<double, double> overhead_[2]{};            // O_0, O_1: decayed weight and sum
