@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <limits>
 #include <span>
 #include <type_traits>
@@ -145,7 +146,7 @@ class EagleBatchDrafts {
       throw_invalid_message("EagleBatchDrafts::join: features must be [1, n, F] with n < ", sequence.size(), ", got ",
                             features.sizes());
     }
-    pending_.back() = Pending{.from = 0, .count = n, .chunks = {features[0].clone()}};
+    pending_.back() = Pending{.from = 0, .count = n, .chunks = {Chunk{.block = keep_block(features.clone()), .row = 0, .count = n}}};
     if (!lazy_) {
       std::vector<std::span<const int64_t>> sequences(pending_.size());
       sequences.back() = sequence;
@@ -226,6 +227,13 @@ class EagleBatchDrafts {
   // verified: fed to the head now in one forward, or kept for the row's next draft (lazy).
   void after(const BatchStep& step) {
     const auto b = static_cast<int64_t>(step.sequences.size());
+    // The step's states are kept once for all rows (a copy: a target may reuse its buffers).
+    int64_t block = -1, widest = 0;
+    for (int64_t i = 0; i < b; ++i) {
+      const auto row = static_cast<size_t>(i);
+      if (members_[row] != 0) widest = std::max(widest, verified_count(step, row));
+    }
+    if (widest > 0) block = keep_block(step.features.narrow(1, 0, widest).clone());
     for (int64_t i = 0; i < b; ++i) {
       const auto row = static_cast<size_t>(i);
       const int64_t from = step.features_from[row];
@@ -248,10 +256,11 @@ class EagleBatchDrafts {
         }
         pending.from = from;
       }
-      pending.chunks.push_back(step.features[i].narrow(0, 0, n).clone());
+      pending.chunks.push_back(Chunk{.block = block, .row = i, .count = n});
       pending.count += n;
     }
     if (!lazy_) catch_up(step.sequences, [](size_t) { return true; });
+    release_blocks();
   }
 
   void select(std::span<const int64_t> rows) {
@@ -262,15 +271,40 @@ class EagleBatchDrafts {
     for (const int64_t r : rows) pending.push_back(std::move(pending_[static_cast<size_t>(r)]));
     pending_ = std::move(pending);
     last_ = pick_tensor_rows(last_, rows);
+    release_blocks();
   }
 
  private:
+  // States kept for the heads: the first `count` positions of row `row` of block `block`.
+  struct Chunk {
+    int64_t block = 0;
+    int64_t row = 0;
+    int64_t count = 0;
+  };
   // The target's states kept for a row's head: positions [from, from + count), in chunks.
   struct Pending {
     int64_t from = 0;
     int64_t count = 0;
-    std::vector<at::Tensor> chunks{};  // [n, taps * hidden] each
+    std::vector<Chunk> chunks{};
   };
+
+  // Keeps `states` [rows, n, taps * hidden] (a step's, or a joining prompt's) as a block; returns
+  // its number.
+  int64_t keep_block(at::Tensor states) {
+    blocks_.push_back(std::move(states));
+    return first_block_ + static_cast<int64_t>(blocks_.size()) - 1;
+  }
+  // Drops the blocks before the first one a row still reads.
+  void release_blocks() {
+    int64_t first = first_block_ + static_cast<int64_t>(blocks_.size());
+    for (const Pending& pending : pending_) {
+      if (!pending.chunks.empty()) first = std::min(first, pending.chunks.front().block);
+    }
+    while (first_block_ < first) {
+      blocks_.pop_front();
+      ++first_block_;
+    }
+  }
 
   // Feeds the head of every row where want(row) holds what it kept, in one forward (position p
   // reads the token at p + 1 of the row's sequence); those rows are then ready to draft.
@@ -287,28 +321,39 @@ class EagleBatchDrafts {
     }
     if (width == 0) return;
     ids_.assign(static_cast<size_t>(b * width), 0);
-    std::vector<at::Tensor> features;
-    at::Tensor like;
-    for (size_t row = 0; row < pending_.size(); ++row) {
-      if (counts[row] > 0) like = pending_[row].chunks.front();
+    // Every kept block flattened into one [positions + 1, F] table (its last row zeros, the
+    // padding), and each fed row's positions gathered from it in one index_select.
+    std::vector<at::Tensor> parts;
+    std::vector<int64_t> offsets;  // each block's first row in the table
+    int64_t rows_so_far = 0;
+    for (const at::Tensor& states : blocks_) {
+      offsets.push_back(rows_so_far);
+      parts.push_back(states.reshape({-1, states.size(2)}));
+      rows_so_far += parts.back().size(0);
     }
+    parts.push_back(at::zeros({1, blocks_.front().size(2)}, blocks_.front().options()));
+    gather_.assign(static_cast<size_t>(b * width), rows_so_far);
     std::vector<uint8_t> fed(static_cast<size_t>(b), 0);
     for (size_t row = 0; row < pending_.size(); ++row) {
-      const int64_t n = counts[row];
-      at::Tensor padded = at::zeros({width, like.size(1)}, like.options());
-      if (n > 0) {
-        const Pending& pending = pending_[row];
-        padded.narrow(0, 0, n).copy_(at::cat(pending.chunks));
-        for (int64_t t = 0; t < n; ++t) {
-          ids_[row * static_cast<size_t>(width) + static_cast<size_t>(t)] =
-              sequences[row][static_cast<size_t>(pending.from + 1 + t)];
-        }
-        fed[row] = 1;
+      if (counts[row] == 0) continue;
+      const Pending& pending = pending_[row];
+      int64_t t = 0;
+      for (const Chunk& chunk : pending.chunks) {
+        const at::Tensor& states = blocks_[static_cast<size_t>(chunk.block - first_block_)];
+        const int64_t base = offsets[static_cast<size_t>(chunk.block - first_block_)] + chunk.row * states.size(1);
+        for (int64_t j = 0; j < chunk.count; ++j, ++t) gather_[row * static_cast<size_t>(width) + static_cast<size_t>(t)] = base + j;
       }
-      features.push_back(std::move(padded));
+      for (t = 0; t < counts[row]; ++t) {
+        ids_[row * static_cast<size_t>(width) + static_cast<size_t>(t)] =
+            sequences[row][static_cast<size_t>(pending.from + 1 + t)];
+      }
+      fed[row] = 1;
     }
+    const at::Tensor table = at::cat(parts);
+    const at::Tensor states =
+        table.index_select(0, to_device<int64_t>(gather_, {b * width}, table.device())).view({b, width, table.size(1)});
     const at::Tensor ids = to_device<int64_t>(ids_, {b, width}, head_.device());
-    const at::Tensor outputs = head_.forward_rows(ids, head_.fuse(at::stack(features)), cache_, counts);
+    const at::Tensor outputs = head_.forward_rows(ids, head_.fuse(states), cache_, counts);
     positions_ += b * width;
     const at::Tensor picked = pick_positions(outputs, lasts);
     const at::Tensor mask = to_device<uint8_t>(fed, {b, 1}, picked.device()).to(at::kBool);
@@ -326,10 +371,12 @@ class EagleBatchDrafts {
   std::vector<uint8_t> ready_;    // rows whose last_ is the head's output at their cache's end - 1
   std::vector<uint8_t> members_;  // rows that draft from the head (1); the others feed it nothing
   std::vector<Pending> pending_;  // each row's states not yet fed to its head
+  std::deque<at::Tensor> blocks_;  // the states they read, by block number from first_block_
+  int64_t first_block_ = 0;
   bool lazy_ = false;
   int64_t positions_ = 0;
   at::Tensor last_{};             // [B, H]
-  std::vector<int64_t> ids_;
+  std::vector<int64_t> ids_, gather_;
 };
 
 // The drafting of run_batch from Medusa heads for all rows (see the top of this file).
