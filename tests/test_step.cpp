@@ -1034,6 +1034,20 @@ TEST(Eagle, CpuKernelsEqualTheAtenForward) {
   }
 }
 
+// Runs `check(head, width)` for EAGLE-3 and EAGLE-1 heads (random, seeded by `seed`), through the
+// ATen pass and through the CPU loops; width: what head.fuse() takes per position.
+template <class Check>
+void for_each_batched_head(const models::LlamaConfig& config, const models::LlamaWeights& weights, uint64_t seed,
+                           Check&& check) {
+  for (const auto& [kind, fused] : {std::pair{models::EagleKind::eagle3, false}, std::pair{models::EagleKind::eagle1, false},
+                                     std::pair{models::EagleKind::eagle3, true}, std::pair{models::EagleKind::eagle1, true}}) {
+    SCOPED_TRACE(std::string(models::to_string(kind)) + (fused ? " fused" : " aten"));
+    models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 30 : 48, seed);
+    head.use_cpu_kernels(fused);
+    check(head, head.config().kind == models::EagleKind::eagle3 ? head.config().fc_inputs() : config.dim);
+  }
+}
+
 // A head's batched forward over a batch cache equals its forward row by row: rows of different
 // lengths (one starting at a later position, one empty), ragged counts with padding, rows cut
 // back between forwards, a row feeding nothing, and rows selected out, for EAGLE-3 and EAGLE-1,
@@ -1041,12 +1055,7 @@ TEST(Eagle, CpuKernelsEqualTheAtenForward) {
 TEST(Eagle, BatchedForwardEqualsEachRowAlone) {
   const models::LlamaConfig config = test::small_llama_config();
   const models::LlamaWeights weights = models::LlamaWeights::random(config, 21);
-  for (const auto& [kind, fused] : {std::pair{models::EagleKind::eagle3, false}, std::pair{models::EagleKind::eagle1, false},
-                                     std::pair{models::EagleKind::eagle3, true}, std::pair{models::EagleKind::eagle1, true}}) {
-    SCOPED_TRACE(std::string(models::to_string(kind)) + (fused ? " fused" : " aten"));
-    models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 30 : 48, 5);
-    head.use_cpu_kernels(fused);
-    const int64_t width = head.config().kind == models::EagleKind::eagle3 ? head.config().fc_inputs() : config.dim;
+  for_each_batched_head(config, weights, 5, [&](models::EagleHead& head, int64_t width) {
     std::vector<models::EagleCache> alone(3);
     models::EagleBatchCache batch(3);
     alone[1].reset(4);
@@ -1092,7 +1101,7 @@ TEST(Eagle, BatchedForwardEqualsEachRowAlone) {
                          {"ids must be [2, T]"});
     test::expect_invalid([&] { (void)head.forward_rows(at::zeros({2, 1}, at::kLong), at::zeros({2, 1, config.dim}), batch, std::vector<int64_t>{1, 2}); },
                          {"counts[1] = 2"});
-  }
+  });
 }
 
 // Rows join a batched head cache into free rows of its buffers and leave by moving the rows
@@ -1102,12 +1111,7 @@ TEST(Eagle, BatchedForwardEqualsEachRowAlone) {
 TEST(Eagle, BatchRowsJoinAndLeaveInPlace) {
   const models::LlamaConfig config = test::small_llama_config();
   const models::LlamaWeights weights = models::LlamaWeights::random(config, 23);
-  for (const auto& [kind, fused] : {std::pair{models::EagleKind::eagle3, false}, std::pair{models::EagleKind::eagle1, false},
-                                     std::pair{models::EagleKind::eagle3, true}, std::pair{models::EagleKind::eagle1, true}}) {
-    SCOPED_TRACE(std::string(models::to_string(kind)) + (fused ? " fused" : " aten"));
-    models::EagleHead head = random_eagle(config, weights, kind, kind == models::EagleKind::eagle3 ? 30 : 48, 7);
-    head.use_cpu_kernels(fused);
-    const int64_t width = head.config().kind == models::EagleKind::eagle3 ? head.config().fc_inputs() : config.dim;
+  for_each_batched_head(config, weights, 7, [&](models::EagleHead& head, int64_t width) {
     at::manual_seed(5);
     std::vector<models::EagleCache> alone(3);
     models::EagleBatchCache batch(3);
@@ -1166,7 +1170,7 @@ TEST(Eagle, BatchRowsJoinAndLeaveInPlace) {
     alone = {std::move(alone[3]), std::move(alone[1])};
     round({2, 3});
     test::expect_invalid([&] { batch.select(std::vector<int64_t>{0, 2}); }, {"row = 2", "[0, 2)"});
-  }
+  });
 }
 
 // A head that does not fit its target, or whose weights do not fit its config, is refused with

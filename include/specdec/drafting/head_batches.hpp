@@ -227,13 +227,17 @@ class EagleBatchDrafts {
   // verified: fed to the head now in one forward, or kept for the row's next draft (lazy).
   void after(const BatchStep& step) {
     const auto b = static_cast<int64_t>(step.sequences.size());
-    // The step's states are kept once for all rows (a copy: a target may reuse its buffers).
+    // The step's states are kept once for all rows: copied where they wait for a later step (a
+    // target may reuse its buffers), as they are where this step feeds them.
     int64_t block = -1, widest = 0;
     for (int64_t i = 0; i < b; ++i) {
       const auto row = static_cast<size_t>(i);
       if (members_[row] != 0) widest = std::max(widest, verified_count(step, row));
     }
-    if (widest > 0) block = keep_block(step.features.narrow(1, 0, widest).clone());
+    if (widest > 0) {
+      const at::Tensor states = step.features.narrow(1, 0, widest);
+      block = keep_block(lazy_ ? states.clone() : states);
+    }
     for (int64_t i = 0; i < b; ++i) {
       const auto row = static_cast<size_t>(i);
       const int64_t from = step.features_from[row];

@@ -290,11 +290,11 @@ class EagleBatchCache {
             detail::to_device<int64_t>(rows, {static_cast<int64_t>(rows.size())}, keys_.device());
         const int64_t span = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
         if (span > 0) {
-          for (at::Tensor* buffer : {&keys_, &values_}) {
-            at::Tensor gathered = buffer->narrow(2, 0, span).index_select(0, index);
-            if (buffer->size(0) < gathered.size(0)) *buffer = grown_rows(*buffer, gathered.size(0));
-            buffer->narrow(0, 0, gathered.size(0)).narrow(2, 0, span).copy_(gathered);
-          }
+          const at::Tensor keys = keys_.narrow(2, 0, span).index_select(0, index);
+          const at::Tensor values = values_.narrow(2, 0, span).index_select(0, index);
+          if (row_capacity() < keys.size(0)) grow(keys.size(0), keys_.size(2));  // a row kept twice
+          keys_.narrow(0, 0, keys.size(0)).narrow(2, 0, span).copy_(keys);
+          values_.narrow(0, 0, values.size(0)).narrow(2, 0, span).copy_(values);
         }
       }
     }
@@ -320,13 +320,13 @@ class EagleBatchCache {
                                       keys_.scalar_type());
       }
       if (!keys_.defined()) {
-        keys_ = at::zeros({0, from.size(1), from.size(2), from.size(3)}, from.options());
-        values_ = at::zeros_like(keys_);
+        rebuild(rows() + n, from.size(2), from.size(1), from.size(3), from.options());
+      } else if (keys_.size(2) < held) {
+        grow(row_capacity(), held);
       }
-      if (keys_.size(2) < held) grow(keys_.size(0), held);
     }
     if (keys_.defined()) {
-      if (keys_.size(0) < rows() + n) grow(std::max(rows() + n, 2 * keys_.size(0)), keys_.size(2));
+      if (row_capacity() < rows() + n) grow(std::max(rows() + n, 2 * row_capacity()), keys_.size(2));
       if (held > 0) {
         keys_.narrow(0, rows(), n).narrow(2, 0, held).copy_(other.keys_.narrow(2, 0, held));
         values_.narrow(0, rows(), n).narrow(2, 0, held).copy_(other.values_.narrow(2, 0, held));
@@ -352,19 +352,9 @@ class EagleBatchCache {
     const bool fits = keys_.defined() && keys_.size(1) == kv_heads && keys_.size(3) == head_dim &&
                       keys_.scalar_type() == options.dtype().toScalarType() && keys_.device() == options.device();
     if (fits && keys_.size(2) >= need) return;
-    const int64_t capacity = std::max<int64_t>(64, 2 * need);
-    if (fits) {
-      grow(keys_.size(0), capacity);
-      return;
-    }
-    // The first entries, or entries of another type: new buffers, the rows' entries converted.
-    const int64_t held = longest(), slots = std::max(rows(), row_capacity());
-    for (at::Tensor* buffer : {&keys_, &values_}) {
-      at::Tensor t = at::zeros({slots, kv_heads, capacity, head_dim}, options);
-      if (held > 0) t.narrow(0, 0, rows()).narrow(2, 0, held).copy_(buffer->narrow(0, 0, rows()).narrow(2, 0, held));
-      *buffer = std::move(t);
-    }
-    refresh();
+    // The first entries, or entries of another type, take new buffers (the rows' entries
+    // converted).
+    rebuild(std::max(rows(), row_capacity()), std::max<int64_t>(64, 2 * need), kv_heads, head_dim, options);
   }
   // Adds counts[r] entries to row r (written by the forward after its old length).
   void advance(std::span<const int64_t> counts) {
@@ -412,28 +402,22 @@ class EagleBatchCache {
     return n == 0 ? at::Tensor() : buffer.select(0, row).narrow(1, 0, n);
   }
 
-  // `buffer` with room for `rows` rows: its rows, then zeros (finite, as every slot must be).
-  static at::Tensor grown_rows(const at::Tensor& buffer, int64_t rows) {
-    at::Tensor t = at::zeros({rows, buffer.size(1), buffer.size(2), buffer.size(3)}, buffer.options());
-    t.narrow(0, 0, buffer.size(0)).copy_(buffer);
-    return t;
-  }
-  // Buffers of `rows` rows and `capacity` slots (zeros), the rows' entries copied over.
-  void grow(int64_t rows, int64_t capacity) {
+  // New buffers [rows, kv_heads, capacity, head_dim] of zeros (finite, as every slot must be),
+  // the rows' entries copied over (converted where the options differ).
+  void rebuild(int64_t rows, int64_t capacity, int64_t kv_heads, int64_t head_dim, const at::TensorOptions& options) {
     const int64_t held = longest();
     for (at::Tensor* buffer : {&keys_, &values_}) {
-      at::Tensor t = at::zeros({rows, buffer->size(1), capacity, buffer->size(3)}, buffer->options());
+      at::Tensor t = at::zeros({rows, kv_heads, capacity, head_dim}, options);
       if (held > 0) t.narrow(0, 0, this->rows()).narrow(2, 0, held).copy_(buffer->narrow(0, 0, this->rows()).narrow(2, 0, held));
       *buffer = std::move(t);
     }
     refresh();
   }
+  // rebuild() with this cache's shape and type.
+  void grow(int64_t rows, int64_t capacity) { rebuild(rows, capacity, keys_.size(1), keys_.size(3), keys_.options()); }
   // key_buffer() and value_buffer(): the rows in use.
   void refresh() {
     if (!keys_.defined()) return;
-    if (keys_.size(0) < rows()) {  // rows joined before any entry
-      for (at::Tensor* buffer : {&keys_, &values_}) *buffer = grown_rows(*buffer, std::max(rows(), 2 * buffer->size(0)));
-    }
     key_rows_ = keys_.narrow(0, 0, rows());
     value_rows_ = values_.narrow(0, 0, rows());
   }
