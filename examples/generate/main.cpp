@@ -38,9 +38,8 @@ std::string apply_weights(const Arguments& a, Model& model) {
   model.pack_weights(a.weights == "int8" ? specdec::detail::WeightFormat::i8
                      : bf16                ? specdec::detail::WeightFormat::bf16
                                            : specdec::detail::WeightFormat::f32);
-  const bool vector = specdec::detail::cpu_has_avx512();
-  return std::string("packed ") + specdec::detail::to_string(model.weight_format()) +
-         (vector ? ", avx512 loops" : ", portable loops: this CPU has no AVX-512, slower");
+  return std::string("packed ") + specdec::detail::to_string(model.weight_format()) + ", " +
+         specdec::detail::packed_product_isa(model.weight_format());
 }
 
 int run(const Arguments& a) {

@@ -179,7 +179,7 @@ class CpuLinear {
   // the panels (times the scales for int8; a copy), for forwards that multiply through ATen.
   [[nodiscard]] at::Tensor dense() const {
     if (!has_packed()) return weight_;
-    at::Tensor rows = packed_.transpose(1, 2).reshape({-1, in_}).narrow(0, 0, out_).to(at::kFloat);
+    at::Tensor rows = unpack_panels(packed_, out_, in_).to(at::kFloat);
     return format_ == WeightFormat::i8 ? rows * scales_.unsqueeze(1) : rows;
   }
   [[nodiscard]] const at::Tensor& bias() const noexcept { return bias_; }
@@ -298,7 +298,7 @@ class CpuLinear {
 #endif
   at::Tensor weight_;   // [out, in] fp32 (the BLAS and oneDNN routes), or undefined once packed
   at::Tensor bias_;     // [out] fp32, or undefined
-  at::Tensor packed_;   // [panels, in, 32] (the packed route), or undefined
+  at::Tensor packed_;   // the panels (pack_panels; the packed route), or undefined
   at::Tensor scales_;   // [out] fp32 for int8 panels
   PackedWeight packed_weight_{};  // data null where the packed route does not apply
   WeightFormat format_ = WeightFormat::f32;

@@ -13,12 +13,22 @@
 // weights are multiplied into every row's 32 sums, which stay in registers over the whole pass
 // (up to kRegisterRows rows at a time; more rows re-read the panel from the second-level cache).
 //
-// Weights may be fp32, bf16 (widened to fp32 in registers: the products and sums stay fp32, so a
-// bf16 model computes as its fp32 copy with rounded weights) or int8 with one fp32 scale per output
-// (weight-only quantization: y = scale * (x . q) + bias). The AVX-512 version is compiled for
-// AVX-512F/BW/VL whatever the caller's flags and chosen at run time where the CPU has them;
-// elsewhere the same loops run in portable C++ that the compiler vectorises for the caller's
-// flags. Panels are split over libtorch's intra-op threads.
+// Weights may be fp32, bf16 or int8 with one fp32 scale per output (weight-only quantization:
+// y = scale * (x . q) + bias). fp32 and int8 weights multiply fp32 activations. A bf16 product is
+// a bf16 product: the activations are rounded to bfloat16 (to the nearest, ties to even) and each
+// pair of inputs (2j, 2j + 1) is added to the fp32 sum as AVX512-BF16's dot product adds it,
+// sum = (sum + x[2j+1] w[2j+1]) + x[2j] w[2j], each step rounded once (a product of two bf16
+// values is exact in fp32). Its panels hold each output's weights for inputs 2j and 2j + 1 side by
+// side. Where the CPU has AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids on) the
+// products are `vdpbf16ps`, 32 multiply-adds an instruction against 16 for fp32: at 7 or more rows
+// the arithmetic, not the memory, bounded a bf16 forward with the weights widened to fp32 (a
+// 1B-parameter target, 2 threads of an AMD EPYC: 8 rows at 98 ms against 76 ms for one). Elsewhere
+// the same sums come from fused multiply-adds on the widened values, bit for bit (what
+// PackedProduct's tests check on a CPU that has both).
+//
+// The AVX-512 versions are compiled for their instructions whatever the caller's flags and chosen
+// at run time where the CPU has them; elsewhere the same loops run in portable C++ that the
+// compiler vectorises for the caller's flags. Panels are split over libtorch's intra-op threads.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,6 +39,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <string>
 #include <vector>
 
 #if defined(__linux__)
@@ -37,8 +48,10 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+#include <cpuid.h>
 #define SPECDEC_X86_AVX512_KERNELS 1
 #define SPECDEC_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define SPECDEC_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #endif
 
 namespace specdec::detail {
@@ -57,8 +70,10 @@ inline const char* to_string(WeightFormat format) noexcept {
 // Outputs per panel of a packed weight.
 inline constexpr int64_t kPanelWidth = 32;
 
-// A weight [out, in] packed in panels (see the top of this file): element (o, i) at
-// data[((o / 32) * in + i) * 32 + o % 32], the last panel padded with zero weights.
+// A weight [out, in] packed in panels (see the top of this file), the last panel padded with zero
+// weights: for f32 and i8 element (o, i) at data[((o / 32) * in + i) * 32 + o % 32]; for bf16, in
+// pairs of inputs (an odd `in` padded with a zero input), at
+// data[(((o / 32) * pairs + i / 2) * 32 + o % 32) * 2 + i % 2] with pairs = (in + 1) / 2.
 struct PackedWeight {
   const void* data = nullptr;
   int64_t in = 0;
@@ -87,17 +102,35 @@ inline at::Tensor huge_page_tensor(at::IntArrayRef sizes, at::ScalarType dtype) 
   return at::from_blob(data, sizes, [](void* memory) { std::free(memory); }, at::TensorOptions().dtype(dtype));
 }
 
-// The panels of `weight` [out, in] (any floating dtype, any strides) as a tensor [panels, in, 32]
-// of `dtype` (kFloat, kBFloat16, or kChar for weights already quantized to integers), in memory
-// that may be backed by huge pages (huge_page_tensor).
+// The panels of `weight` [out, in] (any floating dtype, any strides) in `dtype`: kFloat or kChar
+// (weights already quantized to integers) as a tensor [panels, in, 32], kBFloat16 as
+// [panels, (in + 1) / 2, 32, 2] (PackedWeight's layouts), in memory that may be backed by huge
+// pages (huge_page_tensor).
 inline at::Tensor pack_panels(const at::Tensor& weight, at::ScalarType dtype) {
   const int64_t out = weight.size(0), in = weight.size(1);
   const int64_t panels = (out + kPanelWidth - 1) / kPanelWidth;
+  if (dtype == at::kBFloat16) {
+    const int64_t pairs = (in + 1) / 2;
+    at::Tensor padded = at::zeros({panels * kPanelWidth, 2 * pairs}, weight.options().dtype(dtype));
+    padded.narrow(0, 0, out).narrow(1, 0, in).copy_(weight);
+    at::Tensor packed = huge_page_tensor({panels, pairs, kPanelWidth, 2}, dtype);
+    packed.copy_(padded.view({panels, kPanelWidth, pairs, 2}).permute({0, 2, 1, 3}));
+    return packed;
+  }
   at::Tensor padded = at::zeros({panels * kPanelWidth, in}, weight.options().dtype(dtype));
   padded.narrow(0, 0, out).copy_(weight);
   at::Tensor packed = huge_page_tensor({panels, in, kPanelWidth}, dtype);
   packed.copy_(padded.view({panels, kPanelWidth, in}).transpose(1, 2));
   return packed;
+}
+
+// The weight [out, in] that pack_panels(weight, packed.scalar_type()) packed, in packed's dtype
+// (a copy).
+inline at::Tensor unpack_panels(const at::Tensor& packed, int64_t out, int64_t in) {
+  if (packed.dim() == 4) {  // bf16: [panels, pairs, 32, 2]
+    return packed.permute({0, 2, 1, 3}).reshape({-1, 2 * packed.size(1)}).narrow(0, 0, out).narrow(1, 0, in).contiguous();
+  }
+  return packed.transpose(1, 2).reshape({-1, in}).narrow(0, 0, out).contiguous();
 }
 
 // Whether this CPU runs the AVX-512 version (asked once per process).
@@ -111,8 +144,35 @@ inline bool cpu_has_avx512() {
 #endif
 }
 
-// "avx512" or "portable": which version packed_product() runs on this CPU.
-inline const char* packed_product_isa() { return cpu_has_avx512() ? "avx512" : "portable"; }
+// Whether this CPU also has AVX512-BF16's dot products (CPUID leaf 7, subleaf 1, EAX bit 5; asked
+// once per process).
+inline bool cpu_has_avx512_bf16() {
+#ifdef SPECDEC_X86_AVX512_KERNELS
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return cpu_has_avx512() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && (eax & (1U << 5)) != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+// Which loops packed_product() runs.
+enum class PackedLoops : uint8_t {
+  best,      // the fastest this CPU has: AVX-512 with bf16 dot products where it has AVX512-BF16
+  avx512,    // AVX-512 with bf16 weights widened to fp32 (the same sums), where the CPU has AVX-512
+  portable,  // portable C++ (the same sums)
+};
+
+// How packed_product() computes `format` on this CPU, for a header line: "avx512 loops", "avx512
+// loops, bf16 dot products", "portable loops" (each saying what the CPU lacks).
+inline std::string packed_product_isa(WeightFormat format) {
+  if (!cpu_has_avx512()) return "portable loops: this CPU has no AVX-512, slower";
+  if (format != WeightFormat::bf16) return "avx512 loops";
+  return cpu_has_avx512_bf16() ? "avx512 loops, bf16 dot products"
+                               : "avx512 loops: this CPU has no AVX512-BF16, bf16 products widened to fp32, slower";
+}
 
 namespace packed {
 
@@ -120,16 +180,12 @@ namespace packed {
 // rows, two panels are read at once (4 vectors per row).
 inline constexpr int kRegisterRows = 12;
 
-// The fp32 value of element e of a panel row in format F.
+// The fp32 value of element e of an f32 or i8 panel row (bf16 panels hold pairs: bf16_panel_*).
 template <WeightFormat F>
 inline float element(const void* data, int64_t e) {
+  static_assert(F != WeightFormat::bf16);
   if constexpr (F == WeightFormat::f32) {
     return static_cast<const float*>(data)[e];
-  } else if constexpr (F == WeightFormat::bf16) {
-    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(data)[e]) << 16;
-    float value;
-    std::memcpy(&value, &bits, sizeof value);
-    return value;
   } else {
     return static_cast<float>(static_cast<const int8_t*>(data)[e]);
   }
@@ -172,18 +228,57 @@ inline void panel_portable(const PackedWeight& w, int64_t p, const float* xt, in
   }
 }
 
+// `value` rounded to bfloat16, to the nearest with ties to even (a NaN stays a NaN), as
+// at::BFloat16 rounds: the upper 16 bits of the result.
+inline uint16_t round_to_bf16(float value) noexcept {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  if ((bits & 0x7FFFFFFFU) > 0x7F800000U) return static_cast<uint16_t>((bits >> 16) | 0x40U);
+  bits += 0x7FFFU + ((bits >> 16) & 1U);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// The fp32 value of the bf16 `bits`.
+inline float widen_bf16(uint32_t bits) noexcept {
+  const uint32_t wide = bits << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// Portable: bf16 panel p times `rows` rows of x given as pairs (xp [pairs, rows]: a row's inputs
+// 2j and 2j + 1 rounded to bf16 in the low and high halves of xp[j * rows + r]), into `acc`
+// [rows, 32]: per pair, sum = (sum + x[2j+1] w[2j+1]) + x[2j] w[2j] (both products exact).
+inline void bf16_panel_portable(const PackedWeight& w, int64_t p, const uint32_t* xp, int64_t rows, float* acc) {
+  const int64_t pairs = (w.in + 1) / 2;
+  const uint16_t* panel = static_cast<const uint16_t*>(w.data) + p * pairs * kPanelWidth * 2;
+  std::fill(acc, acc + rows * kPanelWidth, 0.0F);
+  for (int64_t j = 0; j < pairs; ++j) {
+    float even[kPanelWidth], odd[kPanelWidth];
+    const uint16_t* line = panel + j * kPanelWidth * 2;
+    for (int64_t k = 0; k < kPanelWidth; ++k) {
+      even[k] = widen_bf16(line[2 * k]);
+      odd[k] = widen_bf16(line[2 * k + 1]);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint32_t pair = xp[j * rows + r];
+      const float x_even = widen_bf16(pair & 0xFFFFU), x_odd = widen_bf16(pair >> 16);
+      float* sums = acc + r * kPanelWidth;
+      for (int64_t k = 0; k < kPanelWidth; ++k) sums[k] = (sums[k] + x_odd * odd[k]) + x_even * even[k];
+    }
+  }
+}
+
 #ifdef SPECDEC_X86_AVX512_KERNELS
-// 16 weights from `data`, widened to fp32.
+// 16 weights of an f32 or i8 panel from `data`, widened to fp32.
 template <WeightFormat F>
 SPECDEC_TARGET_AVX512 inline __m512 load16(const char* data) {
+  static_assert(F != WeightFormat::bf16);
   // The zero-masked forms of the widening instructions (all 16 lanes kept): GCC 12 warns of an
   // uninitialised variable inside the unmasked ones' definitions.
   constexpr __mmask16 kAll = 0xFFFF;
   if constexpr (F == WeightFormat::f32) {
     return _mm512_loadu_ps(data);
-  } else if constexpr (F == WeightFormat::bf16) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data));
-    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, _mm512_maskz_cvtepu16_epi32(kAll, half), 16));
   } else {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data));
     return _mm512_maskz_cvtepi32_ps(kAll, _mm512_maskz_cvtepi8_epi32(kAll, bytes));
@@ -248,43 +343,174 @@ SPECDEC_TARGET_AVX512 inline void panels_avx512(const PackedWeight& w, const int
   }
 }
 
-// panels_avx512 for a row count known at run time: one panel for up to kRegisterRows rows, two
-// for up to kRegisterRows / 2.
-template <WeightFormat F, int P>
-SPECDEC_TARGET_AVX512 inline void panels_rows_avx512(const PackedWeight& w, const int64_t* panels, const float* xt,
-                                                     int64_t rows, float* const* acc) {
+// The bf16 panels' prefetch, loads and pointer step for one pair of inputs (64 bytes: 16
+// outputs' two weights; a pair line is two of them).
+struct Bf16Stream {
+  static constexpr int64_t kStep = kPanelWidth * 2 * 2;  // bytes per pair of inputs in a panel
+  const char* line;
+  SPECDEC_TARGET_AVX512 inline void next(__m512i& low, __m512i& high) {
+    _mm_prefetch(line + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(line + kPrefetchBytes + 64, _MM_HINT_T0);
+    low = _mm512_loadu_si512(line);
+    high = _mm512_loadu_si512(line + 64);
+    line += kStep;
+  }
+};
+
+// P bf16 panels times R rows of x given as pairs (xp [pairs, R], see bf16_panel_portable) into
+// acc[j] [R, 32], by AVX512-BF16's dot products: 32 multiply-adds an instruction.
+template <int R, int P>
+SPECDEC_TARGET_AVX512_BF16 inline void bf16_panels_dot(const PackedWeight& w, const int64_t* panels, const uint32_t* xp,
+                                                       float* const* acc) {
+  const int64_t pairs = (w.in + 1) / 2;
+  Bf16Stream stream[P];
+  __m512 lo[P][R], hi[P][R];
+#pragma GCC unroll 2
+  for (int j = 0; j < P; ++j) {
+    stream[j].line = static_cast<const char*>(w.data) + panels[j] * pairs * Bf16Stream::kStep;
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) lo[j][r] = hi[j][r] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < pairs; ++i, xp += R) {
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j) {
+      __m512i a, b;
+      stream[j].next(a, b);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_set1_epi32(static_cast<int>(xp[r]));
+        lo[j][r] = _mm512_dpbf16_ps(lo[j][r], (__m512bh)x, (__m512bh)a);
+        hi[j][r] = _mm512_dpbf16_ps(hi[j][r], (__m512bh)x, (__m512bh)b);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int j = 0; j < P; ++j) {
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc[j] + r * kPanelWidth, lo[j][r]);
+      _mm512_storeu_ps(acc[j] + r * kPanelWidth + 16, hi[j][r]);
+    }
+  }
+}
+
+// bf16_panels_dot's sums, bit for bit, on a CPU without AVX512-BF16: each pair's two weights
+// widened to fp32 (the low half shifted up, the high half masked), two fused multiply-adds.
+template <int R, int P>
+SPECDEC_TARGET_AVX512 inline void bf16_panels_widened(const PackedWeight& w, const int64_t* panels, const uint32_t* xp,
+                                                      float* const* acc) {
+  constexpr __mmask16 kAll = 0xFFFF;  // the zero-masked shift: see load16
+  const int64_t pairs = (w.in + 1) / 2;
+  const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xFFFF0000U));
+  Bf16Stream stream[P];
+  __m512 lo[P][R], hi[P][R];
+#pragma GCC unroll 2
+  for (int j = 0; j < P; ++j) {
+    stream[j].line = static_cast<const char*>(w.data) + panels[j] * pairs * Bf16Stream::kStep;
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) lo[j][r] = hi[j][r] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < pairs; ++i, xp += R) {
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j) {
+      __m512i a, b;
+      stream[j].next(a, b);
+      const __m512 a_even = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, a, 16));
+      const __m512 a_odd = _mm512_castsi512_ps(_mm512_and_si512(a, upper));
+      const __m512 b_even = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, b, 16));
+      const __m512 b_odd = _mm512_castsi512_ps(_mm512_and_si512(b, upper));
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_set1_epi32(static_cast<int>(xp[r]));
+        const __m512 x_even = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, x, 16));
+        const __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(x, upper));
+        lo[j][r] = _mm512_fmadd_ps(x_even, a_even, _mm512_fmadd_ps(x_odd, a_odd, lo[j][r]));
+        hi[j][r] = _mm512_fmadd_ps(x_even, b_even, _mm512_fmadd_ps(x_odd, b_odd, hi[j][r]));
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int j = 0; j < P; ++j) {
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc[j] + r * kPanelWidth, lo[j][r]);
+      _mm512_storeu_ps(acc[j] + r * kPanelWidth + 16, hi[j][r]);
+    }
+  }
+}
+
+// Calls run.template operator()<R>() with R = rows: up to kRegisterRows rows for one panel, up
+// to kRegisterRows / 2 for two.
+template <int P, class Run>
+inline void with_row_count(int64_t rows, Run&& run) {
   static_assert(P == 1 || P == 2);
   switch (rows) {
-    case 1: panels_avx512<F, 1, P>(w, panels, xt, acc); break;
-    case 2: panels_avx512<F, 2, P>(w, panels, xt, acc); break;
-    case 3: panels_avx512<F, 3, P>(w, panels, xt, acc); break;
-    case 4: panels_avx512<F, 4, P>(w, panels, xt, acc); break;
-    case 5: panels_avx512<F, 5, P>(w, panels, xt, acc); break;
-    case 6: panels_avx512<F, 6, P>(w, panels, xt, acc); break;
+    case 1: run.template operator()<1>(); break;
+    case 2: run.template operator()<2>(); break;
+    case 3: run.template operator()<3>(); break;
+    case 4: run.template operator()<4>(); break;
+    case 5: run.template operator()<5>(); break;
+    case 6: run.template operator()<6>(); break;
     default:
       if constexpr (P == 1) {
         switch (rows) {
-          case 7: panels_avx512<F, 7, 1>(w, panels, xt, acc); break;
-          case 8: panels_avx512<F, 8, 1>(w, panels, xt, acc); break;
-          case 9: panels_avx512<F, 9, 1>(w, panels, xt, acc); break;
-          case 10: panels_avx512<F, 10, 1>(w, panels, xt, acc); break;
-          case 11: panels_avx512<F, 11, 1>(w, panels, xt, acc); break;
-          default: panels_avx512<F, 12, 1>(w, panels, xt, acc); break;
+          case 7: run.template operator()<7>(); break;
+          case 8: run.template operator()<8>(); break;
+          case 9: run.template operator()<9>(); break;
+          case 10: run.template operator()<10>(); break;
+          case 11: run.template operator()<11>(); break;
+          default: run.template operator()<12>(); break;
         }
       }
       break;
   }
 }
+
+// P panels times `rows` rows of x (xt: fp32 [in, rows], or bf16 pairs [pairs, rows] for a bf16
+// weight) by the AVX-512 loops: for bf16 the dot products where `dot`, else widened.
+template <WeightFormat F, int P>
+inline void panels_rows_avx512(const PackedWeight& w, const int64_t* panels, const void* xt, int64_t rows,
+                               float* const* acc, bool dot) {
+  with_row_count<P>(rows, [&]<int R>() {
+    if constexpr (F == WeightFormat::bf16) {
+      const auto* xp = static_cast<const uint32_t*>(xt);
+      if (dot) {
+        bf16_panels_dot<R, P>(w, panels, xp, acc);
+      } else {
+        bf16_panels_widened<R, P>(w, panels, xp, acc);
+      }
+    } else {
+      panels_avx512<F, R, P>(w, panels, static_cast<const float*>(xt), acc);
+    }
+  });
+}
 #endif
 
-// y[r][32p, 32p + 32) for the `rows` (<= kRegisterRows) rows of xt [in, rows] and every panel p
-// in [p0, p1), y's rows w.out apart.
+// How a call's panels are computed: vector (the AVX-512 loops) and, for bf16, dot (its dot
+// products); neither: the portable loops.
+struct Loops {
+  bool vector = false;
+  bool dot = false;
+};
+
+// Panel p times the rows into `acc` [rows, 32] by the portable loops.
 template <WeightFormat F>
-inline void product_panels(const PackedWeight& w, const float* xt, int64_t rows, float* y, const float* bias, int64_t p0,
-                           int64_t p1, bool avx512) {
+inline void panel_portable_any(const PackedWeight& w, int64_t p, const void* xt, int64_t rows, float* acc) {
+  if constexpr (F == WeightFormat::bf16) {
+    bf16_panel_portable(w, p, static_cast<const uint32_t*>(xt), rows, acc);
+  } else {
+    panel_portable<F>(w, p, static_cast<const float*>(xt), rows, acc);
+  }
+}
+
+// y[r][32p, 32p + 32) for the `rows` (<= kRegisterRows) rows of xt (fp32 [in, rows], or bf16
+// pairs [pairs, rows] for a bf16 weight) and every panel p in [p0, p1), y's rows w.out apart.
+template <WeightFormat F>
+inline void product_panels(const PackedWeight& w, const void* xt, int64_t rows, float* y, const float* bias, int64_t p0,
+                           int64_t p1, Loops loops) {
   float acc[kRegisterRows * kPanelWidth];
 #ifdef SPECDEC_X86_AVX512_KERNELS
-  if (avx512 && rows <= kRegisterRows / 2) {
+  if (loops.vector && rows <= kRegisterRows / 2) {
     // Two streams at once, the first half of the panels beside the second: one stream per core
     // left the memory idle between misses (10-25% slower for 2 to 6 rows here).
     float other[kRegisterRows * kPanelWidth];
@@ -292,7 +518,7 @@ inline void product_panels(const PackedWeight& w, const float* xt, int64_t rows,
     const int64_t half = (p1 - p0) / 2;
     for (int64_t p = p0; p < p0 + half; ++p) {
       const int64_t panels[2] = {p, p + half};
-      panels_rows_avx512<F, 2>(w, panels, xt, rows, both);
+      panels_rows_avx512<F, 2>(w, panels, xt, rows, both, loops.dot);
       store_panel(w, p, acc, rows, y, bias);
       store_panel(w, p + half, other, rows, y, bias);
     }
@@ -301,15 +527,14 @@ inline void product_panels(const PackedWeight& w, const float* xt, int64_t rows,
 #endif
   for (int64_t p = p0; p < p1; ++p) {
 #ifdef SPECDEC_X86_AVX512_KERNELS
-    if (avx512) {
+    if (loops.vector) {
       float* const one[1] = {acc};
-      panels_rows_avx512<F, 1>(w, &p, xt, rows, one);
+      panels_rows_avx512<F, 1>(w, &p, xt, rows, one, loops.dot);
     } else {
-      panel_portable<F>(w, p, xt, rows, acc);
+      panel_portable_any<F>(w, p, xt, rows, acc);
     }
 #else
-    (void)avx512;
-    panel_portable<F>(w, p, xt, rows, acc);
+    panel_portable_any<F>(w, p, xt, rows, acc);
 #endif
     store_panel(w, p, acc, rows, y, bias);
   }
@@ -318,40 +543,63 @@ inline void product_panels(const PackedWeight& w, const float* xt, int64_t rows,
 }  // namespace packed
 
 // y [rows, w.out] = x [rows, w.in] times W transposed, times the per-output scales (int8), plus
-// `bias` [out] where not null, for x and y contiguous fp32 rows that do not overlap. Each panel
-// of W is read from memory once per call for up to kRegisterRows rows (each thread its share of
-// the panels, in one sequential stream); meant for the few rows of a decoding forward, where the
-// weights' bytes, not the arithmetic, bound the time. `avx512` false runs the portable loops
-// (tests); true runs the AVX-512 ones where the CPU has them.
+// `bias` [out] where not null, for x and y contiguous fp32 rows that do not overlap; for a bf16 W,
+// with x rounded to bf16 (see the top of this file). Each panel of W is read from memory once per
+// call for up to kRegisterRows rows (each thread its share of the panels, in one sequential
+// stream); meant for the few rows of a decoding forward, where the weights' bytes, not the
+// arithmetic, bound the time. `loops` picks the version (PackedLoops; one the CPU lacks falls back
+// to the next); every version computes the same sums.
 // Requires: w.in, w.out >= 1; w.scales given exactly for i8.
 inline void packed_product(const PackedWeight& w, const float* x, int64_t rows, float* y, const float* bias,
-                           bool avx512 = true) {
-  const bool vector = avx512 && cpu_has_avx512();
+                           PackedLoops loops = PackedLoops::best) {
+  const bool vector = loops != PackedLoops::portable && cpu_has_avx512();
+  const packed::Loops chosen{.vector = vector,
+                             .dot = vector && loops == PackedLoops::best && cpu_has_avx512_bf16()};
   const int64_t panels = (w.out + kPanelWidth - 1) / kPanelWidth;
   const int64_t element = w.format == WeightFormat::f32 ? 4 : w.format == WeightFormat::bf16 ? 2 : 1;
+  const int64_t pairs = (w.in + 1) / 2;
   // A thread's share is worth its start where it streams at least 256 KiB of weights.
-  const int64_t panel_bytes = kPanelWidth * w.in * element;
+  const int64_t panel_bytes = kPanelWidth * (w.format == WeightFormat::bf16 ? 2 * pairs : w.in) * element;
   const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / std::max<int64_t>(1, panel_bytes));
   // Up to kRegisterRows rows per pass over W, each pass's rows transposed first: a panel's
-  // input i then needs the rows' values side by side (rows of x lie a power of two apart in
-  // real models, and would share the first-level cache's sets).
+  // input i (pair j for bf16) then needs the rows' values side by side (rows of x lie a power of
+  // two apart in real models, and would share the first-level cache's sets).
   thread_local std::vector<float> transposed;
+  thread_local std::vector<uint32_t> transposed_pairs;
   if (transposed.size() < static_cast<size_t>(w.in * packed::kRegisterRows)) {
     transposed.resize(static_cast<size_t>(w.in * packed::kRegisterRows));
   }
+  if (w.format == WeightFormat::bf16 && transposed_pairs.size() < static_cast<size_t>(pairs * packed::kRegisterRows)) {
+    transposed_pairs.resize(static_cast<size_t>(pairs * packed::kRegisterRows));
+  }
   for (int64_t first = 0; first < rows; first += packed::kRegisterRows) {
     const int64_t count = std::min<int64_t>(packed::kRegisterRows, rows - first);
-    float* const xt = transposed.data();
-    for (int64_t r = 0; r < count; ++r) {
-      const float* row = x + (first + r) * w.in;
-      for (int64_t i = 0; i < w.in; ++i) xt[i * count + r] = row[i];
+    const void* xt = nullptr;
+    if (w.format == WeightFormat::bf16) {
+      uint32_t* const xp = transposed_pairs.data();
+      for (int64_t r = 0; r < count; ++r) {
+        const float* row = x + (first + r) * w.in;
+        for (int64_t j = 0; j < pairs; ++j) {
+          const uint32_t even = packed::round_to_bf16(row[2 * j]);
+          const uint32_t odd = 2 * j + 1 < w.in ? packed::round_to_bf16(row[2 * j + 1]) : 0U;
+          xp[j * count + r] = even | (odd << 16);
+        }
+      }
+      xt = xp;
+    } else {
+      float* const xf = transposed.data();
+      for (int64_t r = 0; r < count; ++r) {
+        const float* row = x + (first + r) * w.in;
+        for (int64_t i = 0; i < w.in; ++i) xf[i * count + r] = row[i];
+      }
+      xt = xf;
     }
     float* const ys = y + first * w.out;
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       switch (w.format) {
-        case WeightFormat::f32: packed::product_panels<WeightFormat::f32>(w, xt, count, ys, bias, begin, end, vector); break;
-        case WeightFormat::bf16: packed::product_panels<WeightFormat::bf16>(w, xt, count, ys, bias, begin, end, vector); break;
-        case WeightFormat::i8: packed::product_panels<WeightFormat::i8>(w, xt, count, ys, bias, begin, end, vector); break;
+        case WeightFormat::f32: packed::product_panels<WeightFormat::f32>(w, xt, count, ys, bias, begin, end, chosen); break;
+        case WeightFormat::bf16: packed::product_panels<WeightFormat::bf16>(w, xt, count, ys, bias, begin, end, chosen); break;
+        case WeightFormat::i8: packed::product_panels<WeightFormat::i8>(w, xt, count, ys, bias, begin, end, chosen); break;
       }
     });
   }
