@@ -292,6 +292,32 @@ SPECDEC_TARGET_AVX512 inline __m512 load16(const char* data) {
 // ms in bf16 and 58 to 48 ms in int8 (1 to 4 KiB ahead were within noise of each other).
 inline constexpr int64_t kPrefetchBytes = 4096;
 
+// The 2PR sums of P panels over R rows (each row's 32 sums as two vectors), kept in registers by
+// the loops below: made zero, then stored to acc[j] [R, 32] for panel j.
+template <int R, int P>
+struct PanelSums {
+  __m512 lo[P][R], hi[P][R];
+
+  SPECDEC_TARGET_AVX512 __attribute__((always_inline)) inline PanelSums() {
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j) {
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) lo[j][r] = hi[j][r] = _mm512_setzero_ps();
+    }
+  }
+
+  SPECDEC_TARGET_AVX512 __attribute__((always_inline)) inline void store(float* const* acc) const {
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j) {
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        _mm512_storeu_ps(acc[j] + r * kPanelWidth, lo[j][r]);
+        _mm512_storeu_ps(acc[j] + r * kPanelWidth + 16, hi[j][r]);
+      }
+    }
+  }
+};
+
 // P panels (P streams from P places in memory) times R rows of x, given transposed (xt [in, R]:
 // each input's R values side by side), into acc[j] [R, 32] for panel panels[j]: the 2PR sums in
 // registers over every input.
@@ -300,13 +326,9 @@ SPECDEC_TARGET_AVX512 inline void panels_avx512(const PackedWeight& w, const int
                                                 float* const* acc) {
   constexpr int64_t kStep = kPanelWidth * element_bytes<F>();  // bytes per input in a panel
   const char* line[P];
-  __m512 lo[P][R], hi[P][R];
+  PanelSums<R, P> sums;
 #pragma GCC unroll 2
-  for (int j = 0; j < P; ++j) {
-    line[j] = static_cast<const char*>(w.data) + panels[j] * w.in * kStep;
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) lo[j][r] = hi[j][r] = _mm512_setzero_ps();
-  }
+  for (int j = 0; j < P; ++j) line[j] = static_cast<const char*>(w.data) + panels[j] * w.in * kStep;
   for (int64_t i = 0; i < w.in; ++i, xt += R) {
     __m512 a[P], b[P];
 #pragma GCC unroll 2
@@ -328,26 +350,28 @@ SPECDEC_TARGET_AVX512 inline void panels_avx512(const PackedWeight& w, const int
       const __m512 v = _mm512_set1_ps(xt[r]);
 #pragma GCC unroll 2
       for (int j = 0; j < P; ++j) {
-        lo[j][r] = _mm512_fmadd_ps(v, a[j], lo[j][r]);
-        hi[j][r] = _mm512_fmadd_ps(v, b[j], hi[j][r]);
+        sums.lo[j][r] = _mm512_fmadd_ps(v, a[j], sums.lo[j][r]);
+        sums.hi[j][r] = _mm512_fmadd_ps(v, b[j], sums.hi[j][r]);
       }
     }
   }
-#pragma GCC unroll 2
-  for (int j = 0; j < P; ++j) {
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(acc[j] + r * kPanelWidth, lo[j][r]);
-      _mm512_storeu_ps(acc[j] + r * kPanelWidth + 16, hi[j][r]);
-    }
-  }
+  sums.store(acc);
 }
 
 // The bf16 panels' prefetch, loads and pointer step for one pair of inputs (64 bytes: 16
 // outputs' two weights; a pair line is two of them).
 struct Bf16Stream {
   static constexpr int64_t kStep = kPanelWidth * 2 * 2;  // bytes per pair of inputs in a panel
-  const char* line;
+  const char* line = nullptr;
+
+  // Starts the streams of panels[0 .. P) of w; returns the pairs of inputs each holds.
+  template <int P>
+  static int64_t start(Bf16Stream (&stream)[P], const PackedWeight& w, const int64_t* panels) {
+    const int64_t pairs = (w.in + 1) / 2;
+    for (int j = 0; j < P; ++j) stream[j].line = static_cast<const char*>(w.data) + panels[j] * pairs * kStep;
+    return pairs;
+  }
+
   SPECDEC_TARGET_AVX512 inline void next(__m512i& low, __m512i& high) {
     _mm_prefetch(line + kPrefetchBytes, _MM_HINT_T0);
     _mm_prefetch(line + kPrefetchBytes + 64, _MM_HINT_T0);
@@ -362,15 +386,9 @@ struct Bf16Stream {
 template <int R, int P>
 SPECDEC_TARGET_AVX512_BF16 inline void bf16_panels_dot(const PackedWeight& w, const int64_t* panels, const uint32_t* xp,
                                                        float* const* acc) {
-  const int64_t pairs = (w.in + 1) / 2;
   Bf16Stream stream[P];
-  __m512 lo[P][R], hi[P][R];
-#pragma GCC unroll 2
-  for (int j = 0; j < P; ++j) {
-    stream[j].line = static_cast<const char*>(w.data) + panels[j] * pairs * Bf16Stream::kStep;
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) lo[j][r] = hi[j][r] = _mm512_setzero_ps();
-  }
+  const int64_t pairs = Bf16Stream::start(stream, w, panels);
+  PanelSums<R, P> sums;
   for (int64_t i = 0; i < pairs; ++i, xp += R) {
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j) {
@@ -379,19 +397,12 @@ SPECDEC_TARGET_AVX512_BF16 inline void bf16_panels_dot(const PackedWeight& w, co
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         const __m512i x = _mm512_set1_epi32(static_cast<int>(xp[r]));
-        lo[j][r] = _mm512_dpbf16_ps(lo[j][r], (__m512bh)x, (__m512bh)a);
-        hi[j][r] = _mm512_dpbf16_ps(hi[j][r], (__m512bh)x, (__m512bh)b);
+        sums.lo[j][r] = _mm512_dpbf16_ps(sums.lo[j][r], (__m512bh)x, (__m512bh)a);
+        sums.hi[j][r] = _mm512_dpbf16_ps(sums.hi[j][r], (__m512bh)x, (__m512bh)b);
       }
     }
   }
-#pragma GCC unroll 2
-  for (int j = 0; j < P; ++j) {
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(acc[j] + r * kPanelWidth, lo[j][r]);
-      _mm512_storeu_ps(acc[j] + r * kPanelWidth + 16, hi[j][r]);
-    }
-  }
+  sums.store(acc);
 }
 
 // bf16_panels_dot's sums, bit for bit, on a CPU without AVX512-BF16: each pair's two weights
@@ -400,16 +411,10 @@ template <int R, int P>
 SPECDEC_TARGET_AVX512 inline void bf16_panels_widened(const PackedWeight& w, const int64_t* panels, const uint32_t* xp,
                                                       float* const* acc) {
   constexpr __mmask16 kAll = 0xFFFF;  // the zero-masked shift: see load16
-  const int64_t pairs = (w.in + 1) / 2;
   const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xFFFF0000U));
   Bf16Stream stream[P];
-  __m512 lo[P][R], hi[P][R];
-#pragma GCC unroll 2
-  for (int j = 0; j < P; ++j) {
-    stream[j].line = static_cast<const char*>(w.data) + panels[j] * pairs * Bf16Stream::kStep;
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) lo[j][r] = hi[j][r] = _mm512_setzero_ps();
-  }
+  const int64_t pairs = Bf16Stream::start(stream, w, panels);
+  PanelSums<R, P> sums;
   for (int64_t i = 0; i < pairs; ++i, xp += R) {
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j) {
@@ -424,19 +429,12 @@ SPECDEC_TARGET_AVX512 inline void bf16_panels_widened(const PackedWeight& w, con
         const __m512i x = _mm512_set1_epi32(static_cast<int>(xp[r]));
         const __m512 x_even = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, x, 16));
         const __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(x, upper));
-        lo[j][r] = _mm512_fmadd_ps(x_even, a_even, _mm512_fmadd_ps(x_odd, a_odd, lo[j][r]));
-        hi[j][r] = _mm512_fmadd_ps(x_even, b_even, _mm512_fmadd_ps(x_odd, b_odd, hi[j][r]));
+        sums.lo[j][r] = _mm512_fmadd_ps(x_even, a_even, _mm512_fmadd_ps(x_odd, a_odd, sums.lo[j][r]));
+        sums.hi[j][r] = _mm512_fmadd_ps(x_even, b_even, _mm512_fmadd_ps(x_odd, b_odd, sums.hi[j][r]));
       }
     }
   }
-#pragma GCC unroll 2
-  for (int j = 0; j < P; ++j) {
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(acc[j] + r * kPanelWidth, lo[j][r]);
-      _mm512_storeu_ps(acc[j] + r * kPanelWidth + 16, hi[j][r]);
-    }
-  }
+  sums.store(acc);
 }
 
 // Calls run.template operator()<R>() with R = rows: up to kRegisterRows rows for one panel, up
