@@ -524,6 +524,24 @@ TEST(PackedProduct, MatchesFloat64OnOddShapesFormatsAndThreads) {
   at::set_num_threads(threads);
 }
 
+// The header line names the loops a format runs on this CPU, and says what it lacks: a bf16 model
+// on a CPU without AVX512-BF16 runs (the same sums, widened), slower, and says so.
+TEST(PackedProduct, TheLoopsNameWhatThisCpuLacks) {
+  using specdec::detail::WeightFormat;
+  const std::string bf16 = specdec::detail::packed_product_isa(WeightFormat::bf16);
+  const std::string f32 = specdec::detail::packed_product_isa(WeightFormat::f32);
+  if (!specdec::detail::cpu_has_avx512()) {
+    EXPECT_EQ(bf16, "portable loops: this CPU has no AVX-512, slower");
+    EXPECT_EQ(f32, bf16);
+  } else if (specdec::detail::cpu_has_avx512_bf16()) {
+    EXPECT_EQ(bf16, "avx512 loops, bf16 dot products");
+    EXPECT_EQ(f32, "avx512 loops");
+  } else {
+    EXPECT_NE(bf16.find("no AVX512-BF16"), std::string::npos) << bf16;
+    EXPECT_EQ(f32, "avx512 loops");
+  }
+}
+
 // Activations round to bfloat16 as ATen rounds them: to the nearest, ties to even, the largest
 // finite values to infinity, NaN to a NaN.
 TEST(PackedProduct, ActivationsRoundToBfloat16AsAtenRounds) {

@@ -29,7 +29,8 @@ int64_t product_weight_bytes(const Model& model) {
 
 // --weights on `model`: packs its CPU products (auto: where its weights outgrow the caches, or are
 // bf16, whose CPU forward needs them packed). Returns how its products read their weights, for
-// the header line ("packed bfloat16, avx512 loops"), or "" where they are not packed.
+// the header line ("packed bfloat16, avx512 loops, bf16 dot products"), or "" where they are not
+// packed.
 std::string apply_weights(const Arguments& a, Model& model) {
   if (!model.device().is_cpu() || a.weights == "unpacked") return {};
   const bool bf16 = model.dtype() == at::kBFloat16;
