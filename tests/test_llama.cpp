@@ -6,7 +6,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -14,6 +17,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "specdec/generate.hpp"
 #include "specdec/models/llama.hpp"
@@ -540,6 +547,32 @@ TEST(PackedProduct, TheLoopsNameWhatThisCpuLacks) {
     EXPECT_NE(bf16.find("no AVX512-BF16"), std::string::npos) << bf16;
     EXPECT_EQ(f32, "avx512 loops");
   }
+}
+
+// Packed weights live in memory the kernel can make huge pages of: 2 MiB aligned and, on Linux,
+// not yet resident when the packing writes it (memory the heap hands back from a freed block is
+// already small pages, and advice does not convert those), and unmapped when the weight goes.
+TEST(PackedProduct, WeightMemoryIsFreshAlignedAndReturned) {
+  constexpr size_t kHugePage = size_t{2} << 20;
+  constexpr int64_t kElements = 5 * (int64_t{1} << 20) + 7;  // bf16: 10 MiB and a little more
+  for (int round = 0; round < 2; ++round) {  // a freed block of the same size first, twice, as the heap sees it
+    std::vector<char> scrap(2 * kElements + 3 * kHugePage, 1);
+    EXPECT_EQ(scrap[12345], 1);
+  }
+  at::Tensor packed = specdec::detail::huge_page_tensor({kElements}, at::kBFloat16);
+  void* data = packed.data_ptr();
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(data) % kHugePage, 0U);
+#if defined(__linux__)
+  const size_t bytes = (2 * kElements + kHugePage - 1) / kHugePage * kHugePage;
+  std::vector<unsigned char> resident(bytes / 4096);
+  ASSERT_EQ(::mincore(data, bytes, resident.data()), 0) << std::strerror(errno);
+  for (size_t page = 0; page < resident.size(); ++page) ASSERT_EQ(resident[page] & 1, 0) << "page " << page;
+  packed.fill_(1.5);
+  EXPECT_TRUE((packed == 1.5).all().item<bool>());
+  packed = at::Tensor();
+  EXPECT_EQ(::mincore(data, bytes, resident.data()), -1);  // unmapped: ENOMEM
+  EXPECT_EQ(errno, ENOMEM);
+#endif
 }
 
 // Activations round to bfloat16 as ATen rounds them: to the nearest, ties to even, the largest

@@ -83,10 +83,13 @@ struct PackedWeight {
 };
 
 // An uninitialised CPU tensor of `sizes` and `dtype` in memory the kernel may back with huge
-// pages: aligned to 2 MiB and, on Linux, marked with madvise(MADV_HUGEPAGE) where it spans at least
-// one. A stream through memory in 4 KiB pages takes a TLB miss every 4 KiB, and the hardware
-// prefetchers stop at each page's end; with transparent huge pages in madvise mode (Debian's
-// default) nothing else would ask for them. Where the kernel refuses, the pages stay small.
+// pages: aligned to 2 MiB and, on Linux, a fresh anonymous mapping marked with
+// madvise(MADV_HUGEPAGE) before any of it is touched. A stream through memory in 4 KiB pages takes
+// a TLB miss every 4 KiB, and the hardware prefetchers stop at each page's end; with transparent
+// huge pages in madvise mode (Debian's default) nothing else would ask for them. The mapping must
+// be fresh: memory from the allocator's heap (std::aligned_alloc) may already be faulted in as
+// small pages (the fp32 checkpoint freed while packing leaves plenty), and advice does not
+// convert those. Where the kernel refuses, the pages stay small.
 inline at::Tensor huge_page_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
   constexpr size_t kHugePage = size_t{2} << 20;
   int64_t elements = 1;
@@ -94,12 +97,26 @@ inline at::Tensor huge_page_tensor(at::IntArrayRef sizes, at::ScalarType dtype) 
   const size_t bytes = static_cast<size_t>(elements) * at::elementSize(dtype);
   if (bytes < kHugePage) return at::empty(sizes, at::TensorOptions().dtype(dtype));
   const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // Map one huge page more than needed and unmap what lies outside the aligned span.
+  const size_t span = rounded + kHugePage;
+  void* mapped = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapped == MAP_FAILED) throw std::bad_alloc();
+  const auto first = reinterpret_cast<std::uintptr_t>(mapped);
+  const std::uintptr_t start = (first + kHugePage - 1) / kHugePage * kHugePage;
+  if (start > first) ::munmap(mapped, start - first);
+  if (const size_t tail = first + span - (start + rounded); tail > 0) {
+    ::munmap(reinterpret_cast<void*>(start + rounded), tail);
+  }
+  void* data = reinterpret_cast<void*>(start);
+  (void)::madvise(data, rounded, MADV_HUGEPAGE);  // advice: refused, the pages stay small
+  return at::from_blob(data, sizes, [rounded](void* memory) { ::munmap(memory, rounded); },
+                       at::TensorOptions().dtype(dtype));
+#else
   void* data = std::aligned_alloc(kHugePage, rounded);
   if (data == nullptr) throw std::bad_alloc();
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  (void)::madvise(data, rounded, MADV_HUGEPAGE);  // advice: refused, the pages stay small
-#endif
   return at::from_blob(data, sizes, [](void* memory) { std::free(memory); }, at::TensorOptions().dtype(dtype));
+#endif
 }
 
 // The panels of `weight` [out, in] (any floating dtype, any strides) in `dtype`: kFloat or kChar
@@ -564,11 +581,13 @@ inline void packed_product(const PackedWeight& w, const float* x, int64_t rows, 
   // two apart in real models, and would share the first-level cache's sets).
   thread_local std::vector<float> transposed;
   thread_local std::vector<uint32_t> transposed_pairs;
-  if (transposed.size() < static_cast<size_t>(w.in * packed::kRegisterRows)) {
+  // Each grows only for the layout it holds: a bf16 model never touches the fp32 buffer.
+  if (w.format == WeightFormat::bf16) {
+    if (transposed_pairs.size() < static_cast<size_t>(pairs * packed::kRegisterRows)) {
+      transposed_pairs.resize(static_cast<size_t>(pairs * packed::kRegisterRows));
+    }
+  } else if (transposed.size() < static_cast<size_t>(w.in * packed::kRegisterRows)) {
     transposed.resize(static_cast<size_t>(w.in * packed::kRegisterRows));
-  }
-  if (w.format == WeightFormat::bf16 && transposed_pairs.size() < static_cast<size_t>(pairs * packed::kRegisterRows)) {
-    transposed_pairs.resize(static_cast<size_t>(pairs * packed::kRegisterRows));
   }
   for (int64_t first = 0; first < rows; first += packed::kRegisterRows) {
     const int64_t count = std::min<int64_t>(packed::kRegisterRows, rows - first);
