@@ -588,6 +588,21 @@ TEST(PackedProduct, ActivationsRoundToBfloat16AsAtenRounds) {
     EXPECT_EQ(round_to_bf16(value), reference.x) << value;
   }
   EXPECT_TRUE(std::isnan(specdec::detail::packed::widen_bf16(round_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  // A product's rows round as round_to_bf16 does, 16 at a step where this CPU has AVX-512: tails
+  // of every length, NaNs (quiet, signalling, negative) and an odd row's zero pad.
+  for (const uint32_t nan : {0x7FC00000U, 0x7F800001U, 0xFFC00123U}) {
+    float value;
+    std::memcpy(&value, &nan, sizeof value);
+    values.insert(values.begin() + 3, value);
+  }
+  for (const int64_t n : {1, 2, 3, 15, 16, 17, 31, 33, 1014}) {
+    for (const bool vector : {false, specdec::detail::cpu_has_avx512()}) {
+      std::vector<uint16_t> bits(static_cast<size_t>(n) + 1, 0xABCD);
+      specdec::detail::packed::round_pairs(values.data(), n, bits.data(), vector);
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(bits[i], round_to_bf16(values[i])) << "n " << n << " at " << i << " vector " << vector;
+      EXPECT_EQ(bits[n], n % 2 == 1 ? 0 : 0xABCD) << n;
+    }
+  }
 }
 
 // The CPU forward's attention loops (the AVX2/FMA ones where this CPU has them) against

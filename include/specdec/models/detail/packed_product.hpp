@@ -263,6 +263,41 @@ inline float widen_bf16(uint32_t bits) noexcept {
   return value;
 }
 
+#ifdef SPECDEC_X86_AVX512_KERNELS
+// round_to_bf16 of each of `n` floats of `row`, 16 a step, into bits[0, n).
+SPECDEC_TARGET_AVX512 inline void round_to_bf16_avx512(const float* row, int64_t n, uint16_t* bits) {
+  constexpr __mmask16 kAll = 0xFFFF;  // the zero-masked shifts: see load16
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
+  const __m512i quiet = _mm512_set1_epi32(0x00400000);  // a NaN's bit 6 of its upper half
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = n - i >= 16 ? kAll : static_cast<__mmask16>((1U << (n - i)) - 1);
+    const __m512i value = _mm512_maskz_loadu_epi32(lanes, row + i);
+    const __m512i last = _mm512_and_si512(_mm512_maskz_srli_epi32(kAll, value, 16), one);  // the kept part's last bit
+    const __m512i rounded = _mm512_add_epi32(value, _mm512_add_epi32(bias, last));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(value, magnitude), infinity);
+    const __m512i result = _mm512_mask_or_epi32(rounded, nan, value, quiet);
+    _mm512_mask_cvtepi32_storeu_epi16(bits + i, lanes, _mm512_maskz_srli_epi32(kAll, result, 16));
+  }
+}
+#endif
+
+// One row of `in` activations rounded to bf16 (round_to_bf16) into bits[0, in), and bits[in] = 0
+// where `in` is odd (a pair's zero pad): read as 32-bit words, the row's pairs of inputs. 16 at a
+// step where `vector` (the CPU has AVX-512).
+inline void round_pairs(const float* row, int64_t in, uint16_t* bits, bool vector) {
+  if (in % 2 == 1) bits[in] = 0;
+#ifdef SPECDEC_X86_AVX512_KERNELS
+  if (vector) {
+    round_to_bf16_avx512(row, in, bits);
+    return;
+  }
+#else
+  (void)vector;
+#endif
+  for (int64_t i = 0; i < in; ++i) bits[i] = round_to_bf16(row[i]);
+}
+
 // Portable: bf16 panel p times `rows` rows of x given as pairs (xp [pairs, rows]: a row's inputs
 // 2j and 2j + 1 rounded to bf16 in the low and high halves of xp[j * rows + r]), into `acc`
 // [rows, 32]: per pair, sum = (sum + x[2j+1] w[2j+1]) + x[2j] w[2j] (both products exact).
@@ -581,10 +616,12 @@ inline void packed_product(const PackedWeight& w, const float* x, int64_t rows, 
   // two apart in real models, and would share the first-level cache's sets).
   thread_local std::vector<float> transposed;
   thread_local std::vector<uint32_t> transposed_pairs;
+  thread_local std::vector<uint16_t> rounded_rows;  // bf16: each row rounded, in order
   // Each grows only for the layout it holds: a bf16 model never touches the fp32 buffer.
   if (w.format == WeightFormat::bf16) {
     if (transposed_pairs.size() < static_cast<size_t>(pairs * packed::kRegisterRows)) {
       transposed_pairs.resize(static_cast<size_t>(pairs * packed::kRegisterRows));
+      rounded_rows.resize(static_cast<size_t>(2 * pairs * packed::kRegisterRows));
     }
   } else if (transposed.size() < static_cast<size_t>(w.in * packed::kRegisterRows)) {
     transposed.resize(static_cast<size_t>(w.in * packed::kRegisterRows));
@@ -593,14 +630,13 @@ inline void packed_product(const PackedWeight& w, const float* x, int64_t rows, 
     const int64_t count = std::min<int64_t>(packed::kRegisterRows, rows - first);
     const void* xt = nullptr;
     if (w.format == WeightFormat::bf16) {
-      uint32_t* const xp = transposed_pairs.data();
+      // Each row rounded in order (16 activations a step), then its pairs laid beside the others'.
       for (int64_t r = 0; r < count; ++r) {
-        const float* row = x + (first + r) * w.in;
-        for (int64_t j = 0; j < pairs; ++j) {
-          const uint32_t even = packed::round_to_bf16(row[2 * j]);
-          const uint32_t odd = 2 * j + 1 < w.in ? packed::round_to_bf16(row[2 * j + 1]) : 0U;
-          xp[j * count + r] = even | (odd << 16);
-        }
+        packed::round_pairs(x + (first + r) * w.in, w.in, rounded_rows.data() + r * 2 * pairs, vector);
+      }
+      uint32_t* const xp = transposed_pairs.data();
+      for (int64_t j = 0; j < pairs; ++j) {
+        for (int64_t r = 0; r < count; ++r) std::memcpy(xp + j * count + r, rounded_rows.data() + (r * pairs + j) * 2, 4);
       }
       xt = xp;
     } else {
