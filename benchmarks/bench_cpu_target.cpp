@@ -14,9 +14,15 @@
 // bfloat16), 3 packed int8 (from the fp32 checkpoint). Counters:
 //   BM_Floor: read_gb_per_s, the rate at which the threads read a 1 GiB buffer, each its own
 //     stretch in one stream (best of 5);
+//   BM_Ceiling: fp32_gmac_per_s and bf16_gmac_per_s, the multiply-adds a second the threads
+//     issue together with the packed loops' instruction (vfmadd231ps; vdpbf16ps where the CPU
+//     has AVX512-BF16) when nothing waits on memory (best of 5; AVX-512 CPUs only);
 //   BM_Forward/F/k: ms (one forward of k new tokens after 32 cached positions, best of the
-//     iterations), weight_gb_per_s (the products' weight bytes over that time) and
-//     floor_fraction (weight_gb_per_s over read_gb_per_s);
+//     iterations), weight_gb_per_s (the products' weight bytes over that time),
+//     floor_fraction (weight_gb_per_s over read_gb_per_s) and mac_fraction (the products'
+//     k x weights multiply-adds over that time, over BM_Ceiling's rate for the format): a
+//     forward is bound by the memory where floor_fraction nears 1, by the arithmetic where
+//     mac_fraction does;
 //   BM_Generate/F/gamma: tokens_per_second of greedy decoding (gamma 0: autoregressive; else
 //     speculative with the drafter in the same format), acceptance_rate, tokens_per_target_call,
 //     target_ms_per_call.
@@ -43,6 +49,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <charconv>
 #include <chrono>
@@ -128,12 +135,16 @@ Model& parallel_drafter(int format, int64_t* mask_token) {
   return model;
 }
 
+// Weights (multiply-adds per token) of a forward's products.
+double product_elements(const Model& model) {
+  const models::LlamaConfig& c = model.config();
+  return static_cast<double>(c.n_layers * (c.dim * (c.dim + 2 * c.kv_dim()) + c.dim * c.dim + 3 * c.dim * c.hidden_dim) +
+                             c.vocab_size * c.dim);
+}
+
 // Bytes of the weight products a forward reads in `format`.
 double product_bytes(const Model& model, int format) {
-  const models::LlamaConfig& c = model.config();
-  const double elements = static_cast<double>(
-      c.n_layers * (c.dim * (c.dim + 2 * c.kv_dim()) + c.dim * c.dim + 3 * c.dim * c.hidden_dim) + c.vocab_size * c.dim);
-  return elements * (format == 3 ? 1.0 : format == 2 ? 2.0 : 4.0);
+  return product_elements(model) * (format == 3 ? 1.0 : format == 2 ? 2.0 : 4.0);
 }
 
 double& read_rate() {
@@ -160,6 +171,77 @@ double& read_rate() {
     return static_cast<double>(buffer.nbytes()) / best / 1e9;
   }();
   return rate;
+}
+
+#ifdef SPECDEC_X86_AVX512_KERNELS
+// One thread's multiply-adds with nothing waiting on memory: `steps` rounds of 16 independent
+// sums (more than the instruction's latency needs) by the packed loops' instruction: vfmadd231ps
+// (16 multiply-adds; the fp32 and int8 loops, and bf16 widened) or vdpbf16ps (32).
+SPECDEC_TARGET_AVX512 float lane_total(const __m512 (&sums)[16]) {
+  __m512 all = sums[0];
+  for (int i = 1; i < 16; ++i) all = _mm512_add_ps(all, sums[i]);
+  float lanes[16];
+  _mm512_storeu_ps(lanes, all);
+  float total = 0;
+  for (const float lane : lanes) total += lane;
+  return total;
+}
+
+SPECDEC_TARGET_AVX512 float fma_rounds(int64_t steps) {
+  __m512 sums[16];
+  for (auto& sum : sums) sum = _mm512_setzero_ps();
+  __m512 a = _mm512_set1_ps(1e-3F);
+  const __m512 b = _mm512_set1_ps(1.0F);
+  for (int64_t i = 0; i < steps; ++i) {
+#pragma GCC unroll 16
+    for (auto& sum : sums) sum = _mm512_fmadd_ps(a, b, sum);
+    asm volatile("" : "+v"(a));  // a stays an opaque register: nothing folds the rounds
+  }
+  return lane_total(sums);
+}
+
+SPECDEC_TARGET_AVX512_BF16 float dot_rounds(int64_t steps) {
+  __m512 sums[16];
+  for (auto& sum : sums) sum = _mm512_setzero_ps();
+  __m512i a = _mm512_set1_epi32(0x3A833A83);        // bf16 pairs of about 1e-3
+  const __m512i b = _mm512_set1_epi32(0x3F803F80);  // pairs of 1
+  for (int64_t i = 0; i < steps; ++i) {
+#pragma GCC unroll 16
+    for (auto& sum : sums) sum = _mm512_dpbf16_ps(sum, (__m512bh)a, (__m512bh)b);
+    asm volatile("" : "+v"(a));
+  }
+  return lane_total(sums);
+}
+#endif
+
+// Multiply-adds a second that all the intra-op threads issue together with the instruction the
+// packed loops of `format` run (best of 5 after a warm-up): the arithmetic ceiling of a forward,
+// as read_rate is its memory floor. 0 where this CPU has no AVX-512 (the portable loops: none
+// measured).
+double arithmetic_rate(int format) {
+  static const std::array<double, 2> rates = [] {
+    std::array<double, 2> measured{0, 0};  // fp32 multiply-adds, bf16 dot products
+#ifdef SPECDEC_X86_AVX512_KERNELS
+    if (!specdec::detail::cpu_has_avx512()) return measured;
+    const int64_t threads = at::get_num_threads(), steps = int64_t{1} << 21;
+    for (int kind = 0; kind < 2; ++kind) {
+      if (kind == 1 && !specdec::detail::cpu_has_avx512_bf16()) break;
+      double best = 1e30;
+      for (int i = 0; i < 6; ++i) {
+        std::atomic<float> seen{0};
+        const auto start = Clock::now();
+        at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) seen.store(kind == 0 ? fma_rounds(steps) : dot_rounds(steps));
+        });
+        benchmark::DoNotOptimize(seen.load());
+        if (i > 0) best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
+      }
+      measured[kind] = static_cast<double>(threads * steps * 16) * (kind == 0 ? 16.0 : 32.0) / best;
+    }
+#endif
+    return measured;
+  }();
+  return format == 2 && rates[1] > 0 ? rates[1] : rates[0];
 }
 
 // Token ids of a story's opening (stories260K's tokenizer: "Once upon a time, there was a"),
@@ -205,6 +287,12 @@ void BM_Floor(benchmark::State& state) {
   state.counters["read_gb_per_s"] = read_rate();
 }
 
+void BM_Ceiling(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(arithmetic_rate(1));
+  state.counters["fp32_gmac_per_s"] = arithmetic_rate(1) / 1e9;
+  state.counters["bf16_gmac_per_s"] = arithmetic_rate(2) / 1e9;
+}
+
 void BM_Forward(benchmark::State& state) {
   if (!have_models(state, false)) return;
   const int format = static_cast<int>(state.range(0));
@@ -228,6 +316,9 @@ void BM_Forward(benchmark::State& state) {
   state.counters["ms"] = 1e3 * best;
   state.counters["weight_gb_per_s"] = rate;
   state.counters["floor_fraction"] = rate / read_rate();
+  if (const double ceiling = arithmetic_rate(format); ceiling > 0) {
+    state.counters["mac_fraction"] = static_cast<double>(k) * product_elements(model) / best / ceiling;
+  }
   state.SetLabel(kFormatNames[format]);
 }
 
@@ -384,6 +475,7 @@ void BM_ParallelVsChain(benchmark::State& state) {
 // Each format's benchmarks together, so that each model loads once per run.
 void register_benchmarks() {
   benchmark::RegisterBenchmark("BM_Floor", BM_Floor)->Iterations(1);
+  benchmark::RegisterBenchmark("BM_Ceiling", BM_Ceiling)->Iterations(1);
   for (int format = 0; format < 4; ++format) {
     for (int64_t k = 1; k <= 9; ++k) {
       benchmark::RegisterBenchmark("BM_Forward", BM_Forward)->Args({format, k})->Iterations(5);

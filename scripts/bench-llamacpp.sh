@@ -85,7 +85,7 @@ for round in $(seq "$rounds"); do
   echo "round $round of $rounds: specdec"
   for model in "$target" "$random64"; do
     name=$(basename "$model" .bin)
-    filter='BM_Floor|BM_Forward|BM_Generate'
+    filter='BM_Floor|BM_Ceiling|BM_Forward|BM_Generate'
     [ "$name" = random64 ] && filter='BM_Forward/[0-3]/1/|BM_Generate/[0-3]/0/'
     SPECDEC_BENCH_TARGET="$model" SPECDEC_BENCH_DRAFTER="$drafter" "$root/build-bench/benchmarks/bench_cpu_target" \
       --threads "$threads" --benchmark_filter="$filter" --benchmark_format=json \

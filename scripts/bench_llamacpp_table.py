@@ -144,6 +144,34 @@ def main():
     if unpacked.get(1):
         cells = " | ".join(fmt(unpacked[k] / unpacked[1]) if unpacked.get(k) else "—" for k in range(2, 10))
         print(f"| fp32 | specdec, unpacked (oneDNN/BLAS) | {fmt(unpacked[1], 1)} | {cells} |")
+    print_bounds(ours, floor)
+
+
+def print_bounds(ours, floor):
+    """specdec's forwards of 1 and 8 tokens beside what bounds them on this machine: the memory
+    (weight bytes over the floor's rate) and the arithmetic (k x weights multiply-adds over
+    BM_Ceiling's rate with the loops' instruction)."""
+    ceilings = {"fp32": best(ours.get("BM_Ceiling", []), "fp32_gmac_per_s"),
+                "bf16": best(ours.get("BM_Ceiling", []), "bf16_gmac_per_s")}
+    if floor is None or ceilings["fp32"] is None:
+        return
+    print(f"\nspecdec's forwards beside this machine's bounds: the memory (weight bytes over the floor's "
+          f"{fmt(floor, 1)} GB/s) and the arithmetic (k x weights multiply-adds at {fmt(ceilings['fp32'], 1)} "
+          f"G/s by fp32 multiply-adds, {fmt(ceilings['bf16'], 1)} G/s by bf16 dot products; int8 is widened to "
+          f"fp32):\n")
+    print("| precision | weights GB | memory bound ms | t(1) ms | t(8) ms | arithmetic bound of t(8) ms |")
+    print("|---|---|---|---|---|---|")
+    for precision, (format_id, _) in FORMATS.items():
+        one = ours.get(f"BM_Forward/{format_id}/1", [])
+        eight = best(ours.get(f"BM_Forward/{format_id}/8", []), "ms", smaller=True)
+        if not one or eight is None:
+            continue
+        gigabytes = one[0]["weight_gb_per_s"] * one[0]["ms"] / 1e3
+        weights = gigabytes * 1e9 / {"fp32": 4, "bf16": 2, "8-bit": 1}[precision]
+        ceiling = ceilings["bf16"] if precision == "bf16" and ceilings["bf16"] else ceilings["fp32"]
+        memory_ms = 1e3 * gigabytes / floor
+        print(f"| {precision} | {fmt(gigabytes)} | {fmt(memory_ms, 1)} | {fmt(best(one, 'ms', smaller=True), 1)} | "
+              f"{fmt(eight, 1)} | {fmt(1e3 * 8 * weights / (ceiling * 1e9), 1)} |")
 
 
 if __name__ == "__main__":
