@@ -153,12 +153,13 @@ def print_bounds(ours, floor):
     BM_Ceiling's rate with the loops' instruction)."""
     ceilings = {"fp32": best(ours.get("BM_Ceiling", []), "fp32_gmac_per_s"),
                 "bf16": best(ours.get("BM_Ceiling", []), "bf16_gmac_per_s")}
-    if floor is None or ceilings["fp32"] is None:
+    if floor is None or not ceilings["fp32"]:  # 0: a CPU without AVX-512, none measured
         return
     print(f"\nspecdec's forwards beside this machine's bounds: the memory (weight bytes over the floor's "
           f"{fmt(floor, 1)} GB/s) and the arithmetic (k x weights multiply-adds at {fmt(ceilings['fp32'], 1)} "
-          f"G/s by fp32 multiply-adds, {fmt(ceilings['bf16'], 1)} G/s by bf16 dot products; int8 is widened to "
-          f"fp32):\n")
+          f"G/s by fp32 multiply-adds, " +
+          (f"{fmt(ceilings['bf16'], 1)} G/s by bf16 dot products; " if ceilings["bf16"] else "bf16 widened to fp32; ") +
+          "int8 is widened to fp32):\n")
     print("| precision | weights GB | memory bound ms | t(1) ms | t(8) ms | arithmetic bound of t(8) ms |")
     print("|---|---|---|---|---|---|")
     for precision, (format_id, _) in FORMATS.items():
