@@ -69,7 +69,7 @@ class GenerationState {
         on_step_(options.on_step),
         start_(std::chrono::steady_clock::now()) {
     if constexpr (requires { options.stop_sequences; }) stop_sequences_ = options.stop_sequences;
-    if (room() <= 0) reason_ = stop_reason_at_end();
+    if (room() <= 0) set_reason(stop_reason_at_end());
   }
 
   // Tokens so far, prompt included.
@@ -78,7 +78,7 @@ class GenerationState {
   // The most tokens the sequence may hold: the target's limit.
   [[nodiscard]] int64_t limit() const noexcept { return limit_; }
   // Tokens that can still be appended.
-  [[nodiscard]] int64_t room() const noexcept { return reason_ ? 0 : end_ - length(); }
+  [[nodiscard]] int64_t room() const noexcept { return stopped_ ? 0 : end_ - length(); }
   [[nodiscard]] bool finished() const noexcept { return room() <= 0; }
 
   GenerationStats& stats() noexcept { return stats_; }
@@ -99,11 +99,11 @@ class GenerationState {
       if (finished()) return;
       sequence_.push_back(t);
       if (std::find(eos_.begin(), eos_.end(), t) != eos_.end()) {
-        reason_ = StopReason::end_token;
+        set_reason(StopReason::end_token);
       } else if (ends_with_stop_sequence()) {
-        reason_ = StopReason::stop_sequence;
+        set_reason(StopReason::stop_sequence);
       } else if (length() >= end_) {
-        reason_ = stop_reason_at_end();
+        set_reason(stop_reason_at_end());
       }
     };
     for (int64_t i = 0; i < step.accepted; ++i) append(step.drafts[static_cast<size_t>(i)]);
@@ -130,7 +130,7 @@ class GenerationState {
           .row = row_,
           .rtt_seconds = step.rtt_seconds,
           .prefill_seconds = step.prefill_seconds});
-      if (action == StepAction::stop && !reason_) reason_ = StopReason::callback;
+      if (action == StepAction::stop && !stopped_) set_reason(StopReason::callback);
     }
     reported_target_seconds_ = stats_.target_seconds;
     reported_drafter_seconds_ = stats_.drafter_seconds;
@@ -144,10 +144,15 @@ class GenerationState {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     return GenerationResult{
         std::vector<int64_t>(sequence_.begin() + prompt_length_, sequence_.end()), stats_,
-        reason_.value_or(StopReason::max_new_tokens)};
+        stopped_ ? reason_ : StopReason::max_new_tokens};
   }
 
  private:
+  void set_reason(StopReason reason) noexcept {
+    reason_ = reason;
+    stopped_ = true;
+  }
+
   // Why the sequence stops at end_: the model's limit when it comes before max_new_tokens.
   [[nodiscard]] StopReason stop_reason_at_end() const noexcept {
     return limit_ - prompt_length_ < max_new_tokens_ ? StopReason::sequence_limit
@@ -176,7 +181,10 @@ class GenerationState {
   GenerationStats stats_;
   double reported_target_seconds_ = 0;   // stats_ times at the last emit, for per-step times
   double reported_drafter_seconds_ = 0;
-  std::optional<StopReason> reason_;
+  // Why it stopped, once stopped_ (a flag beside a value, not an optional: GCC's
+  // -Wmaybe-uninitialized misreads an optional's payload where this state is inlined).
+  StopReason reason_ = StopReason::max_new_tokens;
+  bool stopped_ = false;
   int64_t row_ = 0;
 };
 
