@@ -51,6 +51,16 @@ int run_remote(const Arguments& a) {
   }
   GenerationResult result;
   try {
+    // The wire names the processor, so the remote path takes each one as itself.
+    const remote::AnyProcessor chosen = std::visit(
+        [](const auto& p) -> remote::AnyProcessor {
+          if constexpr (std::is_same_v<std::decay_t<decltype(p)>, SampledProcessor>) {
+            return std::visit([](const auto& sampled) -> remote::AnyProcessor { return sampled; }, p.choice());
+          } else {
+            return p;
+          }
+        },
+        processor);
     result = std::visit(
         [&](const auto& p) {
           if (a.mode == "autoregressive") {
@@ -60,7 +70,7 @@ int run_remote(const Arguments& a) {
           ModelDraftSource drafts(drafter);
           return remote::remote_generate(drafts, verifier, prompt, options, p);
         },
-        processor);
+        chosen);
   } catch (const remote::RemoteError& e) {
     std::cout << std::endl;
     std::cerr << "specdec-generate: " << e.what() << "\nspecdec-generate: " << e.partial().tokens.size()
