@@ -18,6 +18,9 @@
 #include "support/markov_fixtures.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_adaptive {
+
 namespace {
 
 using namespace specdec;
@@ -449,3 +452,5 @@ TEST(AdaptiveOptions, RejectsBadValuesNamingThem) {
 }
 
 }  // namespace
+
+}  // namespace test_adaptive

@@ -36,6 +36,9 @@
 #include "support/remote_fixtures.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_admission {
+
 namespace {
 
 using namespace specdec;
@@ -912,3 +915,5 @@ TEST(Remote, MemoryFreedSessionsHeldIsReturnedAfterAStorm) {
 #endif
 }
 }  // namespace
+
+}  // namespace test_admission

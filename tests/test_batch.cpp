@@ -21,6 +21,9 @@
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_batch {
+
 namespace {
 
 using namespace specdec;
@@ -523,3 +526,5 @@ TYPED_TEST(BatchLlama, SessionTurnsAcrossBothLimitsEqualAutoregressive) {
 }
 
 }  // namespace
+
+}  // namespace test_batch

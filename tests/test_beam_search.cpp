@@ -11,6 +11,9 @@
 #include "support/llama_fixtures.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_beam_search {
+
 namespace {
 
 using namespace specdec;
@@ -191,3 +194,5 @@ TEST(BeamSearch, RejectsBadInputNamingIt) {
 }
 
 }  // namespace
+
+}  // namespace test_beam_search

@@ -8,6 +8,9 @@
 #include "specdec/step.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_concepts {
+
 namespace {
 
 using specdec::KVCache;
@@ -177,3 +180,5 @@ TEST(Concepts, DraftSourceHooksAreCheckedAndCalledExactlyWhenTheirConceptsHold) 
 }
 
 }  // namespace
+
+}  // namespace test_concepts

@@ -12,6 +12,9 @@
 #include "specdec/specdec.hpp"
 #include "support/llama_fixtures.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_cuda_graph {
+
 namespace {
 
 using namespace specdec;
@@ -207,3 +210,5 @@ TEST(CudaGraph, ReplayedStepsEqualEagerSteps) {
 }
 
 }  // namespace
+
+}  // namespace test_cuda_graph

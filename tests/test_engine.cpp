@@ -26,6 +26,9 @@
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_engine {
+
 namespace {
 
 using namespace specdec;
@@ -1003,3 +1006,5 @@ TEST(EngineGreedy, AJoiningPromptIsPrefilledApartFromTheRunningRows) {
 }
 
 }  // namespace
+
+}  // namespace test_engine

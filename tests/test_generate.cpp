@@ -16,6 +16,9 @@
 #include "support/llama_fixtures.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_generate {
+
 namespace {
 
 using namespace specdec;
@@ -418,3 +421,5 @@ TEST(SpeculativeGenerate, DrafterOnCpuTargetOnCuda) {
 }
 
 }  // namespace
+
+}  // namespace test_generate

@@ -17,6 +17,9 @@
 #include <string>
 #include <vector>
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_hf_tokenizer {
+
 namespace {
 
 using specdec::io::ChatTemplate;
@@ -360,3 +363,5 @@ TEST_P(RealTokenizer, ChatFormatFollowsTheTokens) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, RealTokenizer, ::testing::Values("llama3", "qwen3", "llama2"));
 
 }  // namespace
+
+}  // namespace test_hf_tokenizer

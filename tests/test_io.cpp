@@ -29,6 +29,9 @@
 #include "specdec/text/prompts.hpp"
 #include "text/python_corpus.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_io {
+
 namespace {
 
 using namespace specdec;
@@ -1231,3 +1234,5 @@ TEST(HfFamilies, SaveWritesTheFamilyAndLoadsBack) {
 }
 
 }  // namespace bundled
+
+}  // namespace test_io

@@ -3,6 +3,9 @@
 
 #include "specdec/kv_cache.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_kv_cache {
+
 namespace {
 
 using namespace specdec;
@@ -184,3 +187,5 @@ TEST(StaticKVCache, RejectsBadShape) {
 }
 
 }  // namespace
+
+}  // namespace test_kv_cache

@@ -27,6 +27,9 @@
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_llama {
+
 namespace {
 
 using namespace specdec;
@@ -939,3 +942,5 @@ TEST(LlamaModel, RunsOnCudaWhenAvailable) {
 }
 
 }  // namespace
+
+}  // namespace test_llama

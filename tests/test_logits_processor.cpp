@@ -9,6 +9,9 @@
 #include "specdec/logits_processor.hpp"
 #include "support/statistics.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_logits_processor {
+
 namespace {
 
 using namespace specdec;
@@ -171,3 +174,5 @@ TEST(LogitsProcessor, RejectsInvalidParametersNamingThem) {
 }
 
 }  // namespace
+
+}  // namespace test_logits_processor

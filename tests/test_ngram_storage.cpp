@@ -17,6 +17,9 @@
 #include <malloc.h>
 #endif
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_ngram_storage {
+
 namespace {
 
 using namespace specdec;
@@ -578,3 +581,5 @@ TEST(NGramAssistedDistribution, ConfidentDraftsEqualTarget) {
 }
 
 }  // namespace
+
+}  // namespace test_ngram_storage

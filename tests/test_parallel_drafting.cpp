@@ -28,6 +28,9 @@
 #include "support/parallel_fixtures.hpp"
 #include "support/statistics.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_parallel_drafting {
+
 namespace {
 
 using namespace specdec;
@@ -359,3 +362,5 @@ TEST(ParallelDrafterCheckpoint, SavesAndLoadsAndRefusesBadConfigurations) {
 }
 
 }  // namespace
+
+}  // namespace test_parallel_drafting

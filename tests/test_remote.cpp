@@ -34,6 +34,9 @@
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_remote {
+
 namespace {
 
 using namespace specdec;
@@ -933,3 +936,5 @@ TEST(RemoteTensorParallel, BadGroupsAreRefused) {
 }
 
 }  // namespace
+
+}  // namespace test_remote

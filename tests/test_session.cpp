@@ -11,6 +11,9 @@
 #include "support/llama_fixtures.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_session {
+
 namespace {
 
 using namespace specdec;
@@ -236,3 +239,5 @@ TEST(Session, RejectsBadInputAndStaysUnchanged) {
 }
 
 }  // namespace
+
+}  // namespace test_session

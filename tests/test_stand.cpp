@@ -28,6 +28,9 @@
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_stand {
+
 namespace {
 
 using namespace specdec;
@@ -598,3 +601,5 @@ TEST(DynamicTreeGenerate, RejectsBadOptionsNamingThem) {
 }
 
 }  // namespace
+
+}  // namespace test_stand

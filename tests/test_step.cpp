@@ -32,6 +32,9 @@
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_step {
+
 namespace {
 
 using namespace specdec;
@@ -1504,3 +1507,5 @@ TEST(HeadTrees, MedusaTreesGreedyEqualAutoregressive) {
 }
 
 }  // namespace
+
+}  // namespace test_step

@@ -21,6 +21,9 @@
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_suffix {
+
 namespace {
 
 using namespace specdec;
@@ -705,3 +708,5 @@ TEST(SuffixCache, StaysUnderItsMemoryBoundOverAMillionTokens) {
 }
 
 }  // namespace
+
+}  // namespace test_suffix

@@ -38,6 +38,9 @@
 #include "support/parallel_fixtures.hpp"
 #include "support/statistics.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_tree_sources {
+
 namespace {
 
 using namespace specdec;
@@ -673,3 +676,5 @@ TEST(DynamicTrees, TheLibrarysOwnWorkIsAFewAtenCallsPerRound) {
 }
 
 }  // namespace
+
+}  // namespace test_tree_sources

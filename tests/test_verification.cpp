@@ -15,6 +15,9 @@
 #include "support/statistics.hpp"
 #include "support/toy_models.hpp"
 
+// One namespace a file: specdec_tests is compiled as a unity build (tests/CMakeLists.txt).
+namespace test_verification {
+
 namespace {
 
 using namespace specdec;
@@ -258,3 +261,5 @@ TEST(SpeculativeDistribution, TheFirstRejectionAfterTheTargetsFirstTokenIsSample
 }
 
 }  // namespace
+
+}  // namespace test_verification
