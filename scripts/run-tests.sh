@@ -9,9 +9,11 @@
 #     path compiles and links; the tests that need a GPU skip, saying so), optimised at -O1: all
 #     the unit tests, every public header on its own, every program and its command-line cases,
 #     tensor parallelism's processes, the packaging tests, the checks against transformers and
-#     tokenizers (label reference), the GPU check's benchmark against transformers on the CPU,
-#     and the tools. The Google Benchmark programs are not built here (nine minutes of this
-#     leg's build on 2 cores): scripts/bench-compare.sh and scripts/bench-llamacpp.sh build them.
+#     tokenizers (label reference) and the GPU check's benchmark against transformers on the
+#     CPU. The Google Benchmark programs and the trainers (tools/) are not built here: they were
+#     thirteen minutes of this leg's build on 2 cores, and ran only as smoke runs.
+#     scripts/bench-compare.sh and scripts/bench-llamacpp.sh build the benchmarks;
+#     -DSPECDEC_BUILD_TOOLS=ON builds the trainers and their smoke cases.
 #
 # A cold run (nothing in ccache) on a 2-core machine without AVX-512 took 2 h 30 min when every
 # leg built and ran everything; CI allows 90 minutes. So: the unit tests are two unity
@@ -110,7 +112,7 @@ mapfile -t torch_args < <("$root/scripts/torch-cmake-args.sh" "$venv/bin/python"
 cmake -S "$root" -B "$root/build-torch2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" \
   "${launcher[@]}" "${torch_args[@]}" \
   -DSPECDEC_PYTHON="$venv/bin/python" -DSPECDEC_BUILD_TESTS=ON -DSPECDEC_BUILD_EXAMPLES=ON \
-  -DSPECDEC_BUILD_BENCHMARKS=OFF -DSPECDEC_BUILD_GPU_BENCH=ON -DSPECDEC_BUILD_TOOLS=ON
+  -DSPECDEC_BUILD_BENCHMARKS=OFF -DSPECDEC_BUILD_GPU_BENCH=ON -DSPECDEC_BUILD_TOOLS=OFF
 cmake --build "$root/build-torch2" -j "$jobs"
 run_shards "$root/build-torch2/tests/specdec_tests"
 ctest --test-dir "$root/build-torch2" -LE unit --output-on-failure -j "$jobs"
