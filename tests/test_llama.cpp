@@ -482,14 +482,16 @@ TEST(PackedProduct, HeaderLoopsRunOnLibtorchsThreads) {
 // half a step of the weight; bf16 against the activations rounded to bf16 too, which a product
 // of unrounded activations misses by far more than the tolerance), one and two threads, every
 // version of the loops this CPU has. The bf16 versions (AVX512-BF16's dot products, the widened
-// AVX-512 loops, the portable loops) compute the same sums bit for bit: a pair added in the
-// other order, or with one rounding, differs in the last bits.
+// AVX-512 and AVX2 loops, the portable loops) compute the same sums bit for bit: a pair added in
+// the other order, or with one rounding, differs in the last bits. The 1500 inputs span more
+// than one of the AVX2 loops' blocks (128 inputs of fp32, 128 pairs of bf16, 512 of int8), and
+// 4 to 13 rows more than one of their groups of rows.
 TEST(PackedProduct, MatchesFloat64OnOddShapesFormatsAndThreads) {
   using specdec::detail::PackedLoops;
   using specdec::detail::WeightFormat;
   at::manual_seed(11);
   const int threads = at::get_num_threads();
-  for (const auto& [in, out] : std::vector<std::pair<int64_t, int64_t>>{{37, 53}, {64, 1000}, {203, 17}, {9, 1}}) {
+  for (const auto& [in, out] : std::vector<std::pair<int64_t, int64_t>>{{37, 53}, {64, 1000}, {203, 17}, {9, 1}, {1500, 70}}) {
     const at::Tensor weight = at::randn({out, in});
     const at::Tensor bias = at::randn({out});
     for (const WeightFormat format : {WeightFormat::f32, WeightFormat::bf16, WeightFormat::i8}) {
@@ -511,7 +513,7 @@ TEST(PackedProduct, MatchesFloat64OnOddShapesFormatsAndThreads) {
         std::optional<at::Tensor> first;
         for (const int n : {1, 2}) {
           at::set_num_threads(n);
-          for (const PackedLoops loops : {PackedLoops::best, PackedLoops::avx512, PackedLoops::portable}) {
+          for (const PackedLoops loops : {PackedLoops::best, PackedLoops::avx512, PackedLoops::avx2, PackedLoops::portable}) {
             at::Tensor y = at::empty({rows, out});
             specdec::detail::packed_product(product.packed_weight(), x.data_ptr<float>(), rows, y.data_ptr<float>(),
                                             bias.data_ptr<float>(), loops);
@@ -540,9 +542,12 @@ TEST(PackedProduct, TheLoopsNameWhatThisCpuLacks) {
   using specdec::detail::WeightFormat;
   const std::string bf16 = specdec::detail::packed_product_isa(WeightFormat::bf16);
   const std::string f32 = specdec::detail::packed_product_isa(WeightFormat::f32);
-  if (!specdec::detail::cpu_has_avx512()) {
-    EXPECT_EQ(bf16, "portable loops: this CPU has no AVX-512, slower");
+  if (!specdec::detail::cpu_has_avx512() && !specdec::detail::cpu_has_avx2_fma()) {
+    EXPECT_EQ(bf16, "portable loops: this CPU has neither AVX-512 nor AVX2 with FMA, slower");
     EXPECT_EQ(f32, bf16);
+  } else if (!specdec::detail::cpu_has_avx512()) {
+    EXPECT_EQ(bf16, "avx2 loops: this CPU has no AVX-512, bf16 products widened to fp32");
+    EXPECT_EQ(f32, "avx2 loops: this CPU has no AVX-512");
   } else if (specdec::detail::cpu_has_avx512_bf16()) {
     EXPECT_EQ(bf16, "avx512 loops, bf16 dot products");
     EXPECT_EQ(f32, "avx512 loops");

@@ -19,15 +19,6 @@
 #define SPECDEC_HAS_MXCSR 1
 #endif
 
-// AVX2 and FMA versions of the attention and SwiGLU loops, compiled for those instructions whatever the
-// caller's flags (a build for generic x86-64 gets SSE2 from its compiler) and chosen at run time
-// where the CPU has them. GCC and Clang on x86-64 only; elsewhere the portable loops run.
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define SPECDEC_X86_KERNELS 1
-#define SPECDEC_TARGET_AVX2 __attribute__((target("avx2,fma")))
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,6 +26,7 @@
 #include <vector>
 
 #include "specdec/detail/torch_compat.hpp"
+#include "specdec/models/detail/x86.hpp"
 
 namespace specdec::detail {
 
@@ -105,16 +97,6 @@ inline void rotate_heads(float* x, int64_t heads, int64_t head_dim, int64_t posi
       pairs[2 * i + 1] = a * s[i] + b * c[i];
     }
   }
-}
-
-// Whether this CPU runs the AVX2/FMA attention kernels (asked once per process).
-inline bool cpu_has_avx2_fma() {
-#ifdef SPECDEC_X86_KERNELS
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-#else
-  return false;
-#endif
 }
 
 #ifdef SPECDEC_X86_KERNELS

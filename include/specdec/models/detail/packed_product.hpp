@@ -26,9 +26,11 @@
 // the same sums come from fused multiply-adds on the widened values, bit for bit (what
 // PackedProduct's tests check on a CPU that has both).
 //
-// The AVX-512 versions are compiled for their instructions whatever the caller's flags and chosen
-// at run time where the CPU has them; elsewhere the same loops run in portable C++ that the
-// compiler vectorises for the caller's flags. Panels are split over libtorch's intra-op threads.
+// The AVX-512 versions, and AVX2/FMA versions for CPUs without AVX-512 (bf16 widened there too),
+// are compiled for their instructions whatever the caller's flags and chosen at run time where the
+// CPU has them (x86.hpp); elsewhere the same loops run in portable C++ that the compiler
+// vectorises for the caller's flags (SSE2 for generic x86-64: no fused multiply-add, 4 lanes).
+// Panels are split over libtorch's intra-op threads.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -46,13 +48,7 @@
 #include <sys/mman.h>
 #endif
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#include <cpuid.h>
-#define SPECDEC_X86_AVX512_KERNELS 1
-#define SPECDEC_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-#define SPECDEC_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
-#endif
+#include "specdec/models/detail/x86.hpp"
 
 namespace specdec::detail {
 
@@ -150,42 +146,23 @@ inline at::Tensor unpack_panels(const at::Tensor& packed, int64_t out, int64_t i
   return packed.transpose(1, 2).reshape({-1, in}).narrow(0, 0, out).contiguous();
 }
 
-// Whether this CPU runs the AVX-512 version (asked once per process).
-inline bool cpu_has_avx512() {
-#ifdef SPECDEC_X86_AVX512_KERNELS
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
-  return has;
-#else
-  return false;
-#endif
-}
-
-// Whether this CPU also has AVX512-BF16's dot products (CPUID leaf 7, subleaf 1, EAX bit 5; asked
-// once per process).
-inline bool cpu_has_avx512_bf16() {
-#ifdef SPECDEC_X86_AVX512_KERNELS
-  static const bool has = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    return cpu_has_avx512() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && (eax & (1U << 5)) != 0;
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
-
 // Which loops packed_product() runs.
 enum class PackedLoops : uint8_t {
-  best,      // the fastest this CPU has: AVX-512 with bf16 dot products where it has AVX512-BF16
+  best,      // the fastest this CPU has: AVX-512 with bf16 dot products where it has AVX512-BF16,
+             // else AVX-512, else AVX2 with FMA, else portable C++
   avx512,    // AVX-512 with bf16 weights widened to fp32 (the same sums), where the CPU has AVX-512
+  avx2,      // AVX2 with FMA, bf16 weights widened to fp32 (the same sums), where the CPU has them
   portable,  // portable C++ (the same sums)
 };
 
 // How packed_product() computes `format` on this CPU, for a header line: "avx512 loops", "avx512
-// loops, bf16 dot products", "portable loops" (each saying what the CPU lacks).
+// loops, bf16 dot products", "avx2 loops", "portable loops" (each saying what the CPU lacks).
 inline std::string packed_product_isa(WeightFormat format) {
-  if (!cpu_has_avx512()) return "portable loops: this CPU has no AVX-512, slower";
+  if (!cpu_has_avx512()) {
+    if (!cpu_has_avx2_fma()) return "portable loops: this CPU has neither AVX-512 nor AVX2 with FMA, slower";
+    if (format != WeightFormat::bf16) return "avx2 loops: this CPU has no AVX-512";
+    return "avx2 loops: this CPU has no AVX-512, bf16 products widened to fp32";
+  }
   if (format != WeightFormat::bf16) return "avx512 loops";
   return cpu_has_avx512_bf16() ? "avx512 loops, bf16 dot products"
                                : "avx512 loops: this CPU has no AVX512-BF16, bf16 products widened to fp32, slower";
@@ -196,6 +173,25 @@ namespace packed {
 // Rows whose 32 sums stay in registers through a pass over a panel (2 vectors each); up to 6
 // rows, two panels are read at once (4 vectors per row).
 inline constexpr int kRegisterRows = 12;
+
+// The AVX2/FMA loops. With 16 vector registers of 8 lanes, a panel's 32 sums take 4 registers a
+// row, so a pass keeps kAvx2Rows<F> rows in registers (3 for fp32 and int8: 12 sums, their 3
+// broadcast inputs and a widened weight; 2 for bf16, whose rows each need two broadcasts, an
+// input pair's halves). More rows go through a panel in blocks of kAvx2BlockBytes: every group of
+// rows runs over the block before the next block starts, the first group reading it from memory
+// (with the software prefetch of the AVX-512 loops), the others from the first-level cache. For
+// int8 weights and more rows than one group, each block is widened once to fp32 and the groups run
+// the fp32 loop over it (avx2_widens): widening in every group cost 8 rows 16% more time on a
+// 2-core AMD EPYC (Zen 1). The same for bf16 (each pair as two fp32 inputs) cost 3 and 4 rows 20%
+// more than widening in every group, and saved nothing at 6 and 8, so bf16 widens in its loop.
+template <WeightFormat F>
+inline constexpr int kAvx2Rows = F == WeightFormat::bf16 ? 2 : 3;
+inline constexpr int64_t kAvx2BlockBytes = 4096;
+
+// Whether the AVX2 loops widen each block of a `format` panel to fp32 for `rows` rows.
+inline bool avx2_widens(WeightFormat format, int64_t rows) {
+  return format == WeightFormat::i8 && rows > kAvx2Rows<WeightFormat::i8>;
+}
 
 // The fp32 value of element e of an f32 or i8 panel row (bf16 panels hold pairs: bf16_panel_*).
 template <WeightFormat F>
@@ -263,7 +259,7 @@ inline float widen_bf16(uint32_t bits) noexcept {
   return value;
 }
 
-#ifdef SPECDEC_X86_AVX512_KERNELS
+#ifdef SPECDEC_X86_KERNELS
 // round_to_bf16 of each of `n` floats of `row`, 16 a step, into bits[0, n).
 SPECDEC_TARGET_AVX512 inline void round_to_bf16_avx512(const float* row, int64_t n, uint16_t* bits) {
   constexpr __mmask16 kAll = 0xFFFF;  // the zero-masked shifts: see load16
@@ -287,7 +283,7 @@ SPECDEC_TARGET_AVX512 inline void round_to_bf16_avx512(const float* row, int64_t
 // step where `vector` (the CPU has AVX-512).
 inline void round_pairs(const float* row, int64_t in, uint16_t* bits, bool vector) {
   if (in % 2 == 1) bits[in] = 0;
-#ifdef SPECDEC_X86_AVX512_KERNELS
+#ifdef SPECDEC_X86_KERNELS
   if (vector) {
     round_to_bf16_avx512(row, in, bits);
     return;
@@ -321,7 +317,7 @@ inline void bf16_panel_portable(const PackedWeight& w, int64_t p, const uint32_t
   }
 }
 
-#ifdef SPECDEC_X86_AVX512_KERNELS
+#ifdef SPECDEC_X86_KERNELS
 // 16 weights of an f32 or i8 panel from `data`, widened to fp32.
 template <WeightFormat F>
 SPECDEC_TARGET_AVX512 inline __m512 load16(const char* data) {
@@ -489,6 +485,166 @@ SPECDEC_TARGET_AVX512 inline void bf16_panels_widened(const PackedWeight& w, con
   sums.store(acc);
 }
 
+// 8 weights of an f32 or i8 panel from `data`, widened to fp32.
+template <WeightFormat F>
+SPECDEC_TARGET_AVX2 inline __m256 load8(const char* data) {
+  static_assert(F != WeightFormat::bf16);
+  if constexpr (F == WeightFormat::f32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(data));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(data))));
+  }
+}
+
+// Asks for the cache lines of input `i`'s weights kPrefetchBytes ahead of `line` (kStep bytes an
+// input), each line once.
+template <int64_t kStep>
+SPECDEC_TARGET_AVX2 __attribute__((always_inline)) inline void prefetch_ahead(const char* line, int64_t i) {
+  if constexpr (kStep >= 64) {
+#pragma GCC unroll 2
+    for (int64_t c = 0; c < kStep; c += 64) _mm_prefetch(line + kPrefetchBytes + c, _MM_HINT_T0);
+  } else if ((i & (64 / kStep - 1)) == 0) {
+    _mm_prefetch(line + kPrefetchBytes, _MM_HINT_T0);
+  }
+}
+
+// `count` inputs of an f32 or i8 panel from `line` times R rows (input i's R values side by side
+// at xt + i * stride) added to acc [R, 32]; the weights prefetched where `kStream` (a block in
+// memory, not one widened in the cache).
+template <WeightFormat F, int R, bool kStream = true>
+SPECDEC_TARGET_AVX2 inline void block_avx2(const char* line, int64_t count, const float* xt, int64_t stride, float* acc) {
+  constexpr int64_t kStep = kPanelWidth * element_bytes<F>();
+  __m256 sums[R][4];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) sums[r][g] = _mm256_loadu_ps(acc + r * kPanelWidth + 8 * g);
+  }
+  for (int64_t i = 0; i < count; ++i, line += kStep, xt += stride) {
+    if constexpr (kStream) prefetch_ahead<kStep>(line, i);
+    __m256 x[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) x[r] = _mm256_broadcast_ss(xt + r);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m256 weights = load8<F>(line + g * kStep / 4);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) sums[r][g] = _mm256_fmadd_ps(x[r], weights, sums[r][g]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(acc + r * kPanelWidth + 8 * g, sums[r][g]);
+  }
+}
+
+// `count` pairs of a bf16 panel from `line` times R rows given as pairs (pair j's R values side by
+// side at xp + j * stride) added to acc [R, 32], each pair's two weights widened to fp32 (the low
+// half shifted up, the high half masked) and added as bf16_panel_portable adds them, bit for bit.
+template <int R>
+SPECDEC_TARGET_AVX2 inline void bf16_block_avx2(const char* line, int64_t count, const uint32_t* xp, int64_t stride,
+                                                float* acc) {
+  constexpr int64_t kStep = kPanelWidth * 2 * 2;
+  const __m256i upper = _mm256_set1_epi32(static_cast<int>(0xFFFF0000U));
+  __m256 sums[R][4];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) sums[r][g] = _mm256_loadu_ps(acc + r * kPanelWidth + 8 * g);
+  }
+  for (int64_t i = 0; i < count; ++i, line += kStep, xp += stride) {
+    prefetch_ahead<kStep>(line, i);
+    __m256 x_even[R], x_odd[R];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_set1_epi32(static_cast<int>(xp[r]));
+      x_even[r] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+      x_odd[r] = _mm256_castsi256_ps(_mm256_and_si256(x, upper));
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * g));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, upper));
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        sums[r][g] = _mm256_fmadd_ps(x_even[r], even, _mm256_fmadd_ps(x_odd[r], odd, sums[r][g]));
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(acc + r * kPanelWidth + 8 * g, sums[r][g]);
+  }
+}
+
+// `count` inputs of an i8 panel from `line` widened to fp32 into `out` [count, 32] (an f32
+// panel's layout), reading them as block_avx2 does.
+SPECDEC_TARGET_AVX2 inline void widen_block_avx2(const char* line, int64_t count, float* out) {
+  for (int64_t i = 0; i < count; ++i, line += kPanelWidth, out += kPanelWidth) {
+    prefetch_ahead<kPanelWidth>(line, i);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(out + 8 * g, load8<WeightFormat::i8>(line + 8 * g));
+  }
+}
+
+// Groups of rows [first, rows) of fp32 inputs (xt + i * stride) times `count` inputs of an f32
+// panel block (`line`, or a widened block where not kStream) added to acc [rows, 32].
+template <bool kStream>
+inline void f32_groups_avx2(const char* line, int64_t count, const float* xt, int64_t rows, float* acc) {
+  constexpr int kRows = kAvx2Rows<WeightFormat::f32>;
+  for (int64_t first = 0; first < rows; first += kRows) {
+    float* const sums = acc + first * kPanelWidth;
+    switch (std::min<int64_t>(kRows, rows - first)) {
+      case 1: block_avx2<WeightFormat::f32, 1, kStream>(line, count, xt + first, rows, sums); break;
+      case 2: block_avx2<WeightFormat::f32, 2, kStream>(line, count, xt + first, rows, sums); break;
+      default: block_avx2<WeightFormat::f32, 3, kStream>(line, count, xt + first, rows, sums); break;
+    }
+  }
+}
+
+// Panel p times `rows` rows (xt: fp32 [in, rows], or bf16 pairs [pairs, rows]) into acc
+// [rows, 32] by the AVX2 loops, block by block (see kAvx2Rows).
+template <WeightFormat F>
+inline void panel_avx2(const PackedWeight& w, int64_t p, const void* xt, int64_t rows, float* acc) {
+  constexpr int64_t kStep = kPanelWidth * element_bytes<F>() * (F == WeightFormat::bf16 ? 2 : 1);  // bytes a unit
+  constexpr int64_t kBlock = kAvx2BlockBytes / kStep;  // units (inputs; pairs for bf16) a block
+  const int64_t units = F == WeightFormat::bf16 ? (w.in + 1) / 2 : w.in;
+  const char* panel = static_cast<const char*>(w.data) + p * units * kStep;
+  std::fill(acc, acc + rows * kPanelWidth, 0.0F);
+  for (int64_t start = 0; start < units; start += kBlock) {
+    const int64_t count = std::min(kBlock, units - start);
+    const char* line = panel + start * kStep;
+    if constexpr (F == WeightFormat::f32) {
+      f32_groups_avx2<true>(line, count, static_cast<const float*>(xt) + start * rows, rows, acc);
+    } else if constexpr (F == WeightFormat::i8) {
+      const float* xf = static_cast<const float*>(xt) + start * rows;
+      if (avx2_widens(F, rows)) {
+        alignas(32) float widened[kBlock * kPanelWidth];
+        widen_block_avx2(line, count, widened);
+        f32_groups_avx2<false>(reinterpret_cast<const char*>(widened), count, xf, rows, acc);
+      } else {  // one group of rows
+        switch (rows) {
+          case 1: block_avx2<F, 1>(line, count, xf, rows, acc); break;
+          case 2: block_avx2<F, 2>(line, count, xf, rows, acc); break;
+          default: block_avx2<F, 3>(line, count, xf, rows, acc); break;
+        }
+      }
+    } else {
+      const uint32_t* xp = static_cast<const uint32_t*>(xt) + start * rows;
+      for (int64_t first = 0; first < rows; first += kAvx2Rows<F>) {
+        if (rows - first >= 2) {
+          bf16_block_avx2<2>(line, count, xp + first, rows, acc + first * kPanelWidth);
+        } else {
+          bf16_block_avx2<1>(line, count, xp + first, rows, acc + first * kPanelWidth);
+        }
+      }
+    }
+  }
+}
+
 // Calls run.template operator()<R>() with R = rows: up to kRegisterRows rows for one panel, up
 // to kRegisterRows / 2 for two.
 template <int P, class Run>
@@ -536,10 +692,11 @@ inline void panels_rows_avx512(const PackedWeight& w, const int64_t* panels, con
 }
 #endif
 
-// How a call's panels are computed: vector (the AVX-512 loops) and, for bf16, dot (its dot
-// products); neither: the portable loops.
+// How a call's panels are computed: the instruction set of the loops, and for bf16 on AVX-512
+// whether by its dot products.
+enum class Isa : uint8_t { portable, avx2, avx512 };
 struct Loops {
-  bool vector = false;
+  Isa isa = Isa::portable;
   bool dot = false;
 };
 
@@ -559,8 +716,8 @@ template <WeightFormat F>
 inline void product_panels(const PackedWeight& w, const void* xt, int64_t rows, float* y, const float* bias, int64_t p0,
                            int64_t p1, Loops loops) {
   float acc[kRegisterRows * kPanelWidth];
-#ifdef SPECDEC_X86_AVX512_KERNELS
-  if (loops.vector && rows <= kRegisterRows / 2) {
+#ifdef SPECDEC_X86_KERNELS
+  if (loops.isa == Isa::avx512 && rows <= kRegisterRows / 2) {
     // Two streams at once, the first half of the panels beside the second: one stream per core
     // left the memory idle between misses (10-25% slower for 2 to 6 rows here).
     float other[kRegisterRows * kPanelWidth];
@@ -576,10 +733,12 @@ inline void product_panels(const PackedWeight& w, const void* xt, int64_t rows, 
   }
 #endif
   for (int64_t p = p0; p < p1; ++p) {
-#ifdef SPECDEC_X86_AVX512_KERNELS
-    if (loops.vector) {
+#ifdef SPECDEC_X86_KERNELS
+    if (loops.isa == Isa::avx512) {
       float* const one[1] = {acc};
       panels_rows_avx512<F, 1>(w, &p, xt, rows, one, loops.dot);
+    } else if (loops.isa == Isa::avx2) {
+      panel_avx2<F>(w, p, xt, rows, acc);
     } else {
       panel_portable_any<F>(w, p, xt, rows, acc);
     }
@@ -602,8 +761,9 @@ inline void product_panels(const PackedWeight& w, const void* xt, int64_t rows, 
 // Requires: w.in, w.out >= 1; w.scales given exactly for i8.
 inline void packed_product(const PackedWeight& w, const float* x, int64_t rows, float* y, const float* bias,
                            PackedLoops loops = PackedLoops::best) {
-  const bool vector = loops != PackedLoops::portable && cpu_has_avx512();
-  const packed::Loops chosen{.vector = vector,
+  const bool vector = (loops == PackedLoops::best || loops == PackedLoops::avx512) && cpu_has_avx512();
+  const bool avx2 = !vector && loops != PackedLoops::portable && cpu_has_avx2_fma();
+  const packed::Loops chosen{.isa = vector ? packed::Isa::avx512 : avx2 ? packed::Isa::avx2 : packed::Isa::portable,
                              .dot = vector && loops == PackedLoops::best && cpu_has_avx512_bf16()};
   const int64_t panels = (w.out + kPanelWidth - 1) / kPanelWidth;
   const int64_t element = w.format == WeightFormat::f32 ? 4 : w.format == WeightFormat::bf16 ? 2 : 1;
