@@ -16,7 +16,8 @@
 //     stretch in one stream (best of 5);
 //   BM_Ceiling: fp32_gmac_per_s and bf16_gmac_per_s, the multiply-adds a second the threads
 //     issue together with the packed loops' instruction (vfmadd231ps; vdpbf16ps where the CPU
-//     has AVX512-BF16) when nothing waits on memory (best of 5; AVX-512 CPUs only);
+//     has AVX512-BF16; the AVX2 loops' 8-lane vfmadd231ps on a CPU without AVX-512) when nothing
+//     waits on memory (best of 5);
 //   BM_Forward/F/k: ms (one forward of k new tokens after 32 cached positions, best of the
 //     iterations), weight_gb_per_s (the products' weight bytes over that time),
 //     floor_fraction (weight_gb_per_s over read_gb_per_s) and mac_fraction (the products'
@@ -173,7 +174,7 @@ double& read_rate() {
   return rate;
 }
 
-#ifdef SPECDEC_X86_AVX512_KERNELS
+#ifdef SPECDEC_X86_KERNELS
 // One thread's multiply-adds with nothing waiting on memory: `steps` rounds of 16 independent
 // sums (more than the instruction's latency needs) by the packed loops' instruction: vfmadd231ps
 // (16 multiply-adds; the fp32 and int8 loops, and bf16 widened) or vdpbf16ps (32).
@@ -200,6 +201,27 @@ SPECDEC_TARGET_AVX512 float fma_rounds(int64_t steps) {
   return lane_total(sums);
 }
 
+// fma_rounds for the AVX2 loops: vfmadd231ps on 8 lanes, 12 independent sums (the loops keep 12
+// in registers).
+SPECDEC_TARGET_AVX2 float fma_rounds_avx2(int64_t steps) {
+  __m256 sums[12];
+  for (auto& sum : sums) sum = _mm256_setzero_ps();
+  __m256 a = _mm256_set1_ps(1e-3F);
+  const __m256 b = _mm256_set1_ps(1.0F);
+  for (int64_t i = 0; i < steps; ++i) {
+#pragma GCC unroll 12
+    for (auto& sum : sums) sum = _mm256_fmadd_ps(a, b, sum);
+    asm volatile("" : "+x"(a));
+  }
+  __m256 all = sums[0];
+  for (int i = 1; i < 12; ++i) all = _mm256_add_ps(all, sums[i]);
+  float lanes[8];
+  _mm256_storeu_ps(lanes, all);
+  float total = 0;
+  for (const float lane : lanes) total += lane;
+  return total;
+}
+
 SPECDEC_TARGET_AVX512_BF16 float dot_rounds(int64_t steps) {
   __m512 sums[16];
   for (auto& sum : sums) sum = _mm512_setzero_ps();
@@ -216,13 +238,14 @@ SPECDEC_TARGET_AVX512_BF16 float dot_rounds(int64_t steps) {
 
 // Multiply-adds a second that all the intra-op threads issue together with the instruction the
 // packed loops of `format` run (best of 5 after a warm-up): the arithmetic ceiling of a forward,
-// as read_rate is its memory floor. 0 where this CPU has no AVX-512 (the portable loops: none
-// measured).
+// as read_rate is its memory floor. On a CPU without AVX-512, the AVX2 loops' vfmadd231ps (every
+// format: bf16 widened); 0 where the CPU has neither (the portable loops: none measured).
 double arithmetic_rate(int format) {
   static const std::array<double, 2> rates = [] {
     std::array<double, 2> measured{0, 0};  // fp32 multiply-adds, bf16 dot products
-#ifdef SPECDEC_X86_AVX512_KERNELS
-    if (!specdec::detail::cpu_has_avx512()) return measured;
+#ifdef SPECDEC_X86_KERNELS
+    const bool avx512 = specdec::detail::cpu_has_avx512();
+    if (!avx512 && !specdec::detail::cpu_has_avx2_fma()) return measured;
     const int64_t threads = at::get_num_threads(), steps = int64_t{1} << 21;
     for (int kind = 0; kind < 2; ++kind) {
       if (kind == 1 && !specdec::detail::cpu_has_avx512_bf16()) break;
@@ -231,12 +254,15 @@ double arithmetic_rate(int format) {
         std::atomic<float> seen{0};
         const auto start = Clock::now();
         at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t t = begin; t < end; ++t) seen.store(kind == 0 ? fma_rounds(steps) : dot_rounds(steps));
+          for (int64_t t = begin; t < end; ++t) {
+            seen.store(kind == 1 ? dot_rounds(steps) : avx512 ? fma_rounds(steps) : fma_rounds_avx2(steps));
+          }
         });
         benchmark::DoNotOptimize(seen.load());
         if (i > 0) best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
       }
-      measured[kind] = static_cast<double>(threads * steps * 16) * (kind == 0 ? 16.0 : 32.0) / best;
+      const double per_step = avx512 ? 16.0 * 16.0 : 12.0 * 8.0;  // sums times lanes
+      measured[kind] = static_cast<double>(threads * steps) * (kind == 0 ? per_step : 16.0 * 32.0) / best;
     }
 #endif
     return measured;
