@@ -508,18 +508,36 @@ SPECDEC_TARGET_AVX2 __attribute__((always_inline)) inline void prefetch_ahead(co
   }
 }
 
+// R rows' 32 sums as 4 vectors each, in registers through the AVX2 loops: loaded from acc [R, 32]
+// and stored back.
+template <int R>
+struct Avx2Sums {
+  __m256 v[R][4];
+
+  SPECDEC_TARGET_AVX2 __attribute__((always_inline)) inline explicit Avx2Sums(const float* acc) {
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) v[r][g] = _mm256_loadu_ps(acc + r * kPanelWidth + 8 * g);
+    }
+  }
+
+  SPECDEC_TARGET_AVX2 __attribute__((always_inline)) inline void store(float* acc) const {
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) _mm256_storeu_ps(acc + r * kPanelWidth + 8 * g, v[r][g]);
+    }
+  }
+};
+
 // `count` inputs of an f32 or i8 panel from `line` times R rows (input i's R values side by side
 // at xt + i * stride) added to acc [R, 32]; the weights prefetched where `kStream` (a block in
 // memory, not one widened in the cache).
 template <WeightFormat F, int R, bool kStream = true>
 SPECDEC_TARGET_AVX2 inline void block_avx2(const char* line, int64_t count, const float* xt, int64_t stride, float* acc) {
   constexpr int64_t kStep = kPanelWidth * element_bytes<F>();
-  __m256 sums[R][4];
-#pragma GCC unroll 3
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g) sums[r][g] = _mm256_loadu_ps(acc + r * kPanelWidth + 8 * g);
-  }
+  Avx2Sums<R> sums(acc);
   for (int64_t i = 0; i < count; ++i, line += kStep, xt += stride) {
     if constexpr (kStream) prefetch_ahead<kStep>(line, i);
     __m256 x[R];
@@ -529,14 +547,10 @@ SPECDEC_TARGET_AVX2 inline void block_avx2(const char* line, int64_t count, cons
     for (int g = 0; g < 4; ++g) {
       const __m256 weights = load8<F>(line + g * kStep / 4);
 #pragma GCC unroll 3
-      for (int r = 0; r < R; ++r) sums[r][g] = _mm256_fmadd_ps(x[r], weights, sums[r][g]);
+      for (int r = 0; r < R; ++r) sums.v[r][g] = _mm256_fmadd_ps(x[r], weights, sums.v[r][g]);
     }
   }
-#pragma GCC unroll 3
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(acc + r * kPanelWidth + 8 * g, sums[r][g]);
-  }
+  sums.store(acc);
 }
 
 // `count` pairs of a bf16 panel from `line` times R rows given as pairs (pair j's R values side by
@@ -547,12 +561,7 @@ SPECDEC_TARGET_AVX2 inline void bf16_block_avx2(const char* line, int64_t count,
                                                 float* acc) {
   constexpr int64_t kStep = kPanelWidth * 2 * 2;
   const __m256i upper = _mm256_set1_epi32(static_cast<int>(0xFFFF0000U));
-  __m256 sums[R][4];
-#pragma GCC unroll 2
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g) sums[r][g] = _mm256_loadu_ps(acc + r * kPanelWidth + 8 * g);
-  }
+  Avx2Sums<R> sums(acc);
   for (int64_t i = 0; i < count; ++i, line += kStep, xp += stride) {
     prefetch_ahead<kStep>(line, i);
     __m256 x_even[R], x_odd[R];
@@ -569,15 +578,11 @@ SPECDEC_TARGET_AVX2 inline void bf16_block_avx2(const char* line, int64_t count,
       const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, upper));
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r) {
-        sums[r][g] = _mm256_fmadd_ps(x_even[r], even, _mm256_fmadd_ps(x_odd[r], odd, sums[r][g]));
+        sums.v[r][g] = _mm256_fmadd_ps(x_even[r], even, _mm256_fmadd_ps(x_odd[r], odd, sums.v[r][g]));
       }
     }
   }
-#pragma GCC unroll 2
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(acc + r * kPanelWidth + 8 * g, sums[r][g]);
-  }
+  sums.store(acc);
 }
 
 // `count` inputs of an i8 panel from `line` widened to fp32 into `out` [count, 32] (an f32
