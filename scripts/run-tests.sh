@@ -26,7 +26,7 @@
 # one core). Everything left out there runs in the second leg.
 #
 # The wheel's virtual environment (scripts/install-torch2.sh) is made in the background while the
-# first leg builds. Each leg builds only what it runs; the unit tests run as shards, one a core.
+# first leg builds. Each leg builds only what it runs; the unit tests run as shards (run_shards).
 # Compilers run through ccache: a rerun in the same checkout compiles only what changed
 # (precompiled headers included); a fresh machine compiles everything.
 # Leak detection is off under the sanitizers: libtorch keeps process-lifetime allocations
@@ -59,8 +59,8 @@ trap 'rm -rf "$logs"' EXIT
 install_torch2=$!
 
 # Runs a gtest binary's tests as shards, `jobs` at once, each started as one ends: for each gtest
-# filter given (no spaces), in order, the tests it selects as 2 x `jobs` shards. Prints each shard's summary,
-# and a failing shard's whole output. gtest deals a filter's tests out to its shards in turn, so a
+# filter given (no spaces), in order, the tests it selects as 2 x `jobs` shards. Prints each
+# shard's summary, and a failing shard's whole output. gtest deals a filter's tests out to its shards in turn, so a
 # few long tests can still fall in one shard; given first, under a filter of their own, they start
 # first and the short ones fill in around them. (One shard a core over all the tests left a core
 # idle for 4 of the 9 minutes of the second leg's unit tests.)

@@ -483,9 +483,9 @@ TEST(PackedProduct, HeaderLoopsRunOnLibtorchsThreads) {
 // of unrounded activations misses by far more than the tolerance), one and two threads, every
 // version of the loops this CPU has. The bf16 versions (AVX512-BF16's dot products, the widened
 // AVX-512 and AVX2 loops, the portable loops) compute the same sums bit for bit: a pair added in
-// the other order, or with one rounding, differs in the last bits. The 1500 inputs span more
-// than one of the AVX2 loops' blocks (128 inputs of fp32, 128 pairs of bf16, 512 of int8), and
-// 4 to 13 rows more than one of their groups of rows.
+// the other order, or with one rounding, differs in the last bits. The 1500 inputs span several
+// of the AVX2 loops' 4 KiB blocks (32 inputs of fp32, 32 pairs of bf16, 128 inputs of int8), and
+// from 4 rows (3 for bf16) on, more than one of their groups of rows (3 rows a group, 2 for bf16).
 TEST(PackedProduct, MatchesFloat64OnOddShapesFormatsAndThreads) {
   using specdec::detail::PackedLoops;
   using specdec::detail::WeightFormat;

@@ -595,17 +595,18 @@ SPECDEC_TARGET_AVX2 inline void widen_block_avx2(const char* line, int64_t count
   }
 }
 
-// Groups of rows [first, rows) of fp32 inputs (xt + i * stride) times `count` inputs of an f32
-// panel block (`line`, or a widened block where not kStream) added to acc [rows, 32].
-template <bool kStream>
-inline void f32_groups_avx2(const char* line, int64_t count, const float* xt, int64_t rows, float* acc) {
-  constexpr int kRows = kAvx2Rows<WeightFormat::f32>;
+// `rows` rows of fp32 inputs (input i's values side by side at xt + i * rows) times `count` inputs
+// of an f32 or i8 panel block (`line`; for kStream false, a block widened in the cache), in
+// groups of kAvx2Rows<F>, added to acc [rows, 32].
+template <WeightFormat F, bool kStream>
+inline void groups_avx2(const char* line, int64_t count, const float* xt, int64_t rows, float* acc) {
+  constexpr int kRows = kAvx2Rows<F>;
   for (int64_t first = 0; first < rows; first += kRows) {
     float* const sums = acc + first * kPanelWidth;
     switch (std::min<int64_t>(kRows, rows - first)) {
-      case 1: block_avx2<WeightFormat::f32, 1, kStream>(line, count, xt + first, rows, sums); break;
-      case 2: block_avx2<WeightFormat::f32, 2, kStream>(line, count, xt + first, rows, sums); break;
-      default: block_avx2<WeightFormat::f32, 3, kStream>(line, count, xt + first, rows, sums); break;
+      case 1: block_avx2<F, 1, kStream>(line, count, xt + first, rows, sums); break;
+      case 2: block_avx2<F, 2, kStream>(line, count, xt + first, rows, sums); break;
+      default: block_avx2<F, 3, kStream>(line, count, xt + first, rows, sums); break;
     }
   }
 }
@@ -622,22 +623,7 @@ inline void panel_avx2(const PackedWeight& w, int64_t p, const void* xt, int64_t
   for (int64_t start = 0; start < units; start += kBlock) {
     const int64_t count = std::min(kBlock, units - start);
     const char* line = panel + start * kStep;
-    if constexpr (F == WeightFormat::f32) {
-      f32_groups_avx2<true>(line, count, static_cast<const float*>(xt) + start * rows, rows, acc);
-    } else if constexpr (F == WeightFormat::i8) {
-      const float* xf = static_cast<const float*>(xt) + start * rows;
-      if (avx2_widens(F, rows)) {
-        alignas(32) float widened[kBlock * kPanelWidth];
-        widen_block_avx2(line, count, widened);
-        f32_groups_avx2<false>(reinterpret_cast<const char*>(widened), count, xf, rows, acc);
-      } else {  // one group of rows
-        switch (rows) {
-          case 1: block_avx2<F, 1>(line, count, xf, rows, acc); break;
-          case 2: block_avx2<F, 2>(line, count, xf, rows, acc); break;
-          default: block_avx2<F, 3>(line, count, xf, rows, acc); break;
-        }
-      }
-    } else {
+    if constexpr (F == WeightFormat::bf16) {
       const uint32_t* xp = static_cast<const uint32_t*>(xt) + start * rows;
       for (int64_t first = 0; first < rows; first += kAvx2Rows<F>) {
         if (rows - first >= 2) {
@@ -646,6 +632,13 @@ inline void panel_avx2(const PackedWeight& w, int64_t p, const void* xt, int64_t
           bf16_block_avx2<1>(line, count, xp + first, rows, acc + first * kPanelWidth);
         }
       }
+    } else if (avx2_widens(F, rows)) {
+      alignas(32) float widened[kBlock * kPanelWidth];
+      widen_block_avx2(line, count, widened);
+      groups_avx2<WeightFormat::f32, false>(reinterpret_cast<const char*>(widened), count,
+                                            static_cast<const float*>(xt) + start * rows, rows, acc);
+    } else {
+      groups_avx2<F, true>(line, count, static_cast<const float*>(xt) + start * rows, rows, acc);
     }
   }
 }
