@@ -14,8 +14,10 @@
 #include "specdec/drafting/stand.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/models/llama.hpp"
+#include "specdec/remote/session_batch.hpp"
 #include "specdec/session.hpp"
 #include "support/expect_invalid.hpp"
+#include "support/host_copies.hpp"
 #include "support/llama_fixtures.hpp"
 #include "support/markov_fixtures.hpp"
 #include "support/statistics.hpp"
@@ -524,6 +526,184 @@ TYPED_TEST(BatchLlama, SessionTurnsAcrossBothLimitsEqualAutoregressive) {
     EXPECT_EQ(session.length(), 40);
   }
 }
+
+// The remote verifier's batching without gRPC (remote/session_batch.hpp): sessions with caches of
+// their own, each step with the client's drafts, q and seed, served by one SessionBatcher.
+namespace session_batch {
+
+using Model = models::LlamaModel<StaticKVCache>;
+using Step = remote::SessionStep<Model>;
+
+// A session of the server's kind: its own one-row cache, the prompt prefilled but for its last
+// token (which the first step feeds), its processor.
+struct FakeSession {
+  std::unique_ptr<StaticKVCache> cache;
+  std::optional<Session<Model>> session;
+  remote::AnyProcessor processor;
+  FakeSession(Model& target, std::span<const int64_t> prompt, remote::AnyProcessor p)
+      : cache(std::make_unique<StaticKVCache>(target.make_cache(1))), processor(std::move(p)) {
+    session.emplace(target, *cache);
+    session->append(prompt);
+    session->prefill();
+  }
+  // A step of `drafts` (with q, or none) under the step seed `seed`, as the server prepares one.
+  [[nodiscard]] Step step(std::vector<int64_t> drafts, at::Tensor q = {}, uint64_t seed = 0) {
+    const auto k = static_cast<int64_t>(drafts.size());
+    return Step{.session = &*session, .cache = cache.get(), .processor = &processor, .drafts = std::move(drafts),
+                .q = std::move(q),
+                .options = {.max_new_tokens = k + 1, .seed = seed, .gamma = std::max<int64_t>(k, 1), .first_target = false}};
+  }
+};
+
+// q [k, V] of a drafter that puts weight `weight` on each drafted token and spreads the rest.
+at::Tensor q_for(std::span<const int64_t> drafts, int64_t vocab, double weight) {
+  at::Tensor q = at::full({static_cast<int64_t>(drafts.size()), vocab}, (1 - weight) / static_cast<double>(vocab - 1),
+                          at::kFloat);
+  for (size_t i = 0; i < drafts.size(); ++i) q[static_cast<int64_t>(i)][drafts[i]] = weight;
+  return q;
+}
+
+// Rounds of steps for sessions of mixed prompts, greedy and sampled, with 0 to 6 drafts (the
+// target's own continuation with every third round's last draft wrong) and one session rolled
+// back by a token now and then: served joined by one batcher and each alone by another, every
+// step's outcome and every session's tokens are the same, the joined rounds take one forward and
+// one device-to-host copy each, and the greedy sessions end with their autoregressive output.
+TEST(SessionBatcher, JoinedStepsEqualEachSessionServedAlone) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
+  Model target(config, weights), alone_target(config, weights), reference(config, weights);
+  const auto prompts = mixed_prompts(5, config.vocab_size);
+  const std::vector<remote::AnyProcessor> processors{GreedyProcessor{}, MultinomialProcessor{0.8}, GreedyProcessor{},
+                                                     TopKProcessor{5, 1.2}, NucleusProcessor{0.9}};
+  std::vector<FakeSession> joined, alone;
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    joined.emplace_back(target, prompts[r], processors[r]);
+    alone.emplace_back(alone_target, prompts[r], processors[r]);
+  }
+  remote::SessionBatcher<Model> batcher(target), single(alone_target);
+  int64_t accepted = 0, drafted = 0;
+  for (int64_t round = 0; round < 12; ++round) {
+    std::vector<Step> steps, lone;
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      if (r == 2 && round % 4 == 3) {  // the client went back a token: the row computes it again
+        joined[r].session->rollback(joined[r].session->length() - 1);
+        alone[r].session->rollback(alone[r].session->length() - 1);
+      }
+      const auto k = static_cast<int64_t>((round + 2 * static_cast<int64_t>(r)) % 7);
+      std::vector<int64_t> drafts =
+          autoregressive_generate(reference, joined[r].session->tokens(), {.max_new_tokens = std::max<int64_t>(k, 1)}).tokens;
+      drafts.resize(static_cast<size_t>(k));
+      if (k > 0 && round % 3 == 0) drafts.back() = (drafts.back() + 1) % config.vocab_size;
+      const bool greedy = std::holds_alternative<GreedyProcessor>(processors[r]);
+      const at::Tensor q = greedy || k == 0 ? at::Tensor() : q_for(drafts, config.vocab_size, 0.6);
+      const auto seed = static_cast<uint64_t>(1000 * round + static_cast<int64_t>(r));
+      steps.push_back(joined[r].step(drafts, q, seed));
+      lone.push_back(alone[r].step(drafts, q, seed));
+      drafted += k;
+    }
+    std::vector<Step*> batch;
+    for (Step& step : steps) batch.push_back(&step);
+    const int64_t forwards = batcher.forwards();
+    EXPECT_EQ(test::copies_during([&] { batcher.run(batch); }), 1) << "round " << round;
+    EXPECT_EQ(batcher.forwards() - forwards, 1) << "round " << round;
+    for (size_t r = 0; r < steps.size(); ++r) {
+      single.run(std::span<Step* const>(std::vector<Step*>{&lone[r]}));
+      ASSERT_EQ(steps[r].error, remote::StepError::none) << steps[r].message;
+      ASSERT_EQ(lone[r].error, remote::StepError::none) << lone[r].message;
+      EXPECT_EQ(steps[r].accepted, lone[r].accepted) << "round " << round << " session " << r;
+      EXPECT_EQ(steps[r].token, lone[r].token) << "round " << round << " session " << r;
+      EXPECT_EQ(std::vector<int64_t>(joined[r].session->tokens().begin(), joined[r].session->tokens().end()),
+                std::vector<int64_t>(alone[r].session->tokens().begin(), alone[r].session->tokens().end()));
+      accepted += steps[r].accepted;
+    }
+  }
+  EXPECT_GT(accepted, drafted / 4);
+  EXPECT_LT(accepted, drafted);
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    if (!std::holds_alternative<GreedyProcessor>(processors[r])) continue;
+    const auto tokens = joined[r].session->tokens();
+    const auto generated = static_cast<int64_t>(tokens.size() - prompts[r].size());
+    EXPECT_EQ(std::vector<int64_t>(tokens.begin() + static_cast<std::ptrdiff_t>(prompts[r].size()), tokens.end()),
+              autoregressive_generate(reference, prompts[r], {.max_new_tokens = generated}).tokens)
+        << "session " << r;
+  }
+}
+
+// Two steps whose joined forward would pass the target's limit (one session 3 tokens from it, one
+// short with 8 drafts): the one nearest the limit is served alone first, then the others; each gets
+// its own autoregressive continuation. A third step that fits beside the short one joins it.
+TEST(SessionBatcher, StepsThatWouldPassTheLimitTogetherAreServedApart) {
+  models::LlamaConfig config = test::small_llama_config();
+  config.max_seq_len = 40;
+  const auto weights = models::LlamaWeights::random(config, 5, at::kDouble);
+  Model target(config, weights), reference(config, weights);
+  std::vector<int64_t> near(33), short_prompt{3, 1, 4}, other{2, 7};
+  for (size_t i = 0; i < near.size(); ++i) near[i] = static_cast<int64_t>((5 * i + 1) % 48);
+  const auto next = [&](const std::vector<int64_t>& prompt, int64_t n) {
+    return autoregressive_generate(reference, prompt, {.max_new_tokens = n}).tokens;
+  };
+  const auto near_next = next(near, 4), short_next = next(short_prompt, 9), other_next = next(other, 3);
+  FakeSession a(target, near, GreedyProcessor{}), b(target, short_prompt, GreedyProcessor{}), c(target, other, GreedyProcessor{});
+  // 33 + 3 + 1 = 37 tokens for a; the joined input would be 9 wide after a's 32 cached positions.
+  Step sa = a.step({near_next.begin(), near_next.begin() + 3}), sb = b.step({short_next.begin(), short_next.begin() + 8}),
+       sc = c.step({other_next.begin(), other_next.begin() + 2});
+  remote::SessionBatcher<Model> batcher(target);
+  batcher.run(std::vector<Step*>{&sa, &sb, &sc});
+  EXPECT_EQ(batcher.forwards(), 2);
+  for (const Step* step : {&sa, &sb, &sc}) ASSERT_EQ(step->error, remote::StepError::none) << step->message;
+  EXPECT_EQ(sa.accepted, 3);
+  EXPECT_EQ(sa.token, near_next[3]);
+  EXPECT_EQ(sb.accepted, 8);
+  EXPECT_EQ(sb.token, short_next[8]);
+  EXPECT_EQ(sc.accepted, 2);
+  EXPECT_EQ(sc.token, other_next[2]);
+  EXPECT_EQ(a.session->length(), 37);
+  // The padded input is the widest row of uncached tokens, then the most drafts: a session that
+  // appended 4 tokens (5 uncached, no drafts) after 29 cached positions and a short one with 8
+  // drafts would need 29 + 5 + 8 = 42 positions, so they too are served apart.
+  std::vector<int64_t> turn(near.begin(), near.begin() + 30), more{9, 8, 7, 6};
+  FakeSession d(target, turn, GreedyProcessor{}), e(target, short_prompt, GreedyProcessor{});
+  d.session->append(more);
+  std::vector<int64_t> context = turn;
+  context.insert(context.end(), more.begin(), more.end());
+  Step sd = d.step({}), se = e.step({short_next.begin(), short_next.begin() + 8});
+  batcher.run(std::vector<Step*>{&sd, &se});
+  EXPECT_EQ(batcher.forwards(), 4);
+  ASSERT_EQ(sd.error, remote::StepError::none) << sd.message;
+  ASSERT_EQ(se.error, remote::StepError::none) << se.message;
+  EXPECT_EQ(sd.token, next(context, 1).front());
+  EXPECT_EQ(se.accepted, 8);
+}
+
+// A step whose q holds NaN fails alone, naming the drafter's distribution; the steps beside it
+// are served and its session stays as it was, its cache ready for the next step.
+TEST(SessionBatcher, ABadQFailsOnlyItsOwnStep) {
+  const models::LlamaConfig config = test::small_llama_config();
+  const auto weights = models::LlamaWeights::random(config, 8, at::kDouble);
+  Model target(config, weights), reference(config, weights);
+  const std::vector<int64_t> p{1, 2, 3}, r{4, 5};
+  FakeSession good(target, p, MultinomialProcessor{1.0}), bad(target, r, MultinomialProcessor{1.0});
+  const std::vector<int64_t> drafts{6, 7};
+  at::Tensor broken = q_for(drafts, config.vocab_size, 0.5);
+  broken[1][3] = std::numeric_limits<float>::quiet_NaN();
+  Step ok = good.step(drafts, q_for(drafts, config.vocab_size, 0.5), 11), wrong = bad.step(drafts, broken, 12);
+  remote::SessionBatcher<Model> batcher(target);
+  batcher.run(std::vector<Step*>{&ok, &wrong});
+  EXPECT_EQ(ok.error, remote::StepError::none) << ok.message;
+  EXPECT_EQ(wrong.error, remote::StepError::invalid);
+  EXPECT_NE(wrong.message.find("drafter's distribution"), std::string::npos) << wrong.message;
+  EXPECT_EQ(bad.session->length(), 2);
+  // The failed session goes on: its next step is what a fresh session of its tokens gets.
+  FakeSession fresh(reference, r, MultinomialProcessor{1.0});
+  Step next = bad.step({}, {}, 13), expected = fresh.step({}, {}, 13);
+  batcher.run(std::vector<Step*>{&next});
+  remote::SessionBatcher<Model>(reference).run(std::vector<Step*>{&expected});
+  ASSERT_EQ(next.error, remote::StepError::none) << next.message;
+  EXPECT_EQ(next.token, expected.token);
+  EXPECT_EQ(bad.session->length(), 3);
+}
+
+}  // namespace session_batch
 
 }  // namespace
 

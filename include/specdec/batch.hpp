@@ -177,10 +177,23 @@ class BatchRunner {
       : model_(model), role_(role), cache_(model.make_cache(batch)), vocab_(static_cast<int64_t>(model.vocab_size())),
         limit_(sequence_limit(model)), device_(model.device()), counters_(counters),
         lengths_(static_cast<size_t>(batch), 0) {}
+  // Adopts `cache`, a batched cache whose row r holds the first lengths[r] positions of row r's
+  // sequence (the remote verifier joins its sessions' caches into one: remote/session_batch.hpp).
+  BatchRunner(M& model, std::string_view role, typename M::cache_type cache, std::vector<int64_t> lengths,
+              ForwardCounters counters)
+      : model_(model), role_(role), cache_(std::move(cache)), vocab_(static_cast<int64_t>(model.vocab_size())),
+        limit_(sequence_limit(model)), device_(model.device()), counters_(counters), lengths_(std::move(lengths)) {
+    if (lengths_.size() != cache_.row_lengths().size()) {
+      throw_invalid_message("BatchRunner: ", lengths_.size(), " lengths for a cache of ", cache_.row_lengths().size(),
+                            " rows");
+    }
+  }
 
   [[nodiscard]] const at::Device& device() const noexcept { return device_; }
   [[nodiscard]] std::span<const int64_t> lengths() const noexcept { return lengths_; }
   [[nodiscard]] int64_t limit() const noexcept { return limit_; }
+  // The batched cache (row r of it: the r-th sequence's positions, then its padding until prune()).
+  [[nodiscard]] typename M::cache_type& cache() noexcept { return cache_; }
 
   // The most tail tokens a forward of `sequences` can take: its padded input (the widest row of
   // uncached tokens, then the tail) is placed after the longest cached row, and the whole must fit

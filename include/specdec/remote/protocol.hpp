@@ -26,15 +26,12 @@
 #include "specdec/detail/torch_compat.hpp"
 #include "specdec/io/regular_file.hpp"
 #include "specdec/logits_processor.hpp"
+#include "specdec/remote/processors.hpp"
 #include "specdec/remote/v1/verifier.grpc.pb.h"
 
 namespace specdec::remote {
 
 namespace wire = ::specdec::remote::v1;
-
-// The processors the service knows.
-using AnyProcessor = std::variant<GreedyProcessor, MultinomialProcessor, TopKProcessor, NucleusProcessor,
-                                  TopKNucleusProcessor>;
 
 // The wire's description of `processor`.
 template <LogitsProcessor P>

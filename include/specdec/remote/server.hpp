@@ -39,15 +39,17 @@
 // Concurrency: the handler threads serve requests concurrently and sessions are independent. The
 // target runs one forward at a time, all on one thread of the server's (so one thread's scratch
 // buffers serve every forward), and the verifications waiting for it are batched: when the
-// model comes free, the next forward takes every waiting request (up to limits.max_batch), joins
-// their sessions' caches into one batched cache (JoinableKVCache), scores all their drafts in one
-// forward with each row at its own positions, verifies each row with its own session's processor,
-// mode and seed (one host copy for the whole batch), and splits each row's accepted prefix back
-// into its session. A request that finds the model idle runs alone at once: batching adds no
-// waiting (unless limits.batch_delay asks a forward to wait for more), it only collects what
-// queued up during the previous forward. A batched forward pays two copies of its sessions' cached
-// positions (join and split). A row's result is the one it would get alone, up to the rounding of
-// a batched product. Targets whose cache is not a JoinableKVCache verify one request per forward.
+// model comes free, the next forward takes every waiting request (up to limits.max_batch) and
+// hands it to a SessionBatcher (session_batch.hpp: the batching apart from gRPC, on batch
+// generation's ragged forward), which joins their sessions' caches into one batched cache
+// (JoinableKVCache), scores all their drafts in one forward with each row at its own positions,
+// verifies each row with its own session's processor, mode and seed (one host copy for the whole
+// batch), and splits each row's accepted prefix back into its session. A request that finds the
+// model idle runs alone at once: batching adds no waiting (unless limits.batch_delay asks a forward
+// to wait for more), it only collects what queued up during the previous forward. A batched forward
+// pays two copies of its sessions' cached positions (join and split). A row's result is the one it
+// would get alone, up to the rounding of a batched product. Targets whose cache is not a
+// JoinableKVCache verify one request per forward.
 //
 // Tensor parallelism (ServerOptions::group): the target is rank 0's shard of a model split over a
 // process group (parallel.hpp), and ranks 1..N-1 run follow_verifier() with their shards. Rank 0
@@ -101,6 +103,7 @@
 #include "specdec/remote/admission.hpp"
 #include "specdec/remote/front_end.hpp"
 #include "specdec/remote/protocol.hpp"
+#include "specdec/remote/session_batch.hpp"
 #include "specdec/remote/token.hpp"
 #include "specdec/session.hpp"
 
@@ -186,18 +189,6 @@ inline bool is_loopback(std::string_view address) {
 }
 
 namespace detail {
-
-// The client's drafts as a DraftSource: handed to the step once.
-struct ClientDrafts {
-  at::Tensor tokens, probs;
-  template <LogitsProcessor P>
-  Drafts draft(const DraftRequest& /*request*/, const P& /*processor*/, at::Generator& /*gen*/) {
-    Drafts drafts{.tokens = std::move(tokens), .probs = std::move(probs)};
-    tokens = at::Tensor(), probs = at::Tensor();
-    return drafts;
-  }
-  void verified(const VerifiedDrafts& /*verified*/) const noexcept {}
-};
 
 // `bytes` bytes from the operating system's random source (getrandom: the kernel's CSPRNG), as
 // 2 * bytes hex digits. Nothing seeds it and nothing in the process can reproduce it. Throws
@@ -440,9 +431,9 @@ class VerifierService final : public grpc::CallbackGenericService {
       session.rollback(request->length());
       return status;
     }
-    reply->set_accepted(job.accepted);
-    reply->set_token(job.token);
-    reply->set_prefill_seconds(job.seconds);
+    reply->set_accepted(job.verification.accepted);
+    reply->set_token(job.verification.token);
+    reply->set_prefill_seconds(job.verification.seconds);
     reply->set_length(session.length());
     return grpc::Status::OK;
   }
@@ -599,9 +590,9 @@ class VerifierService final : public grpc::CallbackGenericService {
     }
   };
 
-  // Work for the model's thread: a task (a prompt's prefill) or one verification: the session
-  // (whose tokens already hold the request's context), the drafts, their q and the step's options;
-  // then the outcome, written by the forward that served it.
+  // Work for the model's thread: a task (a prompt's prefill) or one verification (the session,
+  // whose tokens already hold the request's context, with the drafts, their q and the step's
+  // options: prepare()); then the outcome, written by the forward that served it.
   struct Job {
     std::function<grpc::Status()> task{};  // run alone when set
     const wire::OpenRequest* opening = nullptr;  // the task's request (handed to the other ranks)
@@ -609,11 +600,7 @@ class VerifierService final : public grpc::CallbackGenericService {
     const wire::VerifyRequest* request = nullptr;  // the verification's request
     int64_t number = 0;                            // the session's State::number
     uint64_t step = 0;                             // the session's step index (its seed)
-    std::vector<int64_t> drafts{};
-    at::Tensor q{};  // [k, vocab] float, or undefined when verification needs none
-    SpeculativeOptions options{};
-    int64_t accepted = 0, token = 0;
-    double seconds = 0;  // the target forward's time
+    SessionStep<T> verification{};                 // what the batcher serves, and its outcome
     grpc::Status status{};
     bool done = false;
   };
@@ -650,21 +637,26 @@ class VerifierService final : public grpc::CallbackGenericService {
   // step's options, seeded from job.step. Throws std::invalid_argument for a bad q.
   static void prepare(Job& job, int64_t vocab) {
     const wire::VerifyRequest& request = *job.request;
-    const State& state = *job.state;
-    job.drafts.assign(request.drafts().begin(), request.drafts().end());
-    const auto k = static_cast<int64_t>(job.drafts.size());
+    State& state = *job.state;
+    SessionStep<T>& step = job.verification;
+    step.session = &*state.session;
+    step.cache = state.cache.get();
+    step.processor = &state.processor;
+    step.threshold = state.threshold;
+    step.drafts.assign(request.drafts().begin(), request.drafts().end());
+    const auto k = static_cast<int64_t>(step.drafts.size());
     const bool greedy = std::holds_alternative<GreedyProcessor>(state.processor);
     const bool needs_q = k > 0 && !greedy && !state.threshold;
     if (!needs_q && request.q().encoding() != wire::DraftProbs::NONE) {
       throw std::invalid_argument("q must have encoding NONE under greedy decoding, threshold verification or without drafts");
     }
-    if (needs_q) job.q = decode_q(request.q(), job.drafts, vocab);
-    job.options = SpeculativeOptions{.max_new_tokens = k + 1,
-                                     .seed = step_seed(state.seed, job.step),
-                                     .gamma = std::max<int64_t>(k, 1),
-                                     .first_target = false,
-                                     .verification = state.threshold ? Verification::threshold : Verification::rejection,
-                                     .threshold = state.threshold ? state.tau : 0.25};
+    if (needs_q) step.q = decode_q(request.q(), step.drafts, vocab);
+    step.options = SpeculativeOptions{.max_new_tokens = k + 1,
+                                      .seed = step_seed(state.seed, job.step),
+                                      .gamma = std::max<int64_t>(k, 1),
+                                      .first_target = false,
+                                      .verification = state.threshold ? Verification::threshold : Verification::rejection,
+                                      .threshold = state.threshold ? state.tau : 0.25};
   }
 
   enum class Method { open, verify, close };
@@ -1093,162 +1085,23 @@ class VerifierService final : public grpc::CallbackGenericService {
     }
   }
 
-  // Serves `batch`, in one target forward where its rows fit together; every job gets its status
-  // (nothing throws). A joined forward places every row's padded input after the longest cached
-  // row, so it must fit under the target's limit as a whole: while it does not, the session with
-  // the longest cache (the one nearest the limit) is served alone first.
+  // Serves `batch` through the batcher (session_batch.hpp): in one target forward where its
+  // rows fit together; every job gets its status (nothing throws).
   void run(std::span<Job* const> batch) noexcept {
     try {
-      if constexpr (kJoinable) {
-        std::vector<Job*> joined(batch.begin(), batch.end());
-        const int64_t limit = specdec::detail::sequence_limit(target_);
-        while (joined.size() > 1) {
-          int64_t longest = 0, widest = 0;
-          size_t nearest = 0;
-          for (size_t r = 0; r < joined.size(); ++r) {
-            const State& state = *joined[r]->state;
-            const int64_t keep = joined_prefix(state);
-            widest = std::max(widest, state.session->length() - keep + static_cast<int64_t>(joined[r]->drafts.size()));
-            if (keep > longest) {
-              longest = keep;
-              nearest = r;
-            }
-          }
-          if (longest + widest <= limit) break;
-          serve({joined.begin() + static_cast<std::ptrdiff_t>(nearest), 1}, [&] { run_alone(*joined[nearest]); });
-          joined.erase(joined.begin() + static_cast<std::ptrdiff_t>(nearest));
+      std::vector<SessionStep<T>*> steps;
+      for (Job* job : batch) steps.push_back(&job->verification);
+      batcher_.run(steps);
+      for (Job* job : batch) {
+        const SessionStep<T>& step = job->verification;
+        if (step.error == StepError::invalid) {
+          job->status = invalid(step.message);
+        } else if (step.error == StepError::internal) {
+          job->status = {grpc::StatusCode::INTERNAL, step.message};
         }
-        serve(joined, [&] { joined.size() == 1 ? run_alone(*joined.front()) : run_joined(joined); });
-      } else {
-        serve(batch, [&] { run_alone(*batch.front()); });
       }
-    } catch (const std::exception& e) {  // allocations of the batch's own lists
+    } catch (const std::exception& e) {  // allocations of the batch's own list
       for (Job* job : batch) job->status = {grpc::StatusCode::INTERNAL, e.what()};
-    }
-  }
-
-  // The positions of a session's cache that a joined forward keeps: all but its last token, which
-  // is never cached between steps (after a rollback it may be, and is computed again).
-  static int64_t joined_prefix(const State& state) {
-    return std::min<int64_t>(state.cache->length(), state.session->length() - 1);
-  }
-
-  // Runs `serving`; if it throws, every job of `jobs` gets the error as its status.
-  template <class F>
-  static void serve(std::span<Job* const> jobs, F&& serving) noexcept {
-    try {
-      serving();
-    } catch (const std::invalid_argument& e) {
-      for (Job* job : jobs) job->status = invalid(e.what());
-    } catch (const std::exception& e) {
-      for (Job* job : jobs) job->status = {grpc::StatusCode::INTERNAL, e.what()};
-    }
-  }
-
-  // One session's step through the step core, with the client's drafts as its draft source.
-  void run_alone(Job& job) {
-    detail::ClientDrafts source;
-    if (!job.drafts.empty()) source.tokens = at::tensor(job.drafts, at::kLong);
-    source.probs = job.q;
-    std::optional<StepInfo> step;
-    job.options.on_step = [&](const StepInfo& info) {
-      step = info;
-      return StepAction::stop;
-    };
-    Session<T>& session = *job.state->session;
-    const GenerationResult result =
-        std::visit([&](const auto& processor) { return session.generate(source, job.options, processor); },
-                   job.state->processor);
-    if (!step) {  // every step reports to on_step; a generation without one did not run
-      job.status = {grpc::StatusCode::INTERNAL, "the step did not run"};
-      return;
-    }
-    job.accepted = step->accepted;
-    job.token = step->token;
-    job.seconds = result.stats.target_seconds;
-  }
-
-  // Many sessions' steps in one forward: their caches joined into one batched cache, each row fed
-  // its uncached tokens and drafts (right-padded to the widest row), each row verified by the step
-  // core's verify_chain with its own processor, mode and generator, one host copy for all rows,
-  // and each row's accepted prefix split back into its session's cache.
-  void run_joined(std::span<Job* const> batch)
-    requires kJoinable
-  {
-    const c10::InferenceMode inference;
-    const auto b = static_cast<int64_t>(batch.size());
-    const at::Device device = target_.device();
-    std::vector<const cache_type*> parts;
-    std::vector<int64_t> cached, uncached;
-    int64_t width = 0;
-    for (Job* job : batch) {
-      State& state = *job->state;
-      const int64_t length = state.session->length();
-      const int64_t keep = joined_prefix(state);
-      prune_cache(*state.cache, state.cache->length() - keep);
-      parts.push_back(state.cache.get());
-      cached.push_back(keep);
-      uncached.push_back(length - keep);
-      width = std::max(width, uncached.back() + static_cast<int64_t>(job->drafts.size()));
-    }
-    std::vector<int64_t> ids(static_cast<size_t>(b * width), 0);
-    for (int64_t r = 0; r < b; ++r) {
-      const Job& job = *batch[static_cast<size_t>(r)];
-      const auto tokens = job.state->session->tokens().subspan(static_cast<size_t>(cached[static_cast<size_t>(r)]));
-      const auto row = ids.begin() + r * width;
-      std::copy(job.drafts.begin(), job.drafts.end(), std::copy(tokens.begin(), tokens.end(), row));
-    }
-    cache_type joined = cache_type::join_rows(parts);
-    const at::Tensor input = specdec::detail::to_device<int64_t>(ids, {b, width}, device);
-    double seconds = 0;
-    at::Tensor logits;
-    {
-      specdec::detail::ScopedTimer timer(seconds);
-      at::NoGradGuard no_grad;
-      logits = target_.forward(input, joined);
-    }
-    specdec::detail::check_model_logits(logits, b, width, target_.vocab_size(), "target", ".forward");
-    std::vector<specdec::detail::PendingStep> pending;
-    std::vector<at::Tensor> rows, packed;
-    for (int64_t r = 0; r < b; ++r) {
-      Job& job = *batch[static_cast<size_t>(r)];
-      const auto k = static_cast<int64_t>(job.drafts.size());
-      const int64_t fed = uncached[static_cast<size_t>(r)];
-      rows.push_back(logits[r].narrow(0, fed - 1, k + 1));
-      const at::Tensor draft_ids = input[r].narrow(0, fed, k);  // the drafts, uploaded with the input
-      const at::Tensor q = job.q.defined() ? job.q.to(device) : at::Tensor();
-      at::Generator gen = specdec::detail::make_generator(job.options.seed, device);
-      pending.push_back(std::visit(
-          [&](const auto& processor) {
-            return specdec::detail::verify_chain(rows.back(), q, draft_ids, processor, gen, job.options,
-                                                 job.state->threshold);
-          },
-          job.state->processor));
-      packed.push_back(pending.back().packed);
-    }
-    const at::Tensor host = specdec::detail::to_host(at::cat(packed));
-    const int64_t* values = host.data_ptr<int64_t>();
-    for (int64_t r = 0; r < b; ++r) {
-      Job& job = *batch[static_cast<size_t>(r)];
-      State& state = *job.state;
-      const specdec::detail::PendingStep& step = pending[static_cast<size_t>(r)];
-      try {
-        const VerifiedStep verified = specdec::detail::read_step(step, values, rows[static_cast<size_t>(r)]);
-        const int64_t length = state.session->length();
-        cache_type row = joined.split_row(r);
-        prune_cache(row, row.length() - (length + verified.accepted));
-        *state.cache = std::move(row);
-        std::vector<int64_t> emitted(job.drafts.begin(), job.drafts.begin() + verified.accepted);
-        emitted.push_back(verified.token);
-        state.session->append(emitted);
-        state.session->rollback(state.session->length());  // records what the cache now holds
-        job.accepted = verified.accepted;
-        job.token = verified.token;
-        job.seconds = seconds;
-      } catch (const std::invalid_argument& e) {
-        job.status = invalid(e.what());
-      }
-      values += step.size();
     }
   }
 
@@ -1389,6 +1242,7 @@ class VerifierService final : public grpc::CallbackGenericService {
   };
 
   T& target_;
+  SessionBatcher<T> batcher_{target_};  // the model thread's forwards of verifications
   ServerOptions options_;
   mutable std::mutex sessions_mutex_;
   std::map<std::string, std::shared_ptr<State>> sessions_;

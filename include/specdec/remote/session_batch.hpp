@@ -1,0 +1,275 @@
+// The remote verifier's batching, apart from gRPC: the verification steps of many sessions, each
+// with a cache of its own, served in one target forward where they fit together.
+//
+//   specdec::remote::SessionBatcher<Model> batcher(target);
+//   specdec::remote::SessionStep<Model> step{.session = &session, .cache = &cache,
+//                                            .processor = &processor, .drafts = {5, 9}};
+//   std::array<specdec::remote::SessionStep<Model>*, 1> steps{&step};
+//   batcher.run(steps);  // step.accepted, step.token, or step.error and step.message
+//
+// A step is a session whose tokens hold the step's context (its cache holds what it computed of
+// them), the client's drafts with their q, and the session's processor, seed and verification
+// mode. run() joins the sessions' caches into one batched cache (JoinableKVCache::join_rows) and
+// feeds every row its uncached tokens and its drafts in one forward through batch generation's
+// ragged forward (detail::BatchRunner, the one the Engine's steps run: each row's tokens first,
+// then the drafts, padded to the widest row), after the longest cached row. Each row is verified
+// by the step core's verify_chain with its own processor, generator (seeded by the step's
+// options) and mode; the whole batch costs one device-to-host copy; each row's cache keeps its
+// context and accepted drafts (split_row) and its session records the drafts it accepted and the
+// target's token. A row's result is the one it would get alone, up to the rounding of a batched
+// product.
+//
+// The joined forward must fit under the target's limit as a whole: while it does not, the step
+// whose session caches the most (the one nearest the limit) is served alone first. A step alone
+// runs through the session's own generate(), as a Session does. A target whose cache is not a
+// JoinableKVCache serves each step alone.
+//
+// Errors touch only the steps they belong to: a bad q (std::invalid_argument from the
+// verification) fails its own row with StepError::invalid; a forward that fails fails the steps
+// it served with StepError::internal. run() itself never throws.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "specdec/batch.hpp"
+#include "specdec/concepts.hpp"
+#include "specdec/draft_source.hpp"
+#include "specdec/kv_cache.hpp"
+#include "specdec/logits_processor.hpp"
+#include "specdec/options.hpp"
+#include "specdec/remote/processors.hpp"
+#include "specdec/session.hpp"
+#include "specdec/step.hpp"
+
+namespace specdec::remote {
+
+// Why a step failed: its own input (the server answers INVALID_ARGUMENT), or the forward or
+// verification that served it (INTERNAL).
+enum class StepError { none, invalid, internal };
+
+// One session's verification step: its input, then its outcome (written by run()).
+template <Target T>
+struct SessionStep {
+  Session<T>* session = nullptr;            // its tokens hold the step's context
+  typename T::cache_type* cache = nullptr;  // the cache the session computes into
+  const AnyProcessor* processor = nullptr;
+  bool threshold = false;  // threshold verification (options.threshold is tau), else rejection
+  std::vector<int64_t> drafts{};
+  at::Tensor q{};                // [k, vocab] float, or undefined where verification needs none
+  SpeculativeOptions options{};  // its seed, verification mode and tau
+  // The outcome: the leading drafts accepted and the target's token after them (the session now
+  // ends with both), the forward's seconds; or the error and what it says.
+  int64_t accepted = 0, token = 0;
+  double seconds = 0;
+  StepError error = StepError::none;
+  std::string message{};
+};
+
+namespace detail {
+
+// The client's drafts as a DraftSource: handed to the step once.
+struct ClientDrafts {
+  at::Tensor tokens, probs;
+  template <LogitsProcessor P>
+  Drafts draft(const DraftRequest& /*request*/, const P& /*processor*/, at::Generator& /*gen*/) {
+    Drafts drafts{.tokens = std::move(tokens), .probs = std::move(probs)};
+    tokens = at::Tensor(), probs = at::Tensor();
+    return drafts;
+  }
+  void verified(const VerifiedDrafts& /*verified*/) const noexcept {}
+};
+
+}  // namespace detail
+
+template <Target T>
+class SessionBatcher {
+ public:
+  using cache_type = typename T::cache_type;
+  static constexpr bool kJoinable = JoinableKVCache<cache_type>;
+
+  explicit SessionBatcher(T& target) : target_(target) {}
+
+  // Serves `steps` (every step's session distinct), in one target forward where they fit; every
+  // step gets its outcome. Never throws.
+  void run(std::span<SessionStep<T>* const> steps) noexcept {
+    try {
+      if constexpr (kJoinable) {
+        std::vector<SessionStep<T>*> joined(steps.begin(), steps.end());
+        const int64_t limit = specdec::detail::sequence_limit(target_);
+        while (joined.size() > 1) {
+          const std::optional<size_t> nearest = nearest_over(joined, limit);
+          if (!nearest) break;
+          serve({joined.begin() + static_cast<std::ptrdiff_t>(*nearest), 1}, [&] { run_alone(*joined[*nearest]); });
+          joined.erase(joined.begin() + static_cast<std::ptrdiff_t>(*nearest));
+        }
+        serve(joined, [&] { joined.size() == 1 ? run_alone(*joined.front()) : run_joined(joined); });
+      } else {
+        for (SessionStep<T>* step : steps) serve({&step, 1}, [&] { run_alone(*step); });
+      }
+    } catch (const std::exception& e) {  // allocations of the batch's own lists
+      for (SessionStep<T>* step : steps) fail(*step, StepError::internal, e.what());
+    }
+  }
+
+  // Target forwards run so far (a joined forward counts once).
+  [[nodiscard]] int64_t forwards() const noexcept { return forwards_; }
+
+ private:
+  // The positions of a session's cache that a joined forward keeps: all but its last token, which
+  // is never cached between steps (after a rollback it may be, and is computed again).
+  static int64_t joined_prefix(const SessionStep<T>& step) {
+    return std::min<int64_t>(step.cache->length(), step.session->length() - 1);
+  }
+
+  // Where the joined forward of `steps` would pass `limit`: the step whose session caches the
+  // most. Its padded input (the widest row of uncached tokens, then the most drafts, as
+  // BatchRunner::forward lays it out) follows the longest cached row.
+  static std::optional<size_t> nearest_over(std::span<SessionStep<T>* const> steps, int64_t limit) {
+    int64_t longest = 0, uncached = 0, drafts = 0;
+    size_t nearest = 0;
+    for (size_t r = 0; r < steps.size(); ++r) {
+      const SessionStep<T>& step = *steps[r];
+      const int64_t keep = joined_prefix(step);
+      uncached = std::max(uncached, step.session->length() - keep);
+      drafts = std::max(drafts, static_cast<int64_t>(step.drafts.size()));
+      if (keep > longest) {
+        longest = keep;
+        nearest = r;
+      }
+    }
+    if (longest + uncached + drafts <= limit) return std::nullopt;
+    return nearest;
+  }
+
+  static void fail(SessionStep<T>& step, StepError error, const char* what) noexcept {
+    step.error = error;
+    try {
+      step.message = what;
+    } catch (...) {  // no memory for the message: the error stands without it
+    }
+  }
+
+  // Runs `serving`; if it throws, every step of `steps` gets the error.
+  template <class F>
+  static void serve(std::span<SessionStep<T>* const> steps, F&& serving) noexcept {
+    try {
+      serving();
+    } catch (const std::invalid_argument& e) {
+      for (SessionStep<T>* step : steps) fail(*step, StepError::invalid, e.what());
+    } catch (const std::exception& e) {
+      for (SessionStep<T>* step : steps) fail(*step, StepError::internal, e.what());
+    }
+  }
+
+  // One session's step through the step core, with the client's drafts as its draft source.
+  void run_alone(SessionStep<T>& step) {
+    detail::ClientDrafts source;
+    if (!step.drafts.empty()) source.tokens = at::tensor(step.drafts, at::kLong);
+    source.probs = step.q;
+    std::optional<StepInfo> info;
+    SpeculativeOptions options = step.options;
+    options.on_step = [&](const StepInfo& taken) {
+      info = taken;
+      return StepAction::stop;
+    };
+    ++forwards_;
+    const GenerationResult result = std::visit(
+        [&](const auto& processor) { return step.session->generate(source, options, processor); }, *step.processor);
+    if (!info) {  // every step reports to on_step; a generation without one did not run
+      fail(step, StepError::internal, "the step did not run");
+      return;
+    }
+    step.accepted = info->accepted;
+    step.token = info->token;
+    step.seconds = result.stats.target_seconds;
+  }
+
+  // Many sessions' steps in one forward (see the top of this file).
+  void run_joined(std::span<SessionStep<T>* const> steps)
+    requires kJoinable
+  {
+    const c10::InferenceMode inference;
+    const auto b = static_cast<int64_t>(steps.size());
+    const at::Device device = target_.device();
+    std::vector<const cache_type*> parts;
+    std::vector<int64_t> cached;
+    std::vector<std::span<const int64_t>> sequences;
+    int64_t k = 0;
+    for (SessionStep<T>* step : steps) {
+      const int64_t keep = joined_prefix(*step);
+      prune_cache(*step->cache, step->cache->length() - keep);
+      parts.push_back(step->cache);
+      cached.push_back(keep);
+      sequences.push_back(step->session->tokens());
+      k = std::max(k, static_cast<int64_t>(step->drafts.size()));
+    }
+    std::vector<int64_t> padded(static_cast<size_t>(b * k), 0);
+    for (int64_t r = 0; r < b; ++r) {
+      const std::vector<int64_t>& drafts = steps[static_cast<size_t>(r)]->drafts;
+      std::copy(drafts.begin(), drafts.end(), padded.begin() + r * k);
+    }
+    GenerationStats counts;
+    specdec::detail::BatchRunner<T> runner(
+        target_, "target", cache_type::join_rows(parts), cached,
+        {.calls = &counts.target_calls, .seconds = &counts.target_seconds, .positions = &counts.target_positions});
+    const at::Tensor tail = specdec::detail::to_device<int64_t>(padded, {b, k}, device);
+    ++forwards_;
+    const at::Tensor logits = runner.forward(sequences, k > 0 ? tail : at::Tensor()).first;
+    std::vector<specdec::detail::PendingStep> pending;
+    std::vector<at::Tensor> rows, packed;
+    for (int64_t r = 0; r < b; ++r) {
+      const SessionStep<T>& step = *steps[static_cast<size_t>(r)];
+      const auto drafts = static_cast<int64_t>(step.drafts.size());
+      const int64_t fed = step.session->length() - cached[static_cast<size_t>(r)];
+      rows.push_back(logits[r].narrow(0, fed - 1, drafts + 1));
+      const at::Tensor draft_ids = tail[r].narrow(0, 0, drafts);  // uploaded with the input
+      const at::Tensor q = step.q.defined() ? step.q.to(device) : at::Tensor();
+      at::Generator gen = specdec::detail::make_generator(step.options.seed, device);
+      pending.push_back(std::visit(
+          [&](const auto& processor) {
+            return specdec::detail::verify_chain(rows.back(), q, draft_ids, processor, gen, step.options, step.threshold);
+          },
+          *step.processor));
+      packed.push_back(pending.back().packed);
+    }
+    const at::Tensor host = specdec::detail::to_host(at::cat(packed));
+    const int64_t* values = host.data_ptr<int64_t>();
+    for (int64_t r = 0; r < b; ++r) {
+      SessionStep<T>& step = *steps[static_cast<size_t>(r)];
+      const specdec::detail::PendingStep& verifying = pending[static_cast<size_t>(r)];
+      try {
+        const VerifiedStep verified = specdec::detail::read_step(verifying, values, rows[static_cast<size_t>(r)]);
+        const int64_t length = step.session->length();
+        cache_type row = runner.cache().split_row(r);
+        prune_cache(row, row.length() - (length + verified.accepted));
+        *step.cache = std::move(row);
+        std::vector<int64_t> emitted(step.drafts.begin(), step.drafts.begin() + verified.accepted);
+        emitted.push_back(verified.token);
+        step.session->append(emitted);
+        step.session->rollback(step.session->length());  // records what the cache now holds
+        step.accepted = verified.accepted;
+        step.token = verified.token;
+        step.seconds = counts.target_seconds;
+      } catch (const std::invalid_argument& e) {
+        fail(step, StepError::invalid, e.what());
+      }
+      values += verifying.size();
+    }
+  }
+
+  T& target_;
+  int64_t forwards_ = 0;
+};
+
+}  // namespace specdec::remote
