@@ -642,7 +642,6 @@ class VerifierService final : public grpc::CallbackGenericService {
     step.session = &*state.session;
     step.cache = state.cache.get();
     step.processor = &state.processor;
-    step.threshold = state.threshold;
     step.drafts.assign(request.drafts().begin(), request.drafts().end());
     const auto k = static_cast<int64_t>(step.drafts.size());
     const bool greedy = std::holds_alternative<GreedyProcessor>(state.processor);

@@ -64,10 +64,11 @@ struct SessionStep {
   Session<T>* session = nullptr;            // its tokens hold the step's context
   typename T::cache_type* cache = nullptr;  // the cache the session computes into
   const AnyProcessor* processor = nullptr;
-  bool threshold = false;  // threshold verification (options.threshold is tau), else rejection
   std::vector<int64_t> drafts{};
-  at::Tensor q{};                // [k, vocab] float, or undefined where verification needs none
-  SpeculativeOptions options{};  // its seed, verification mode and tau
+  at::Tensor q{};  // [k, vocab] float, or undefined where verification needs none
+  // Its seed and verification (rejection, or threshold with options.threshold as tau): a step
+  // joined or alone reads the mode from here alone.
+  SpeculativeOptions options{};
   // The outcome: the leading drafts accepted and the target's token after them (the session now
   // ends with both), the forward's seconds; or the error and what it says.
   int64_t accepted = 0, token = 0;
@@ -238,7 +239,8 @@ class SessionBatcher {
       at::Generator gen = specdec::detail::make_generator(step.options.seed, device);
       pending.push_back(std::visit(
           [&](const auto& processor) {
-            return specdec::detail::verify_chain(rows.back(), q, draft_ids, processor, gen, step.options, step.threshold);
+            return specdec::detail::verify_chain(rows.back(), q, draft_ids, processor, gen, step.options,
+                                                 step.options.verification == Verification::threshold);
           },
           *step.processor));
       packed.push_back(pending.back().packed);
