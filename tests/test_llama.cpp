@@ -353,12 +353,15 @@ TYPED_TEST(LlamaCpuKernels, RaggedRowsMatchTheAtenForwardAndEachRowAlone) {
   aten_cache.prune_rows(kept);
   ASSERT_TRUE(fused_cache.ragged());
   std::vector<at::Tensor> fed{prompt};
-  for (const int64_t count : {1, 3, 12, 1}) {  // 12: past kLoopAttentionTokens, the batched products
+  // 12 tokens: the loops (head size 8); 70: the batched products.
+  ASSERT_TRUE(this->fused_.loop_attention(12, this->fused_.config().head_dim()));
+  ASSERT_FALSE(this->fused_.loop_attention(70, this->fused_.config().head_dim()));
+  for (const int64_t count : {1, 3, 12, 70, 1}) {
     const at::Tensor ids = at::randint(0, 48, {3, count}, at::kLong);
     fed.push_back(ids);
     const at::Tensor fused = this->fused_.forward(ids, fused_cache);
     this->expect_close(fused, this->aten_.forward(ids, aten_cache), "ragged forward of " + std::to_string(count));
-    if (count != 12) continue;
+    if (count < 12) continue;
     for (int64_t r = 0; r < 3; ++r) {  // row r alone: its kept prompt, then what it was fed since
       std::vector<at::Tensor> pieces{prompt[r].narrow(0, 0, kept[static_cast<size_t>(r)])};
       for (size_t i = 1; i < fed.size(); ++i) pieces.push_back(fed[i][r]);
@@ -613,32 +616,86 @@ TEST(PackedProduct, ActivationsRoundToBfloat16AsAtenRounds) {
   }
 }
 
-// The CPU forward's attention loops (the AVX2/FMA ones where this CPU has them) against
-// softmax(q k^T / sqrt(head_dim) + bias) v in ATen: grouped heads, several new tokens with a
+// softmax(q k^T / sqrt(head_dim) + bias) v in ATen, the formula the attention loops must compute.
+// queries [B * T, heads * hd]; keys, values [B, kv_heads, keys, hd]; bias [B, T, W] over the last W
+// keys. Where the bias hides a key from every token of a batch row, the key and value are read as
+// 0 (the loops must not read them at all).
+at::Tensor attention_formula(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                             const at::Tensor& bias, int64_t heads) {
+  const int64_t batch = keys.size(0), kv_heads = keys.size(1), keys_total = keys.size(2), hd = keys.size(3);
+  const int64_t count = queries.size(0) / batch, width = bias.size(2);
+  const at::Tensor hidden = at::zeros({batch, keys_total}, at::kBool);
+  hidden.narrow(1, keys_total - width, width).copy_(bias.isinf().all(1));
+  const at::Tensor shown = hidden.logical_not().view({batch, 1, keys_total, 1});
+  const at::Tensor k = at::where(shown, keys, at::zeros_like(keys)).repeat_interleave(heads / kv_heads, 1);
+  const at::Tensor v = at::where(shown, values, at::zeros_like(values)).repeat_interleave(heads / kv_heads, 1);
+  const at::Tensor q = queries.view({batch, count, heads, hd}).permute({0, 2, 1, 3});  // [b, h, t, d]
+  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(hd));
+  scores.narrow(3, keys_total - width, width).add_(bias.unsqueeze(1));
+  return at::matmul(scores.softmax(-1), v).permute({0, 2, 1, 3}).reshape({batch * count, heads * hd});
+}
+
+// The CPU forward's attention loops (the AVX2/FMA ones where this CPU has them) against the
+// formula: head sizes of one vector and more, query heads per key/value head from 1 to 4 (a task's
+// rows come from several tokens and heads; 4 heads of 4 tokens are two tasks), new tokens with a
 // causal bias, lengths that are not a multiple of the vector width, several tasks per thread.
 TEST(LlamaCpuKernels, AttentionLoopsMatchTheAtenFormula) {
   at::manual_seed(3);
-  for (const int64_t past : {0, 5, 37}) {
-    for (const int64_t count : {1, 4}) {
-      const specdec::detail::AttentionShape shape{.batch = 2, .count = count, .past = past, .heads = 4, .kv_heads = 2, .head_dim = 16};
-      const int64_t keys_total = past + count, group = 2;
-      const at::Tensor queries = at::randn({2 * count, 4 * 16});
-      const at::Tensor keys = at::randn({2, 2, keys_total, 16}) * 2;
-      const at::Tensor values = at::randn({2, 2, keys_total, 16});
-      const at::Tensor causal = at::zeros({count, count}).masked_fill(
-          at::ones({count, count}, at::kBool).tril().logical_not(), -std::numeric_limits<double>::infinity());
-      at::Tensor out = at::empty({2 * count, 4 * 16});
-      specdec::detail::attend(shape, queries.data_ptr<float>(), 4 * 16, keys, values,
-                     count > 1 ? causal.contiguous().data_ptr<float>() : nullptr, out.data_ptr<float>());
-      // The formula: query head h of token t in row b reads key/value head h / group.
-      const at::Tensor q = queries.view({2, count, 4, 16}).permute({0, 2, 1, 3});  // [b, h, t, d]
-      const at::Tensor k = keys.repeat_interleave(group, 1), v = values.repeat_interleave(group, 1);
-      at::Tensor scores = at::matmul(q, k.transpose(2, 3)) / 4.0;
-      scores.narrow(3, past, count).add_(causal);
-      const at::Tensor expected = at::matmul(scores.softmax(-1), v).permute({0, 2, 1, 3}).reshape({2 * count, 4 * 16});
-      EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-5))
-          << "past " << past << ", count " << count << ": max difference " << (out - expected).abs().max().item<float>();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const int64_t head_dim : {8, 16, 24}) {
+    for (const auto [heads, kv_heads] : {std::pair<int64_t, int64_t>{4, 2}, {3, 3}, {8, 2}}) {
+      for (const int64_t past : {0, 5, 37}) {
+        for (const int64_t count : {1, 4, 7}) {
+          const specdec::detail::AttentionShape shape{.batch = 2, .count = count, .past = past, .heads = heads,
+                                                      .kv_heads = kv_heads, .head_dim = head_dim};
+          const int64_t keys_total = past + count, width = heads * head_dim;
+          const at::Tensor queries = at::randn({2 * count, width});
+          const at::Tensor keys = at::randn({2, kv_heads, keys_total, head_dim}) * 2;
+          const at::Tensor values = at::randn({2, kv_heads, keys_total, head_dim});
+          const at::Tensor causal = at::zeros({count, count}).masked_fill(
+              at::ones({count, count}, at::kBool).tril().logical_not(), -inf);
+          at::Tensor out = at::empty({2 * count, width});
+          specdec::detail::attend(shape, queries.data_ptr<float>(), width, keys, values,
+                                  count > 1 ? causal.contiguous().data_ptr<float>() : nullptr, out.data_ptr<float>());
+          const at::Tensor expected = attention_formula(queries, keys, values, causal.expand({2, count, count}), heads);
+          EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-5))
+              << "head size " << head_dim << ", " << heads << " heads over " << kv_heads << ", past " << past
+              << ", count " << count << ": max difference " << (out - expected).abs().max().item<float>();
+        }
+      }
     }
+  }
+}
+
+// Rows of different lengths, as a ragged forward lays them out: each batch row has its own bias
+// over every key, and a shorter row's slots past its length hold whatever the cache held (here
+// NaN and infinity). The loops never read them: every output is the formula's, finite.
+TEST(LlamaCpuKernels, AttentionLoopsNeverReadSlotsNoRowSees) {
+  at::manual_seed(5);
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const int64_t head_dim : {8, 16}) {
+    const int64_t count = 3, heads = 4, kv_heads = 2, keys_total = 29, width = heads * head_dim;
+    const at::Tensor queries = at::randn({2 * count, width});
+    at::Tensor keys = at::randn({2, kv_heads, keys_total, head_dim});
+    at::Tensor values = at::randn({2, kv_heads, keys_total, head_dim});
+    // Row 0 holds 26 positions and its 3 new tokens; row 1 holds 9, its new tokens sit at 9..11.
+    at::Tensor bias = at::zeros({2, count, keys_total});
+    bias[0].narrow(1, 26, count).copy_(at::zeros({count, count}).masked_fill(
+        at::ones({count, count}, at::kBool).tril().logical_not(), -inf));
+    bias[1].narrow(1, 9, keys_total - 9).fill_(-inf);
+    for (int64_t t = 0; t < count; ++t) bias[1][t].narrow(0, 9, t + 1).zero_();
+    keys[1].narrow(1, 12, keys_total - 12).fill_(std::numeric_limits<float>::quiet_NaN());
+    values[1].narrow(1, 12, keys_total - 12).fill_(inf);
+    const specdec::detail::AttentionShape shape{.batch = 2, .count = count, .past = keys_total - count,
+                                                .heads = heads, .kv_heads = kv_heads, .head_dim = head_dim,
+                                                .bias_width = keys_total, .bias_row_stride = count * keys_total};
+    at::Tensor out = at::empty({2 * count, width});
+    specdec::detail::attend(shape, queries.data_ptr<float>(), width, keys, values, bias.contiguous().data_ptr<float>(),
+                            out.data_ptr<float>());
+    const at::Tensor expected = attention_formula(queries, keys, values, bias, heads);
+    ASSERT_TRUE(out.isfinite().all().item<bool>()) << "head size " << head_dim;
+    EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-5))
+        << "head size " << head_dim << ": max difference " << (out - expected).abs().max().item<float>();
   }
 }
 

@@ -107,25 +107,29 @@ SPECDEC_TARGET_AVX2 inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
 }
 
-// out[j] = dot(query, keys + j * key_step) * scale for j < n, head_dim a multiple of 8. Four
-// keys at a time, their four sums reduced together (one horizontal reduction per four scores).
+// The sums of a0 .. a7's lanes, in that order: three rounds of pairwise horizontal additions.
+SPECDEC_TARGET_AVX2 inline __m256 lane_sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                                            __m256 a6, __m256 a7) {
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));   // 0123 | 0123
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));  // 4567 | 4567
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// out[j] = dot(query, keys + j * key_step) * scale for j < n, head_dim a multiple of 8. Eight
+// keys at a time, their eight sums reduced together (one horizontal reduction per eight scores).
 SPECDEC_TARGET_AVX2 inline void query_scores_avx2(const float* query, const float* keys, int64_t key_step, int64_t n,
                                                   int64_t head_dim, float scale, float* out) {
+  const __m256 scaling = _mm256_set1_ps(scale);
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
+  for (; j + 8 <= n; j += 8) {
     const float* k = keys + j * key_step;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 a[8];
+    for (__m256& sum : a) sum = _mm256_setzero_ps();
     for (int64_t i = 0; i < head_dim; i += 8) {
       const __m256 q = _mm256_loadu_ps(query + i);
-      a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + i), a0);
-      a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + key_step + i), a1);
-      a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 2 * key_step + i), a2);
-      a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 3 * key_step + i), a3);
+      for (int64_t u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + u * key_step + i), a[u]);
     }
-    // [a0 a1 a2 a3] summed lane-wise in pairs twice, then the two 128-bit halves.
-    const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
-    _mm_storeu_ps(out + j, _mm_mul_ps(four, _mm_set1_ps(scale)));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(lane_sums8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), scaling));
   }
   for (; j < n; ++j) {
     const float* k = keys + j * key_step;
@@ -166,24 +170,6 @@ SPECDEC_TARGET_AVX2 inline void store_exp_avx2(const float* x, float* out) {
   _mm256_storeu_ps(out, exp_avx2(_mm256_loadu_ps(x)));
 }
 
-// The softmax of row[0, n) in place; row[n, padded) must hold -inf (padded: n rounded up to 8).
-SPECDEC_TARGET_AVX2 inline void softmax_row_avx2(float* row, int64_t padded) {
-  __m256 most = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < padded; j += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(row + j));
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  const __m256 shift = _mm256_set1_ps(_mm_cvtss_f32(m));
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t j = 0; j < padded; j += 8) {
-    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
-    _mm256_storeu_ps(row + j, e);
-    total = _mm256_add_ps(total, e);
-  }
-  const __m256 inverse = _mm256_set1_ps(1.0F / lane_sum(total));
-  for (int64_t j = 0; j < padded; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), inverse));
-}
-
 // out[r][i] = silu(gate[r][i]) * up[r][i] for `rows` rows of gate | up ([rows, 2 * hidden]),
 // hidden a multiple of 8; silu(g) = g / (1 + e^-g).
 SPECDEC_TARGET_AVX2 inline void swiglu_rows_avx2(const float* gate_up, int64_t rows, int64_t hidden, float* out) {
@@ -200,31 +186,157 @@ SPECDEC_TARGET_AVX2 inline void swiglu_rows_avx2(const float* gate_up, int64_t r
   }
 }
 
-// out[0, 8 * Vectors) = sum over j < n of weights[j] * values[j * value_step + i], skipping
-// weights below `negligible`; the sums stay in registers across the keys.
-template <int Vectors>
-SPECDEC_TARGET_AVX2 inline void weighted_values_avx2(const float* weights, const float* values, int64_t value_step,
-                                                     int64_t n, float negligible, float* out) {
-  __m256 acc[Vectors];
-  for (int v = 0; v < Vectors; ++v) acc[v] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const float weight = weights[j];
-    if (weight < negligible) continue;  // as attend() below: NaN is kept
-    const __m256 w = _mm256_set1_ps(weight);
-    const float* value = values + j * value_step;
-    for (int v = 0; v < Vectors; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + 8 * v), acc[v]);
-  }
-  for (int v = 0; v < Vectors; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+// Transposes 8 rows of 8 floats: on return, r[i] holds lane i of every row given.
+SPECDEC_TARGET_AVX2 inline void transpose8(__m256 (&r)[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// out[0, head_dim) = the weighted sum of n value rows, head_dim a multiple of 8, in slices of
-// up to 32 floats.
-SPECDEC_TARGET_AVX2 inline void weighted_sum_avx2(const float* weights, const float* values, int64_t value_step,
-                                                  int64_t n, int64_t head_dim, float negligible, float* out) {
-  int64_t i = 0;
-  for (; i + 32 <= head_dim; i += 32) weighted_values_avx2<4>(weights, values + i, value_step, n, negligible, out + i);
-  for (; i + 16 <= head_dim; i += 16) weighted_values_avx2<2>(weights, values + i, value_step, n, negligible, out + i);
-  for (; i < head_dim; i += 8) weighted_values_avx2<1>(weights, values + i, value_step, n, negligible, out + i);
+// Up to 8 query rows that read the same keys and values, for attend(): Rows rows of scores
+// (row r at scores + r * padded), their softmax, and the weighted sums of the values, each key
+// and value read once for all the rows and the rows' dependent chains interleaved.
+template <int Rows>
+struct AttentionBlock {
+  const float* const* queries;  // [Rows] rows of head_dim floats
+  float* const* out;            // [Rows]
+  float* scores;                // [Rows, padded]
+  uint32_t* keep;               // [padded]
+  int64_t padded;
+
+  // scores[r][j] = dot(query r, key j) * scale for j < n. A head of 8 floats: every 8 keys
+  // transposed once (lane d of vector d: dimension d of the 8 keys) and each row's scores made by
+  // 8 multiply-adds of its query's elements; wider heads: query_scores_avx2 row by row.
+  SPECDEC_TARGET_AVX2 void score(const float* keys, int64_t key_step, int64_t n, int64_t head_dim, float scale) const {
+    if (head_dim != 8) {
+      for (int r = 0; r < Rows; ++r) query_scores_avx2(queries[r], keys, key_step, n, head_dim, scale, scores + r * padded);
+      return;
+    }
+    float q[Rows][8];
+    for (int r = 0; r < Rows; ++r) {
+      for (int d = 0; d < 8; ++d) q[r][d] = queries[r][d] * scale;
+    }
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      __m256 k[8];
+      for (int u = 0; u < 8; ++u) k[u] = _mm256_loadu_ps(keys + (j + u) * key_step);
+      transpose8(k);
+      __m256 sum[Rows];
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) sum[r] = _mm256_mul_ps(_mm256_broadcast_ss(&q[r][0]), k[0]);
+      for (int d = 1; d < 8; ++d) {
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) sum[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&q[r][d]), k[d], sum[r]);
+      }
+      for (int r = 0; r < Rows; ++r) _mm256_storeu_ps(scores + r * padded + j, sum[r]);
+    }
+    for (; j < n; ++j) {
+      const __m256 key = _mm256_loadu_ps(keys + j * key_step);
+      for (int r = 0; r < Rows; ++r) scores[r * padded + j] = lane_sum(_mm256_mul_ps(_mm256_loadu_ps(q[r]), key));
+    }
+  }
+
+  // Each row's softmax, unnormalised: e^(score - the row's largest), a weight below `negligible`
+  // (the largest is 1) set to 0, NaN kept; inverse[r] = 1 / row r's sum. keep[j] is nonzero where
+  // some row keeps key j's weight. scores[r][n, padded) must hold -inf.
+  SPECDEC_TARGET_AVX2 void softmax(float negligible, float* inverse) const {
+    __m256 shift[Rows], total[Rows];
+    for (int r = 0; r < Rows; ++r) {
+      __m256 most = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < padded; j += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(scores + r * padded + j));
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+      shift[r] = _mm256_set1_ps(_mm_cvtss_f32(m));
+      total[r] = _mm256_setzero_ps();
+    }
+    const __m256 least = _mm256_set1_ps(negligible);
+    for (int64_t j = 0; j < padded; j += 8) {
+      __m256 any = _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) {
+        float* const at = scores + r * padded + j;
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(at), shift[r]));
+        const __m256 kept = _mm256_cmp_ps(e, least, _CMP_NLT_UQ);  // e >= negligible, or NaN
+        const __m256 weight = _mm256_and_ps(e, kept);
+        _mm256_storeu_ps(at, weight);
+        total[r] = _mm256_add_ps(total[r], weight);
+        any = _mm256_or_ps(any, kept);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(keep + j), _mm256_castps_si256(any));
+    }
+    for (int r = 0; r < Rows; ++r) inverse[r] = 1.0F / lane_sum(total[r]);
+  }
+
+  // out[r] = inverse[r] * the sum over the keys some row keeps of weight[r][j] * value j, 8
+  // floats of head_dim at a time; every value read once for all the rows. A key no row keeps is
+  // not read (a batch row's own cache slots past its length may hold anything). With fewer than
+  // 4 rows the keys are split over Chains running sums per row, so that the additions do not wait
+  // on one another (an FMA's result is ready 4 to 5 cycles after it starts).
+  SPECDEC_TARGET_AVX2 void weigh(const float* values, int64_t value_step, int64_t n, int64_t head_dim,
+                                 const float* inverse) const {
+    constexpr int Chains = Rows == 1 ? 4 : (Rows < 4 ? 2 : 1);
+    for (int64_t i = 0; i < head_dim; i += 8) {
+      __m256 acc[Chains][Rows];
+      for (auto& chain : acc) {
+        for (__m256& sum : chain) sum = _mm256_setzero_ps();
+      }
+      int64_t j = 0;
+      for (; j + Chains <= n; j += Chains) {
+        for (int c = 0; c < Chains; ++c) add_key(acc[c], values + i, value_step, j + c);
+      }
+      for (; j < n; ++j) add_key(acc[0], values + i, value_step, j);
+      for (int r = 0; r < Rows; ++r) {
+        __m256 sum = acc[0][r];
+        for (int c = 1; c < Chains; ++c) sum = _mm256_add_ps(sum, acc[c][r]);
+        _mm256_storeu_ps(out[r] + i, _mm256_mul_ps(sum, _mm256_set1_ps(inverse[r])));
+      }
+    }
+  }
+
+  SPECDEC_TARGET_AVX2 void add_key(__m256 (&sums)[Rows], const float* values, int64_t value_step, int64_t j) const {
+    if (keep[j] == 0) return;
+    const __m256 value = _mm256_loadu_ps(values + j * value_step);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) sums[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + r * padded + j), value, sums[r]);
+  }
+};
+
+// One AttentionBlock's attention: scores, the bias (biases[r]: row r's over the `width` keys from
+// `biased`, or null), the softmax and the weighted sums.
+template <int Rows>
+SPECDEC_TARGET_AVX2 inline void attend_block_avx2(const AttentionBlock<Rows>& block, const float* keys,
+                                                  int64_t key_step, const float* values, int64_t value_step,
+                                                  int64_t n, int64_t head_dim, float scale,
+                                                  const float* const* biases, int64_t biased, int64_t width,
+                                                  float negligible) {
+  block.score(keys, key_step, n, head_dim, scale);
+  for (int r = 0; r < Rows; ++r) {
+    float* const row = block.scores + r * block.padded;
+    std::fill(row + n, row + block.padded, -std::numeric_limits<float>::infinity());  // the softmax's padding
+    if (biases != nullptr) {  // a hidden key's score is -inf whatever its slot holds
+      for (int64_t u = 0; u < width; ++u) {
+        const float bias = biases[r][u];
+        row[biased + u] = bias == -std::numeric_limits<float>::infinity() ? bias : row[biased + u] + bias;
+      }
+    }
+  }
+  float inverse[Rows];
+  block.softmax(negligible, inverse);
+  block.weigh(values, value_step, n, head_dim, inverse);
 }
 #endif
 
@@ -270,9 +382,9 @@ struct AttentionShape {
 inline constexpr float kNegligibleWeight = 0x1p-60F;
 
 // Scaled dot-product attention of `count` new tokens per batch row over the cache's keys and
-// values (which hold them last). With AVX2/FMA and a head size that is a multiple of 8: one pass
-// per (token, head) task, its scores, softmax and weighted sum of the values in a row of scratch
-// floats. Otherwise three passes: every score (a loop), their softmax (one ATen call, vectorised,
+// values (which hold them last). With AVX2/FMA and a head size that is a multiple of 8: tasks of
+// up to 8 query rows that share a key/value head, their scores and softmax in rows of scratch
+// floats, then the weighted sums of the values for all of them at once. Otherwise three passes: every score (a loop), their softmax (one ATen call, vectorised,
 // as the ATen forward computes it), and the weighted sums of the values (a loop).
 //
 // Requires: queries at query_rows + (b * count + t) * query_stride + h * head_dim (head h of new
@@ -301,25 +413,49 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
     return value_data + b * values.stride(0) + (h / group) * values.stride(1);
   };
 #ifdef SPECDEC_X86_KERNELS
-  if (cpu_has_avx2_fma() && head_dim % 8 == 0) {  // one pass per task: scores, softmax, values
+  if (cpu_has_avx2_fma() && head_dim % 8 == 0) {
+    // A task is up to kRows query rows that read the same key/value head of the same batch row
+    // (row i of that head's group * count: token i / group, query head g * group + i % group).
+    constexpr int64_t kRows = 8;
     const int64_t padded = (keys_total + 7) / 8 * 8;
-    at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    const int64_t group_rows = group * count, blocks = (group_rows + kRows - 1) / kRows;
+    const int64_t block_tasks = shape.batch * shape.kv_heads * blocks;
+    const int64_t block_grain = std::max<int64_t>(1, grain / std::min(kRows, group_rows));
+    at::parallel_for(0, block_tasks, block_grain, [&](int64_t begin, int64_t end) {
       thread_local std::vector<float> scratch;
-      if (static_cast<int64_t>(scratch.size()) < padded) scratch.resize(static_cast<size_t>(padded));
-      float* const row = scratch.data();
+      thread_local std::vector<uint32_t> keep;
+      if (static_cast<int64_t>(scratch.size()) < kRows * padded) scratch.resize(static_cast<size_t>(kRows * padded));
+      if (static_cast<int64_t>(keep.size()) < padded) keep.resize(static_cast<size_t>(padded));
+      const float* queries[kRows];
+      const float* biases[kRows];
+      float* outs[kRows];
       for (int64_t task = begin; task < end; ++task) {
-        std::fill(row + keys_total, row + padded, -std::numeric_limits<float>::infinity());  // the softmax's padding
-        const int64_t token_row = task / shape.heads, h = task % shape.heads;
-        const int64_t b = token_row / count, t = token_row % count;
-        query_scores_avx2(query_rows + token_row * query_stride + h * head_dim, keys_of(b, h), key_step, keys_total,
-                          head_dim, scale, row);
-        if (new_bias != nullptr) {
-          const float* const bias = new_bias + b * shape.bias_row_stride + t * width;
-          for (int64_t u = 0; u < width; ++u) row[biased + u] += bias[u];
+        const int64_t first = (task % blocks) * kRows, rows = std::min(kRows, group_rows - first);
+        const int64_t b = task / blocks / shape.kv_heads, kv = task / blocks % shape.kv_heads;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t t = (first + r) / group, h = kv * group + (first + r) % group;
+          const int64_t token_row = b * count + t;
+          queries[r] = query_rows + token_row * query_stride + h * head_dim;
+          biases[r] = new_bias == nullptr ? nullptr : new_bias + b * shape.bias_row_stride + t * width;
+          outs[r] = out + (token_row * shape.heads + h) * head_dim;
         }
-        softmax_row_avx2(row, padded);
-        weighted_sum_avx2(row, values_of(b, h), value_step, keys_total, head_dim, kNegligibleWeight,
-                          out + task * head_dim);
+        const float* const k = keys_of(b, kv * group);
+        const float* const v = values_of(b, kv * group);
+        const float* const* const bias = new_bias == nullptr ? nullptr : biases;
+        const auto run = [&]<int Rows>() {
+          attend_block_avx2(AttentionBlock<Rows>{queries, outs, scratch.data(), keep.data(), padded}, k, key_step, v,
+                            value_step, keys_total, head_dim, scale, bias, biased, width, kNegligibleWeight);
+        };
+        switch (rows) {
+          case 1: run.template operator()<1>(); break;
+          case 2: run.template operator()<2>(); break;
+          case 3: run.template operator()<3>(); break;
+          case 4: run.template operator()<4>(); break;
+          case 5: run.template operator()<5>(); break;
+          case 6: run.template operator()<6>(); break;
+          case 7: run.template operator()<7>(); break;
+          default: run.template operator()<8>(); break;
+        }
       }
     });
     return;
