@@ -1085,7 +1085,6 @@ class LlamaModel {
     at::Tensor attention_norm{}, ffn_norm{};
   };
 
-
   // Forwards of up to this many new tokens use a causal bias built at construction.
   static constexpr int64_t kCachedMaskTokens = 32;
 

@@ -109,7 +109,7 @@ SPECDEC_TARGET_AVX2 inline float lane_sum(__m256 v) {
 
 // The sums of a0 .. a7's lanes, in that order: three rounds of pairwise horizontal additions.
 SPECDEC_TARGET_AVX2 inline __m256 lane_sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
-                                            __m256 a6, __m256 a7) {
+                                             __m256 a6, __m256 a7) {
   const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));   // 0123 | 0123
   const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));  // 4567 | 4567
   return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
@@ -222,7 +222,8 @@ struct AttentionBlock {
   // 8 multiply-adds of its query's elements; wider heads: query_scores_avx2 row by row.
   SPECDEC_TARGET_AVX2 void score(const float* keys, int64_t key_step, int64_t n, int64_t head_dim, float scale) const {
     if (head_dim != 8) {
-      for (int r = 0; r < Rows; ++r) query_scores_avx2(queries[r], keys, key_step, n, head_dim, scale, scores + r * padded);
+      for (int r = 0; r < Rows; ++r)
+        query_scores_avx2(queries[r], keys, key_step, n, head_dim, scale, scores + r * padded);
       return;
     }
     float q[Rows][8];
@@ -311,7 +312,8 @@ struct AttentionBlock {
     if (keep[j] == 0) return;
     const __m256 value = _mm256_loadu_ps(values + j * value_step);
 #pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) sums[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + r * padded + j), value, sums[r]);
+    for (int r = 0; r < Rows; ++r)
+      sums[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + r * padded + j), value, sums[r]);
   }
 };
 
@@ -319,10 +321,9 @@ struct AttentionBlock {
 // `biased`, or null), the softmax and the weighted sums.
 template <int Rows>
 SPECDEC_TARGET_AVX2 inline void attend_block_avx2(const AttentionBlock<Rows>& block, const float* keys,
-                                                  int64_t key_step, const float* values, int64_t value_step,
-                                                  int64_t n, int64_t head_dim, float scale,
-                                                  const float* const* biases, int64_t biased, int64_t width,
-                                                  float negligible) {
+                                                  int64_t key_step, const float* values, int64_t value_step, int64_t n,
+                                                  int64_t head_dim, float scale, const float* const* biases,
+                                                  int64_t biased, int64_t width, float negligible) {
   block.score(keys, key_step, n, head_dim, scale);
   for (int r = 0; r < Rows; ++r) {
     float* const row = block.scores + r * block.padded;
@@ -384,8 +385,9 @@ inline constexpr float kNegligibleWeight = 0x1p-60F;
 // Scaled dot-product attention of `count` new tokens per batch row over the cache's keys and
 // values (which hold them last). With AVX2/FMA and a head size that is a multiple of 8: tasks of
 // up to 8 query rows that share a key/value head, their scores and softmax in rows of scratch
-// floats, then the weighted sums of the values for all of them at once. Otherwise three passes: every score (a loop), their softmax (one ATen call, vectorised,
-// as the ATen forward computes it), and the weighted sums of the values (a loop).
+// floats, then the weighted sums of the values for all of them at once. Otherwise three passes:
+// every score (a loop), their softmax (one ATen call, vectorised, as the ATen forward computes
+// it), and the weighted sums of the values (a loop).
 //
 // Requires: queries at query_rows + (b * count + t) * query_stride + h * head_dim (head h of new
 //   token t of row b); keys and values [batch, kv_heads, past + count, head_dim] fp32 with a
@@ -408,7 +410,9 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
   const float* const value_data = values.data_ptr<float>();
   const int64_t key_step = keys.stride(2), value_step = values.stride(2);
   // The keys and values that query head h of batch row b reads.
-  const auto keys_of = [&](int64_t b, int64_t h) { return key_data + b * keys.stride(0) + (h / group) * keys.stride(1); };
+  const auto keys_of = [&](int64_t b, int64_t h) {
+    return key_data + b * keys.stride(0) + (h / group) * keys.stride(1);
+  };
   const auto values_of = [&](int64_t b, int64_t h) {
     return value_data + b * values.stride(0) + (h / group) * values.stride(1);
   };
@@ -446,7 +450,7 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
           attend_block_avx2(AttentionBlock<Rows>{queries, outs, scratch.data(), keep.data(), padded}, k, key_step, v,
                             value_step, keys_total, head_dim, scale, bias, biased, width, kNegligibleWeight);
         };
-        switch (rows) {
+        switch (rows) {  // clang-format off
           case 1: run.template operator()<1>(); break;
           case 2: run.template operator()<2>(); break;
           case 3: run.template operator()<3>(); break;
@@ -455,7 +459,7 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
           case 6: run.template operator()<6>(); break;
           case 7: run.template operator()<7>(); break;
           default: run.template operator()<8>(); break;
-        }
+        }  // clang-format on
       }
     });
     return;
