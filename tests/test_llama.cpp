@@ -643,7 +643,7 @@ TEST(LlamaCpuKernels, AttentionLoopsMatchTheAtenFormula) {
   at::manual_seed(3);
   const double inf = std::numeric_limits<double>::infinity();
   for (const int64_t head_dim : {8, 16, 24}) {
-    for (const auto [heads, kv_heads] : {std::pair<int64_t, int64_t>{4, 2}, {3, 3}, {8, 2}}) {
+    for (const auto& [heads, kv_heads] : {std::pair<int64_t, int64_t>{4, 2}, {3, 3}, {8, 2}}) {
       for (const int64_t past : {0, 5, 37}) {
         for (const int64_t count : {1, 4, 7}) {
           const specdec::detail::AttentionShape shape{.batch = 2, .count = count, .past = past, .heads = heads,
