@@ -446,20 +446,10 @@ inline void attend(const AttentionShape& shape, const float* query_rows, int64_t
         const float* const k = keys_of(b, kv * group);
         const float* const v = values_of(b, kv * group);
         const float* const* const bias = new_bias == nullptr ? nullptr : biases;
-        const auto run = [&]<int Rows>() {
+        with_count<kRows>(rows, [&]<int Rows>() {
           attend_block_avx2(AttentionBlock<Rows>{queries, outs, scratch.data(), keep.data(), padded}, k, key_step, v,
                             value_step, keys_total, head_dim, scale, bias, biased, width, kNegligibleWeight);
-        };
-        switch (rows) {  // clang-format off
-          case 1: run.template operator()<1>(); break;
-          case 2: run.template operator()<2>(); break;
-          case 3: run.template operator()<3>(); break;
-          case 4: run.template operator()<4>(); break;
-          case 5: run.template operator()<5>(); break;
-          case 6: run.template operator()<6>(); break;
-          case 7: run.template operator()<7>(); break;
-          default: run.template operator()<8>(); break;
-        }  // clang-format on
+        });
       }
     });
     return;

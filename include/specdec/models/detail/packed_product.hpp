@@ -648,26 +648,7 @@ inline void panel_avx2(const PackedWeight& w, int64_t p, const void* xt, int64_t
 template <int P, class Run>
 inline void with_row_count(int64_t rows, Run&& run) {
   static_assert(P == 1 || P == 2);
-  switch (rows) {
-    case 1: run.template operator()<1>(); break;
-    case 2: run.template operator()<2>(); break;
-    case 3: run.template operator()<3>(); break;
-    case 4: run.template operator()<4>(); break;
-    case 5: run.template operator()<5>(); break;
-    case 6: run.template operator()<6>(); break;
-    default:
-      if constexpr (P == 1) {
-        switch (rows) {
-          case 7: run.template operator()<7>(); break;
-          case 8: run.template operator()<8>(); break;
-          case 9: run.template operator()<9>(); break;
-          case 10: run.template operator()<10>(); break;
-          case 11: run.template operator()<11>(); break;
-          default: run.template operator()<12>(); break;
-        }
-      }
-      break;
-  }
+  with_count<P == 1 ? kRegisterRows : kRegisterRows / 2>(rows, std::forward<Run>(run));
 }
 
 // P panels times `rows` rows of x (xt: fp32 [in, rows], or bf16 pairs [pairs, rows] for a bf16

@@ -4,6 +4,9 @@
 // CPU has them; elsewhere (another architecture or compiler) only the portable loops exist.
 #pragma once
 
+#include <cstdint>
+#include <utility>
+
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
 #include <immintrin.h>
@@ -14,6 +17,15 @@
 #endif
 
 namespace specdec::detail {
+
+// Calls run.template operator()<N>() with N = n for n in [1, Most] (Most for any larger n): the
+// loops keep one register per row, so each row count is a function of its own.
+template <int Most, class Run>
+inline void with_count(int64_t n, Run&& run) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    (void)((n == I + 1 || (I + 1 == Most && n > Most) ? (run.template operator()<I + 1>(), true) : false) || ...);
+  }(std::make_integer_sequence<int, Most>{});
+}
 
 // Whether this CPU has AVX2 and FMA (asked once per process).
 inline bool cpu_has_avx2_fma() {
