@@ -6,7 +6,16 @@
 // tree meets a limit (STAND trees, beam search, sessions whose turn crosses the drafter's limit).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "specdec/batch.hpp"
@@ -14,6 +23,7 @@
 #include "specdec/drafting/stand.hpp"
 #include "specdec/generate.hpp"
 #include "specdec/models/llama.hpp"
+#include "specdec/remote/forward_queue.hpp"
 #include "specdec/remote/session_batch.hpp"
 #include "specdec/session.hpp"
 #include "support/expect_invalid.hpp"
@@ -704,6 +714,246 @@ TEST(SessionBatcher, ABadQFailsOnlyItsOwnStep) {
 }
 
 }  // namespace session_batch
+
+// The remote verifier's queue (remote::ForwardQueue), driven by threads that stand for the
+// server's handlers, with jobs that are numbers: what each round served, in order.
+namespace forward_queue {
+
+struct Job {
+  int id = 0;
+};
+using Queue = remote::ForwardQueue<Job>;
+
+// The rounds a queue served ("t3": task 3 alone; "v1 v2": verifications 1 and 2 in one round;
+// "stop"), and a gate: a round that serves job `held` waits until release().
+class Log {
+ public:
+  explicit Log(int held = -1) : held_(held) {}
+
+  Queue::Rounds rounds() {
+    return {.task = [this](Job& job) { record("t" + std::to_string(job.id), job.id); },
+            .verify =
+                [this](std::span<Job* const> jobs) {
+                  std::string round;
+                  for (const Job* job : jobs) round += (round.empty() ? "v" : " v") + std::to_string(job->id);
+                  bool hold = false;
+                  for (const Job* job : jobs) hold = hold || job->id == held_;
+                  record(round, hold ? held_ : -1);
+                },
+            .stop = [this] { record("stop", -1); }};
+  }
+
+  // Returns once the held round has started.
+  void wait_held() {
+    std::unique_lock lock(mutex_);
+    ASSERT_TRUE(changed_.wait_for(lock, std::chrono::seconds(30), [&] { return holding_; }));
+  }
+  void release() {
+    const std::lock_guard lock(mutex_);
+    released_ = true;
+    changed_.notify_all();
+  }
+  std::vector<std::string> served() {
+    const std::lock_guard lock(mutex_);
+    return served_;
+  }
+
+ private:
+  void record(const std::string& round, int id) {
+    std::unique_lock lock(mutex_);
+    served_.push_back(round);
+    if (id != held_ || id < 0) return;
+    holding_ = true;
+    changed_.notify_all();
+    changed_.wait(lock, [&] { return released_; });
+  }
+
+  int held_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool holding_ = false, released_ = false;
+  std::vector<std::string> served_;
+};
+
+// Returns once `queue` has `count` jobs waiting (handed over, not yet in a round).
+void wait_waiting(const Queue& queue, size_t count) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (queue.waiting() != count) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << queue.waiting() << " waiting, not " << count;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// Hands `job` to `queue` from a thread of its own, as a server's handler does.
+std::thread hand_over(Queue& queue, Job& job, bool task = false) {
+  return std::thread([&queue, &job, task] { task ? queue.task(job) : queue.verify(job); });
+}
+
+TEST(ForwardQueue, ARoundTakesWhatQueuedDuringTheOneBefore) {
+  Log log(/*held=*/0);
+  Queue queue({.max_batch = 3}, log.rounds());
+  std::vector<Job> jobs(6);
+  for (int i = 0; i < 6; ++i) jobs[static_cast<size_t>(i)].id = i;
+  std::vector<std::thread> threads;
+  threads.push_back(hand_over(queue, jobs[0]));
+  log.wait_held();  // the model is busy: what comes now waits for the next round
+  for (size_t i = 1; i < 6; ++i) {
+    threads.push_back(hand_over(queue, jobs[i]));
+    wait_waiting(queue, i);  // in this order
+  }
+  log.release();
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(log.served(), (std::vector<std::string>{"v0", "v1 v2 v3", "v4 v5"}));
+  const remote::ForwardQueueStats stats = queue.stats();
+  EXPECT_EQ(stats.verifications, 6);
+  EXPECT_EQ(stats.forwards, 3);
+  EXPECT_EQ(stats.largest_batch, 3);
+  EXPECT_EQ(stats.tasks, 0);
+  EXPECT_EQ(queue.waiting(), 0U);
+}
+
+TEST(ForwardQueue, TasksRunAloneOneARoundBeforeTheVerifications) {
+  Log log(/*held=*/0);
+  Queue queue({.max_batch = 16}, log.rounds());
+  std::vector<Job> jobs(5);
+  for (int i = 0; i < 5; ++i) jobs[static_cast<size_t>(i)].id = i;
+  std::vector<std::thread> threads;
+  threads.push_back(hand_over(queue, jobs[0]));
+  log.wait_held();
+  threads.push_back(hand_over(queue, jobs[1]));
+  wait_waiting(queue, 1);
+  threads.push_back(hand_over(queue, jobs[2]));
+  wait_waiting(queue, 2);
+  threads.push_back(hand_over(queue, jobs[3], /*task=*/true));
+  wait_waiting(queue, 3);
+  threads.push_back(hand_over(queue, jobs[4], /*task=*/true));
+  wait_waiting(queue, 4);
+  log.release();
+  for (auto& thread : threads) thread.join();
+  // The oldest task, then every waiting verification in one round, then the next task.
+  EXPECT_EQ(log.served(), (std::vector<std::string>{"v0", "t3", "v1 v2", "t4"}));
+  EXPECT_EQ(queue.stats().tasks, 2);
+  EXPECT_EQ(queue.stats().forwards, 2);
+}
+
+TEST(ForwardQueue, ABatchDelayWaitsForMoreAndServesTasksMeanwhile) {
+  Log log;
+  // A delay no test waits out: the round must start when the third verification arrives.
+  Queue queue({.max_batch = 3, .batch_delay = std::chrono::seconds(60)}, log.rounds());
+  std::vector<Job> jobs(4);
+  for (int i = 0; i < 4; ++i) jobs[static_cast<size_t>(i)].id = i;
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  threads.push_back(hand_over(queue, jobs[0]));
+  wait_waiting(queue, 1);
+  queue.task(jobs[1]);  // served while verification 0 waits for company
+  EXPECT_EQ(log.served(), (std::vector<std::string>{"t1"}));
+  EXPECT_EQ(queue.waiting(), 1U);
+  threads.push_back(hand_over(queue, jobs[2]));
+  wait_waiting(queue, 2);
+  queue.verify(jobs[3]);
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(log.served(), (std::vector<std::string>{"t1", "v0 v2 v3"}));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+TEST(ForwardQueue, StopServesWhatWaitsThenEndsAndRefusesMore) {
+  Log log(/*held=*/0);
+  auto queue = std::make_unique<Queue>(remote::ForwardQueueOptions{.max_batch = 2}, log.rounds());
+  std::vector<Job> jobs(4);
+  for (int i = 0; i < 4; ++i) jobs[static_cast<size_t>(i)].id = i;
+  std::vector<std::thread> threads;
+  threads.push_back(hand_over(*queue, jobs[0]));
+  log.wait_held();
+  threads.push_back(hand_over(*queue, jobs[1]));
+  wait_waiting(*queue, 1);
+  threads.push_back(hand_over(*queue, jobs[2], /*task=*/true));
+  wait_waiting(*queue, 2);
+  std::thread stopper([&] { queue->stop(); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!queue->stopping()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::atomic<bool> refused{false};
+  std::thread late([&] {
+    try {
+      queue->verify(jobs[3]);
+    } catch (const std::logic_error&) {
+      refused = true;  // at once, never queued
+    }
+  });
+  log.release();
+  stopper.join();
+  late.join();
+  for (auto& thread : threads) thread.join();
+  EXPECT_TRUE(refused.load());
+  EXPECT_EQ(log.served(), (std::vector<std::string>{"v0", "t2", "v1", "stop"}));
+  queue->stop();  // idempotent
+  queue.reset();
+  EXPECT_EQ(log.served().size(), 4U);
+}
+
+TEST(ForwardQueue, AHandlerThatThrowsFailsOnlyTheWorkOfItsRound) {
+  Queue::Rounds rounds{.task =
+                           [](Job& job) {
+                             if (job.id == 1) throw std::runtime_error("prefill 1 failed");
+                           },
+                       .verify =
+                           [](std::span<Job* const> jobs) {
+                             if (jobs.front()->id == 2) throw std::runtime_error("forward of 2 failed");
+                           }};
+  Queue queue({.max_batch = 1}, rounds);
+  Job task{1}, ok_task{4}, failing{2}, ok{3};
+  try {
+    queue.task(task);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "prefill 1 failed");
+  }
+  EXPECT_NO_THROW(queue.task(ok_task));
+  try {
+    queue.verify(failing);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "forward of 2 failed");
+  }
+  EXPECT_NO_THROW(queue.verify(ok));
+  EXPECT_EQ(queue.stats().tasks, 2);
+  EXPECT_EQ(queue.stats().verifications, 2);
+}
+
+TEST(ForwardQueue, AnIdleQueueBeatsAtItsHeartbeat) {
+  std::atomic<int> beats{0};
+  Log log;
+  Queue::Rounds rounds = log.rounds();
+  rounds.idle = [&] { ++beats; };
+  Queue queue({.heartbeat = std::chrono::milliseconds(1)}, rounds);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (beats.load() < 3) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  Job job{7};
+  queue.verify(job);  // beating does not keep work waiting
+  queue.stop();
+  EXPECT_EQ(log.served(), (std::vector<std::string>{"v7", "stop"}));
+}
+
+TEST(ForwardQueue, BadOptionsAreRefusedNamingTheField) {
+  Log log;
+  using remote::ForwardQueueOptions;
+  test::expect_invalid([&] { Queue({.max_batch = 0}, log.rounds()); }, {"max_batch", "0"});
+  test::expect_invalid([&] { Queue({.batch_delay = std::chrono::microseconds(-5)}, log.rounds()); },
+                       {"batch_delay", "-5"});
+  test::expect_invalid([&] { Queue({.heartbeat = std::chrono::milliseconds(0)}, log.rounds()); }, {"heartbeat", "0"});
+  Queue::Rounds no_verify = log.rounds();
+  no_verify.verify = nullptr;
+  test::expect_invalid([&] { Queue({}, no_verify); }, {"verify"});
+  test::expect_invalid([&] { Queue({.heartbeat = std::chrono::milliseconds(5)}, log.rounds()); }, {"idle"});
+}
+
+}  // namespace forward_queue
 
 }  // namespace
 

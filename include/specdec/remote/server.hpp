@@ -38,18 +38,19 @@
 //
 // Concurrency: the handler threads serve requests concurrently and sessions are independent. The
 // target runs one forward at a time, all on one thread of the server's (so one thread's scratch
-// buffers serve every forward), and the verifications waiting for it are batched: when the
-// model comes free, the next forward takes every waiting request (up to limits.max_batch) and
-// hands it to a SessionBatcher (session_batch.hpp: the batching apart from gRPC, on batch
-// generation's ragged forward), which joins their sessions' caches into one batched cache
-// (JoinableKVCache), scores all their drafts in one forward with each row at its own positions,
-// verifies each row with its own session's processor, mode and seed (one host copy for the whole
-// batch), and splits each row's accepted prefix back into its session. A request that finds the
-// model idle runs alone at once: batching adds no waiting (unless limits.batch_delay asks a forward
-// to wait for more), it only collects what queued up during the previous forward. A batched forward
-// pays two copies of its sessions' cached positions (join and split). A row's result is the one it
-// would get alone, up to the rounding of a batched product. Targets whose cache is not a
-// JoinableKVCache verify one request per forward.
+// buffers serve every forward: ForwardQueue, forward_queue.hpp, the queue apart from gRPC), and
+// the verifications waiting for it are batched: when the model comes free, the next forward takes
+// every waiting request (up to limits.max_batch) and hands it to a SessionBatcher
+// (session_batch.hpp: the batching apart from gRPC, on batch generation's ragged forward), which
+// joins their sessions' caches into one batched cache (JoinableKVCache), scores all their drafts
+// in one forward with each row at its own positions, verifies each row with its own session's
+// processor, mode and seed (one host copy for the whole batch), and splits each row's accepted
+// prefix back into its session. A request that finds the model idle runs alone at once: batching
+// adds no waiting (unless limits.batch_delay asks a forward to wait for more), it only collects
+// what queued up during the previous forward. A batched forward pays two copies of its sessions'
+// cached positions (join and split). A row's result is the one it would get alone, up to the
+// rounding of a batched product. Targets whose cache is not a JoinableKVCache verify one request
+// per forward.
 //
 // Tensor parallelism (ServerOptions::group): the target is rank 0's shard of a model split over a
 // process group (parallel.hpp), and ranks 1..N-1 run follow_verifier() with their shards. Rank 0
@@ -101,6 +102,7 @@
 #include "specdec/kv_cache.hpp"
 #include "specdec/parallel.hpp"
 #include "specdec/remote/admission.hpp"
+#include "specdec/remote/forward_queue.hpp"
 #include "specdec/remote/front_end.hpp"
 #include "specdec/remote/protocol.hpp"
 #include "specdec/remote/session_batch.hpp"
@@ -328,7 +330,7 @@ class VerifierService final : public grpc::CallbackGenericService {
         workers_(static_cast<size_t>(options_.limits.max_concurrent_requests)) {
     check_token(options_.token, "ServerOptions::token");
     if (options_.group) retired_ = std::make_shared<detail::RetiredSessions>();
-    model_thread_ = std::thread([this] { serve_queue(); });
+    start_queue();
   }
 
   // How the server names a connection: gRPC's peer string as the front end resolves it (a
@@ -519,12 +521,7 @@ class VerifierService final : public grpc::CallbackGenericService {
   // calls it.
   void stop() {
     workers_.stop();
-    {
-      const std::lock_guard lock(queue_mutex_);
-      stopping_ = true;
-    }
-    arrived_.notify_all();
-    if (model_thread_.joinable()) model_thread_.join();
+    if (queue_) queue_->stop();
   }
   VerifierService(const VerifierService&) = delete;
   VerifierService& operator=(const VerifierService&) = delete;
@@ -532,9 +529,11 @@ class VerifierService final : public grpc::CallbackGenericService {
 
   [[nodiscard]] ServerStats stats() const {
     ServerStats stats;
-    {
-      const std::lock_guard lock(queue_mutex_);
-      stats = stats_;
+    if (queue_) {
+      const ForwardQueueStats served = queue_->stats();
+      stats.verifications = served.verifications;
+      stats.forwards = served.forwards;
+      stats.largest_batch = served.largest_batch;
     }
     stats.sessions_evicted = sessions_evicted_.load();
     stats.unauthenticated = unauthenticated_.load();
@@ -602,7 +601,6 @@ class VerifierService final : public grpc::CallbackGenericService {
     uint64_t step = 0;                             // the session's step index (its seed)
     SessionStep<T> verification{};                 // what the batcher serves, and its outcome
     grpc::Status status{};
-    bool done = false;
   };
 
   static grpc::Status invalid(const std::string& message) { return {grpc::StatusCode::INVALID_ARGUMENT, message}; }
@@ -876,85 +874,50 @@ class VerifierService final : public grpc::CallbackGenericService {
 
   // Queues `job` for the model's thread and returns when it has been served.
   grpc::Status schedule(Job& job) {
-    std::unique_lock lock(queue_mutex_);
-    if (job.task) {
-      tasks_.push_back(&job);
-    } else {
-      queue_.push_back(&job);
+    try {
+      if (job.task) {
+        queue_->task(job);
+      } else {
+        queue_->verify(job);
+      }
+    } catch (const std::exception& e) {  // the queue has stopped (no call should reach it then), or a
+                                         // round failed outside the handlers' own checks
+      return {queue_->stopping() ? grpc::StatusCode::UNAVAILABLE : grpc::StatusCode::INTERNAL, e.what()};
     }
-    arrived_.notify_one();
-    served_.wait(lock, [&] { return job.done; });
     return job.status;
   }
 
-  // The model's thread: every forward (prefills and verifications) runs here, one at a time, so
-  // one thread's buffers serve them all (a forward's scratch memory is per thread). Each round
-  // runs the oldest task, if any, then every queued verification (up to max_batch) in one forward,
-  // after waiting up to batch_delay for more to join (running the tasks that arrive meanwhile). It
-  // returns when stop() is called and nothing is queued.
-  // With a group, each round's work is handed to the other ranks first (hand_over), and an idle
-  // wait of ServerOptions::heartbeat hands them an empty round.
-  void serve_queue() {
-    std::unique_lock lock(queue_mutex_);
-    const auto run_task = [&] {
-      Job* job = tasks_.front();
-      tasks_.pop_front();
-      lock.unlock();
-      if (hand_over({&job, 1}, detail::WorkMessage::open)) {
-        try {
-          job->status = job->task();
-        } catch (const std::exception& e) {
-          job->status = {grpc::StatusCode::INTERNAL, e.what()};
-        }
-        check_group({&job, 1});
-      }
-      lock.lock();
-      job->done = true;
-      served_.notify_all();
-    };
-    const size_t limit = kJoinable ? static_cast<size_t>(options_.limits.max_batch) : 1;
-    const auto waiting = [&] { return stopping_ || !queue_.empty() || !tasks_.empty(); };
-    while (true) {
-      if (!options_.group) {
-        arrived_.wait(lock, waiting);
-      } else if (!arrived_.wait_for(lock, options_.heartbeat, waiting)) {
-        lock.unlock();
-        hand_over({}, detail::WorkMessage::idle);
-        lock.lock();
-        continue;
-      }
-      if (queue_.empty() && tasks_.empty()) {
-        lock.unlock();
-        hand_over({}, detail::WorkMessage::stop);
-        return;
-      }
-      if (!tasks_.empty()) run_task();
-      if (queue_.empty()) continue;
-      if (options_.limits.batch_delay.count() > 0) {
-        const auto deadline = std::chrono::steady_clock::now() + options_.limits.batch_delay;
-        while (queue_.size() < limit && !stopping_) {
-          if (!tasks_.empty()) {
-            run_task();
-          } else if (arrived_.wait_until(lock, deadline) == std::cv_status::timeout) {
-            break;
-          }
-        }
-      }
-      const auto take = static_cast<std::ptrdiff_t>(std::min(queue_.size(), limit));
-      std::vector<Job*> batch(queue_.begin(), queue_.begin() + take);
-      queue_.erase(queue_.begin(), queue_.begin() + take);
-      lock.unlock();
-      if (hand_over(batch, detail::WorkMessage::verify)) {
-        run(batch);
-        check_group(batch);
-      }
-      lock.lock();
-      stats_.verifications += static_cast<int64_t>(batch.size());
-      ++stats_.forwards;
-      stats_.largest_batch = std::max(stats_.largest_batch, static_cast<int64_t>(batch.size()));
-      for (Job* served : batch) served->done = true;
-      served_.notify_all();
-    }
+  // The model's thread (forward_queue.hpp): every forward (prefills and verifications) runs there,
+  // one at a time, so one thread's buffers serve them all (a forward's scratch memory is per
+  // thread). Each round runs the oldest prefill, if any, then every queued verification (up to
+  // max_batch) in one forward, after waiting up to batch_delay for more to join. With a group,
+  // each round's work is handed to the other ranks first (hand_over), an idle wait of
+  // ServerOptions::heartbeat hands them an empty round, and the last round tells them to stop.
+  void start_queue() {
+    ForwardQueueOptions queue{.max_batch = kJoinable ? options_.limits.max_batch : 1,
+                              .batch_delay = options_.limits.batch_delay};
+    if (options_.group) queue.heartbeat = options_.heartbeat;
+    typename ForwardQueue<Job>::Rounds rounds{
+        .task =
+            [this](Job& job) {
+              Job* const round[] = {&job};
+              if (!hand_over(round, detail::WorkMessage::open)) return;
+              try {
+                job.status = job.task();
+              } catch (const std::exception& e) {
+                job.status = {grpc::StatusCode::INTERNAL, e.what()};
+              }
+              check_group(round);
+            },
+        .verify =
+            [this](std::span<Job* const> batch) {
+              if (!hand_over(batch, detail::WorkMessage::verify)) return;
+              run(batch);
+              check_group(batch);
+            },
+        .idle = [this] { hand_over({}, detail::WorkMessage::idle); },
+        .stop = [this] { hand_over({}, detail::WorkMessage::stop); }};
+    queue_.emplace(queue, std::move(rounds));
   }
 
   // Tensor parallelism: broadcasts the round of `kind` that serves `jobs` (and the sessions freed
@@ -1245,12 +1208,6 @@ class VerifierService final : public grpc::CallbackGenericService {
   ServerOptions options_;
   mutable std::mutex sessions_mutex_;
   std::map<std::string, std::shared_ptr<State>> sessions_;
-  mutable std::mutex queue_mutex_;  // guards queue_, tasks_, stopping_ and stats_
-  std::condition_variable served_, arrived_;
-  std::vector<Job*> queue_;  // verifications
-  std::deque<Job*> tasks_;   // prefills
-  bool stopping_ = false;
-  ServerStats stats_;
   std::map<std::string, Eviction> evicted_;  // sessions fair admission closed (guarded by sessions_mutex_)
   std::deque<std::string> eviction_order_;   // their handles, oldest first
   std::atomic<int64_t> sessions_evicted_{0};
@@ -1267,7 +1224,8 @@ class VerifierService final : public grpc::CallbackGenericService {
   std::atomic<int64_t> next_number_{0};                 // the next session's State::number
   mutable std::mutex failure_mutex_;
   std::optional<std::string> failure_{};  // failure()
-  std::thread model_thread_{};            // serve_queue(), started last by the constructor
+  std::optional<ForwardQueue<Job>> queue_{};  // the model's thread (start_queue), started last by the
+                                             // constructor; none on a follower
 };
 
 namespace detail {
