@@ -4,9 +4,13 @@
 # fp32, the same greedy output as stories260K) with llama2xs as drafter, the same models in both
 # (converted to GGUF for llama.cpp), the same precisions (fp32, bf16, 8-bit weights), threads and
 # prompt, greedy. Both sides run alternately, ROUNDS times; the table takes each figure's best.
+# Then autoregressive decoding runs PAIRS more times in pairs, one precision at a time, specdec and
+# llama.cpp back to back (the order reversed every other pair): the memory's speed on a shared
+# machine drifts within minutes, and a ratio within a pair is steadier than one across a round.
 # Not run in CI: it downloads llama.cpp's source, builds it, and writes about 12 GB of models.
 #
-#   scripts/bench-llamacpp.sh                 (ROUNDS=2 THREADS=2 TOKENS=64)
+#   scripts/bench-llamacpp.sh                 (ROUNDS=2 PAIRS=4 THREADS=2 TOKENS=64)
+#   ROUNDS=0 PAIRS=6 scripts/bench-llamacpp.sh   (the pairs alone: about 2 minutes a pair)
 #
 # Cache folder (made once, reused): $SPECDEC_BENCH_CACHE, default ~/.cache/specdec/bench. llama.cpp
 # is the one that llama-cpp-python 0.3.36's source distribution vendors (vendor/llama.cpp), built
@@ -19,6 +23,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 shared="${SPECDEC_SHARED_DIR:-$root/../shared}"
 cache="${SPECDEC_BENCH_CACHE:-$HOME/.cache/specdec/bench}"
 rounds="${ROUNDS:-2}"
+pairs="${PAIRS:-4}"
 threads="${THREADS:-2}"
 tokens="${TOKENS:-64}"
 llama_version=0.3.36
@@ -103,6 +108,23 @@ for round in $(seq "$rounds"); do
         -p "$prompt" -n "$tokens" --spec-draft-n-max "$n" --spec-draft-n-min 0 -t "$threads" -td "$threads" --temp 0 \
         -c 512 >"$log" 2>&1 || echo "exit $?" >>"$log"
     done
+  done
+done
+# Autoregressive decoding in alternated pairs (see the top of this file).
+for pair in $(seq "$pairs"); do
+  echo "pair $pair of $pairs: autoregressive decoding, both sides, each precision"
+  for format in "1 f32" "2 BF16" "3 Q8_0"; do
+    read -r id type <<<"$format"
+    specdec_side() {
+      SPECDEC_BENCH_TARGET="$target" SPECDEC_BENCH_DRAFTER="$drafter" "$root/build-bench/benchmarks/bench_cpu_target" \
+        --threads "$threads" --benchmark_filter="BM_Generate/$id/0/" --benchmark_format=json \
+        --benchmark_out="$out/pair-specdec-$type-$pair.json" >/dev/null 2>"$out/pair-specdec-$type-$pair.log"
+    }
+    llama_side() {
+      "$bin/llama-bench" -m "$cache/w1b-$type.gguf" -p 0 -n "$tokens" -t "$threads" -r 1 -o json \
+        >"$out/pair-llamabench-$type-$pair.json" 2>/dev/null
+    }
+    if ((pair % 2)); then specdec_side && llama_side; else llama_side && specdec_side; fi
   done
 done
 "$py" "$root/scripts/bench_llamacpp_table.py" "$out" "$threads"

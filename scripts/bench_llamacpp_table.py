@@ -76,6 +76,45 @@ def llama_speculative(folder, gguf_type):
     return result
 
 
+def pairs(folder, gguf_type):
+    """[(specdec tok/s, llama.cpp tok/s)] of the alternated autoregressive pairs of one precision
+    (pair-*.json), the pairs where both sides finished."""
+    result = []
+    for path in sorted(glob.glob(os.path.join(folder, f"pair-specdec-{gguf_type}-*.json"))):
+        pair = path.rsplit("-", 1)[1][:-len(".json")]
+        try:
+            with open(path) as f:
+                entries = [e for e in json.load(f)["benchmarks"] if not e.get("error_occurred")]
+            with open(os.path.join(folder, f"pair-llamabench-{gguf_type}-{pair}.json")) as f:
+                rows = [r for r in json.load(f) if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0]
+        except (OSError, ValueError, KeyError):
+            continue
+        if entries and rows:
+            result.append((entries[0]["tokens_per_second"], rows[0]["avg_ts"]))
+    return result
+
+
+def print_pairs(folder):
+    rows = [(precision, pairs(folder, gguf_type)) for precision, (_, gguf_type) in FORMATS.items()]
+    if not any(found for _, found in rows):
+        return
+    print("\nautoregressive decoding in alternated pairs (one precision at a time, the two sides back to back, "
+          "the order reversed every other pair):\n")
+    print("| precision | pairs | specdec best tok/s | llama.cpp best tok/s | ratio of the bests | "
+          "median ratio within a pair | ratios within the pairs |")
+    print("|---|---|---|---|---|---|---|")
+    for precision, found in rows:
+        if not found:
+            continue
+        ratios = sorted(mine / theirs for mine, theirs in found)
+        middle = len(ratios) // 2
+        median = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+        mine, theirs = max(m for m, _ in found), max(t for _, t in found)
+        listed = ", ".join(fmt(mine_pair / theirs_pair) for mine_pair, theirs_pair in found)
+        print(f"| {precision} | {len(found)} | {fmt(mine)} | {fmt(theirs)} | {fmt(mine / theirs)} | {fmt(median)} | "
+              f"{listed} |")
+
+
 def fmt(value, digits=2):
     return "—" if value is None else f"{value:.{digits}f}"
 
@@ -83,6 +122,9 @@ def fmt(value, digits=2):
 def main():
     folder, threads = sys.argv[1], sys.argv[2]
     ours = specdec_runs(folder, "w1b")
+    if not ours and not glob.glob(os.path.join(folder, "llamabench-*.json")):  # ROUNDS=0: the pairs alone
+        print_pairs(folder)
+        return
     ours64 = specdec_runs(folder, "random64")
     floor = best(ours.get("BM_Floor", []), "read_gb_per_s")
     print(f"specdec beside llama.cpp: stories260K widened to 1.04B parameters, llama2xs drafting, {threads} threads, "
@@ -145,6 +187,7 @@ def main():
         cells = " | ".join(fmt(unpacked[k] / unpacked[1]) if unpacked.get(k) else "—" for k in range(2, 10))
         print(f"| fp32 | specdec, unpacked (oneDNN/BLAS) | {fmt(unpacked[1], 1)} | {cells} |")
     print_bounds(ours, floor)
+    print_pairs(folder)
 
 
 def print_bounds(ours, floor):
