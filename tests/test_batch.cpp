@@ -784,6 +784,13 @@ void wait_waiting(const Queue& queue, size_t count) {
   }
 }
 
+// Jobs numbered 0 .. count - 1.
+std::vector<Job> numbered(int count) {
+  std::vector<Job> jobs(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) jobs[static_cast<size_t>(i)].id = i;
+  return jobs;
+}
+
 // Hands `job` to `queue` from a thread of its own, as a server's handler does.
 std::thread hand_over(Queue& queue, Job& job, bool task = false) {
   return std::thread([&queue, &job, task] { task ? queue.task(job) : queue.verify(job); });
@@ -792,8 +799,7 @@ std::thread hand_over(Queue& queue, Job& job, bool task = false) {
 TEST(ForwardQueue, ARoundTakesWhatQueuedDuringTheOneBefore) {
   Log log(/*held=*/0);
   Queue queue({.max_batch = 3}, log.rounds());
-  std::vector<Job> jobs(6);
-  for (int i = 0; i < 6; ++i) jobs[static_cast<size_t>(i)].id = i;
+  std::vector<Job> jobs = numbered(6);
   std::vector<std::thread> threads;
   threads.push_back(hand_over(queue, jobs[0]));
   log.wait_held();  // the model is busy: what comes now waits for the next round
@@ -815,8 +821,7 @@ TEST(ForwardQueue, ARoundTakesWhatQueuedDuringTheOneBefore) {
 TEST(ForwardQueue, TasksRunAloneOneARoundBeforeTheVerifications) {
   Log log(/*held=*/0);
   Queue queue({.max_batch = 16}, log.rounds());
-  std::vector<Job> jobs(5);
-  for (int i = 0; i < 5; ++i) jobs[static_cast<size_t>(i)].id = i;
+  std::vector<Job> jobs = numbered(5);
   std::vector<std::thread> threads;
   threads.push_back(hand_over(queue, jobs[0]));
   log.wait_held();
@@ -840,8 +845,7 @@ TEST(ForwardQueue, ABatchDelayWaitsForMoreAndServesTasksMeanwhile) {
   Log log;
   // A delay no test waits out: the round must start when the third verification arrives.
   Queue queue({.max_batch = 3, .batch_delay = std::chrono::seconds(60)}, log.rounds());
-  std::vector<Job> jobs(4);
-  for (int i = 0; i < 4; ++i) jobs[static_cast<size_t>(i)].id = i;
+  std::vector<Job> jobs = numbered(4);
   const auto start = std::chrono::steady_clock::now();
   std::vector<std::thread> threads;
   threads.push_back(hand_over(queue, jobs[0]));
@@ -860,8 +864,7 @@ TEST(ForwardQueue, ABatchDelayWaitsForMoreAndServesTasksMeanwhile) {
 TEST(ForwardQueue, StopServesWhatWaitsThenEndsAndRefusesMore) {
   Log log(/*held=*/0);
   auto queue = std::make_unique<Queue>(remote::ForwardQueueOptions{.max_batch = 2}, log.rounds());
-  std::vector<Job> jobs(4);
-  for (int i = 0; i < 4; ++i) jobs[static_cast<size_t>(i)].id = i;
+  std::vector<Job> jobs = numbered(4);
   std::vector<std::thread> threads;
   threads.push_back(hand_over(*queue, jobs[0]));
   log.wait_held();
@@ -892,6 +895,21 @@ TEST(ForwardQueue, StopServesWhatWaitsThenEndsAndRefusesMore) {
   queue->stop();  // idempotent
   queue.reset();
   EXPECT_EQ(log.served().size(), 4U);
+}
+
+TEST(ForwardQueue, AHandlerMayStopItsQueue) {
+  std::unique_ptr<Queue> queue;
+  Queue::Rounds rounds{.task = [](Job&) {},
+                       .verify =
+                           [&](std::span<Job* const> jobs) {
+                             if (jobs.front()->id == 9) queue->stop();  // on the queue's thread
+                           }};
+  queue = std::make_unique<Queue>(remote::ForwardQueueOptions{}, rounds);
+  Job job{9}, late{10};
+  queue->verify(job);
+  EXPECT_TRUE(queue->stopping());
+  EXPECT_THROW(queue->verify(late), std::logic_error);
+  queue.reset();  // joins the thread the handler could not
 }
 
 TEST(ForwardQueue, AHandlerThatThrowsFailsOnlyTheWorkOfItsRound) {

@@ -103,13 +103,17 @@ class ForwardQueue {
   void verify(Job& job) { wait_for(job, /*is_task=*/false); }
 
   // Serves what is waiting, calls `stop`, and ends the thread. Idempotent; the destructor calls
-  // it. Work handed over after it starts is refused (std::logic_error).
+  // it. Work handed over after it starts is refused (std::logic_error). Called by a handler (on the
+  // queue's thread), it returns at once and the thread ends after the rounds that remain.
   void stop() {
+    bool handler = false;
     {
       const std::lock_guard lock(mutex_);
       stopping_ = true;
+      handler = serving_ == std::this_thread::get_id();
     }
     arrived_.notify_all();
+    if (handler) return;
     const std::lock_guard joining(join_mutex_);
     if (thread_.joinable()) thread_.join();
   }
@@ -154,6 +158,7 @@ class ForwardQueue {
   // The thread: rounds until stop() with nothing waiting (see the top of this file).
   void serve() {
     std::unique_lock lock(mutex_);
+    serving_ = std::this_thread::get_id();
     const auto has_work = [&] { return stopping_ || !verifications_.empty() || !tasks_.empty(); };
     const auto size = static_cast<size_t>(options_.max_batch);
     while (true) {
@@ -227,11 +232,12 @@ class ForwardQueue {
 
   ForwardQueueOptions options_;
   Rounds rounds_;
-  mutable std::mutex mutex_;  // guards the lists, stopping_, stats_ and the tickets' results
+  mutable std::mutex mutex_;  // guards the lists, stopping_, serving_, stats_ and the tickets' results
   std::condition_variable arrived_, served_;
   std::deque<Ticket*> tasks_;
   std::deque<Ticket*> verifications_;
   bool stopping_ = false;
+  std::thread::id serving_{};  // the queue's thread, once it runs
   ForwardQueueStats stats_;
   std::mutex join_mutex_;  // one stop() joins the thread, the others wait for it
   std::thread thread_{};   // started last by the constructor
