@@ -14,10 +14,11 @@
 // bfloat16), 3 packed int8 (from the fp32 checkpoint). Counters:
 //   BM_Floor: read_gb_per_s, the rate at which the threads read a 1 GiB buffer, each its own
 //     stretch in one stream (best of 5);
-//   BM_Ceiling: fp32_gmac_per_s and bf16_gmac_per_s, the multiply-adds a second the threads
-//     issue together with the packed loops' instruction (vfmadd231ps; vdpbf16ps where the CPU
-//     has AVX512-BF16; the AVX2 loops' 8-lane vfmadd231ps on a CPU without AVX-512) when nothing
-//     waits on memory (best of 5);
+//   BM_Ceiling: fp32_gmac_per_s, bf16_gmac_per_s and int16_gmac_per_s, the multiply-adds a
+//     second the threads issue together with the packed loops' instruction (vfmadd231ps;
+//     vdpbf16ps where the CPU has AVX512-BF16; the AVX2 loops' 8-lane vfmadd231ps on a CPU
+//     without AVX-512; for int8, vpdpwssd where the CPU has AVX512-VNNI and the AVX2 loops'
+//     vpmaddwd without AVX-512, two products a lane) when nothing waits on memory (best of 5);
 //   BM_Forward/F/k: ms (one forward of k new tokens after 32 cached positions, best of the
 //     iterations), weight_gb_per_s (the products' weight bytes over that time),
 //     floor_fraction (weight_gb_per_s over read_gb_per_s) and mac_fraction (the products'
@@ -222,6 +223,48 @@ SPECDEC_TARGET_AVX2 float fma_rounds_avx2(int64_t steps) {
   return total;
 }
 
+// The int8 loops' instruction where the CPU has AVX512-VNNI: vpdpwssd (16 lanes, two int16
+// products each) into 16 independent int32 sums.
+SPECDEC_TARGET_AVX512_VNNI float dpwssd_rounds(int64_t steps) {
+  __m512i sums[16];
+  for (auto& sum : sums) sum = _mm512_setzero_si512();
+  __m512i a = _mm512_set1_epi32(0x00030002);
+  const __m512i b = _mm512_set1_epi32(0x00010001);
+  for (int64_t i = 0; i < steps; ++i) {
+#pragma GCC unroll 16
+    for (auto& sum : sums) sum = _mm512_dpwssd_epi32(sum, a, b);
+    asm volatile("" : "+v"(a));
+  }
+  __m512i all = sums[0];
+  for (int i = 1; i < 16; ++i) all = _mm512_add_epi32(all, sums[i]);
+  alignas(64) int32_t lanes[16];
+  _mm512_store_si512(lanes, all);
+  float total = 0;
+  for (const int32_t lane : lanes) total += static_cast<float>(lane);
+  return total;
+}
+
+// The int8 loops' instruction on a CPU without AVX-512: vpmaddwd (8 lanes, two int16 products
+// each) added into 12 independent int32 sums.
+SPECDEC_TARGET_AVX2 float madd_rounds_avx2(int64_t steps) {
+  __m256i sums[12];
+  for (auto& sum : sums) sum = _mm256_setzero_si256();
+  __m256i a = _mm256_set1_epi32(0x00030002);
+  const __m256i b = _mm256_set1_epi32(0x00010001);
+  for (int64_t i = 0; i < steps; ++i) {
+#pragma GCC unroll 12
+    for (auto& sum : sums) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(a, b));
+    asm volatile("" : "+x"(a));
+  }
+  __m256i all = sums[0];
+  for (int i = 1; i < 12; ++i) all = _mm256_add_epi32(all, sums[i]);
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), all);
+  float total = 0;
+  for (const int32_t lane : lanes) total += static_cast<float>(lane);
+  return total;
+}
+
 SPECDEC_TARGET_AVX512_BF16 float dot_rounds(int64_t steps) {
   __m512 sums[16];
   for (auto& sum : sums) sum = _mm512_setzero_ps();
@@ -241,32 +284,45 @@ SPECDEC_TARGET_AVX512_BF16 float dot_rounds(int64_t steps) {
 // as read_rate is its memory floor. On a CPU without AVX-512, the AVX2 loops' vfmadd231ps (every
 // format: bf16 widened); 0 where the CPU has neither (the portable loops: none measured).
 double arithmetic_rate(int format) {
-  static const std::array<double, 2> rates = [] {
-    std::array<double, 2> measured{0, 0};  // fp32 multiply-adds, bf16 dot products
+  // fp32 multiply-adds, bf16 dot products, int16 pair products (the int8 loops: vpdpwssd where
+  // the CPU has AVX512-VNNI, else the AVX2 loops' vpmaddwd; none measured for AVX-512 without
+  // VNNI)
+  static const std::array<double, 3> rates = [] {
+    std::array<double, 3> measured{0, 0, 0};
 #ifdef SPECDEC_X86_KERNELS
     const bool avx512 = specdec::detail::cpu_has_avx512();
     if (!avx512 && !specdec::detail::cpu_has_avx2_fma()) return measured;
     const int64_t threads = at::get_num_threads(), steps = int64_t{1} << 21;
-    for (int kind = 0; kind < 2; ++kind) {
-      if (kind == 1 && !specdec::detail::cpu_has_avx512_bf16()) break;
+    for (int kind = 0; kind < 3; ++kind) {
+      if (kind == 1 && !specdec::detail::cpu_has_avx512_bf16()) continue;
+      const bool vnni = specdec::detail::cpu_has_avx512_vnni();
+      if (kind == 2 && avx512 && !vnni) continue;
       double best = 1e30;
       for (int i = 0; i < 6; ++i) {
         std::atomic<float> seen{0};
         const auto start = Clock::now();
         at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
           for (int64_t t = begin; t < end; ++t) {
-            seen.store(kind == 1 ? dot_rounds(steps) : avx512 ? fma_rounds(steps) : fma_rounds_avx2(steps));
+            seen.store(kind == 2   ? (vnni ? dpwssd_rounds(steps) : madd_rounds_avx2(steps))
+                       : kind == 1 ? dot_rounds(steps)
+                       : avx512    ? fma_rounds(steps)
+                                   : fma_rounds_avx2(steps));
           }
         });
         benchmark::DoNotOptimize(seen.load());
         if (i > 0) best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
       }
-      const double per_step = avx512 ? 16.0 * 16.0 : 12.0 * 8.0;  // sums times lanes
-      measured[kind] = static_cast<double>(threads * steps) * (kind == 0 ? per_step : 16.0 * 32.0) / best;
+      // multiply-adds a step: sums times lanes (times two for the pair products)
+      const double per_step = kind == 2   ? (vnni ? 16.0 * 32.0 : 12.0 * 16.0)
+                              : kind == 1 ? 16.0 * 32.0
+                              : avx512    ? 16.0 * 16.0
+                                          : 12.0 * 8.0;
+      measured[static_cast<size_t>(kind)] = static_cast<double>(threads * steps) * per_step / best;
     }
 #endif
     return measured;
   }();
+  if (format == 3) return rates[2];
   return format == 2 && rates[1] > 0 ? rates[1] : rates[0];
 }
 
@@ -317,6 +373,7 @@ void BM_Ceiling(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(arithmetic_rate(1));
   state.counters["fp32_gmac_per_s"] = arithmetic_rate(1) / 1e9;
   state.counters["bf16_gmac_per_s"] = arithmetic_rate(2) / 1e9;
+  state.counters["int16_gmac_per_s"] = arithmetic_rate(3) / 1e9;
 }
 
 void BM_Forward(benchmark::State& state) {

@@ -195,14 +195,16 @@ def print_bounds(ours, floor):
     (weight bytes over the floor's rate) and the arithmetic (k x weights multiply-adds over
     BM_Ceiling's rate with the loops' instruction)."""
     ceilings = {"fp32": best(ours.get("BM_Ceiling", []), "fp32_gmac_per_s"),
-                "bf16": best(ours.get("BM_Ceiling", []), "bf16_gmac_per_s")}
+                "bf16": best(ours.get("BM_Ceiling", []), "bf16_gmac_per_s"),
+                "8-bit": best(ours.get("BM_Ceiling", []), "int16_gmac_per_s")}
     if floor is None or not ceilings["fp32"]:  # 0: a CPU without AVX-512, none measured
         return
     print(f"\nspecdec's forwards beside this machine's bounds: the memory (weight bytes over the floor's "
           f"{fmt(floor, 1)} GB/s) and the arithmetic (k x weights multiply-adds at {fmt(ceilings['fp32'], 1)} "
           f"G/s by fp32 multiply-adds, " +
           (f"{fmt(ceilings['bf16'], 1)} G/s by bf16 dot products; " if ceilings["bf16"] else "bf16 widened to fp32; ") +
-          "int8 is widened to fp32):\n")
+          (f"{fmt(ceilings['8-bit'], 1)} G/s by int16 pair products for int8)" if ceilings["8-bit"]
+           else "int8 at the fp32 rate)") + ":\n")
     print("| precision | weights GB | memory bound ms | t(1) ms | t(8) ms | arithmetic bound of t(8) ms |")
     print("|---|---|---|---|---|---|")
     for precision, (format_id, _) in FORMATS.items():
@@ -212,7 +214,7 @@ def print_bounds(ours, floor):
             continue
         gigabytes = one[0]["weight_gb_per_s"] * one[0]["ms"] / 1e3
         weights = gigabytes * 1e9 / {"fp32": 4, "bf16": 2, "8-bit": 1}[precision]
-        ceiling = ceilings["bf16"] if precision == "bf16" and ceilings["bf16"] else ceilings["fp32"]
+        ceiling = ceilings[precision] if precision != "fp32" and ceilings[precision] else ceilings["fp32"]
         memory_ms = 1e3 * gigabytes / floor
         print(f"| {precision} | {fmt(gigabytes)} | {fmt(memory_ms, 1)} | {fmt(best(one, 'ms', smaller=True), 1)} | "
               f"{fmt(eight, 1)} | {fmt(1e3 * 8 * weights / (ceiling * 1e9), 1)} |")

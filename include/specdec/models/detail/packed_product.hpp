@@ -14,7 +14,21 @@
 // (up to kRegisterRows rows at a time; more rows re-read the panel from the second-level cache).
 //
 // Weights may be fp32, bf16 or int8 with one fp32 scale per output (weight-only quantization:
-// y = scale * (x . q) + bias). fp32 and int8 weights multiply fp32 activations. A bf16 product is
+// y = scale * (x . q) + bias). fp32 weights multiply fp32 activations. An int8 product is an
+// integer product: each row's activations are quantized to int16 per chunk of 128 inputs
+// (s = max |x| over the chunk / 32767, each x rounded to the nearest multiple of s, ties to even),
+// each chunk's products of int8 weights and int16 activations are summed exactly in int32, and
+// the chunk's sum is added to the output's fp32 sum as fma(float(sum), s, total), chunk after
+// chunk. A chunk's step is at most 1/65534 of its largest activation, so an outlier costs the
+// precision of its own 128 inputs only; a chunk holding NaN or infinity gives NaN. The pair of
+// inputs (2j, 2j + 1) of an output is one lane of `vpdpwssd` (AVX512-VNNI: 32 multiply-adds an
+// instruction into int32 sums) or of `vpmaddwd` and an add elsewhere: an int8 panel holds each
+// output's weights for inputs 2j and 2j + 1 side by side, as a bf16 panel does. Before, int8
+// weights were widened to fp32 and multiplied as fp32 weights, two conversions per 16 weights
+// before the multiply-adds: on a 2-core AMD EPYC (Zen 4) a forward of 8 tokens on a
+// 1B-parameter target took 89 to 93 ms that way and 45 to 49 by these dot products (one token:
+// 21 to 31 ms either way, the memory's time); the AVX2 loops on one of its cores, a block in the
+// first-level cache, cost 0.017 ns per weight for one row against 0.034 widened. A bf16 product is
 // a bf16 product: the activations are rounded to bfloat16 (to the nearest, ties to even) and each
 // pair of inputs (2j, 2j + 1) is added to the fp32 sum as AVX512-BF16's dot product adds it,
 // sum = (sum + x[2j+1] w[2j+1]) + x[2j] w[2j], each step rounded once (a product of two bf16
@@ -37,9 +51,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <string>
 #include <vector>
@@ -67,7 +83,7 @@ inline const char* to_string(WeightFormat format) noexcept {
 inline constexpr int64_t kPanelWidth = 32;
 
 // A weight [out, in] packed in panels (see the top of this file), the last panel padded with zero
-// weights: for f32 and i8 element (o, i) at data[((o / 32) * in + i) * 32 + o % 32]; for bf16, in
+// weights: for f32 element (o, i) at data[((o / 32) * in + i) * 32 + o % 32]; for bf16 and i8, in
 // pairs of inputs (an odd `in` padded with a zero input), at
 // data[(((o / 32) * pairs + i / 2) * 32 + o % 32) * 2 + i % 2] with pairs = (in + 1) / 2.
 struct PackedWeight {
@@ -115,14 +131,14 @@ inline at::Tensor huge_page_tensor(at::IntArrayRef sizes, at::ScalarType dtype) 
 #endif
 }
 
-// The panels of `weight` [out, in] (any floating dtype, any strides) in `dtype`: kFloat or kChar
-// (weights already quantized to integers) as a tensor [panels, in, 32], kBFloat16 as
+// The panels of `weight` [out, in] (any floating dtype, any strides) in `dtype`: kFloat as a
+// tensor [panels, in, 32], kBFloat16 or kChar (weights already quantized to integers) as
 // [panels, (in + 1) / 2, 32, 2] (PackedWeight's layouts), in memory that may be backed by huge
 // pages (huge_page_tensor).
 inline at::Tensor pack_panels(const at::Tensor& weight, at::ScalarType dtype) {
   const int64_t out = weight.size(0), in = weight.size(1);
   const int64_t panels = (out + kPanelWidth - 1) / kPanelWidth;
-  if (dtype == at::kBFloat16) {
+  if (dtype == at::kBFloat16 || dtype == at::kChar) {
     const int64_t pairs = (in + 1) / 2;
     at::Tensor padded = at::zeros({panels * kPanelWidth, 2 * pairs}, weight.options().dtype(dtype));
     padded.narrow(0, 0, out).narrow(1, 0, in).copy_(weight);
@@ -140,7 +156,7 @@ inline at::Tensor pack_panels(const at::Tensor& weight, at::ScalarType dtype) {
 // The weight [out, in] that pack_panels(weight, packed.scalar_type()) packed, in packed's dtype
 // (a copy).
 inline at::Tensor unpack_panels(const at::Tensor& packed, int64_t out, int64_t in) {
-  if (packed.dim() == 4) {  // bf16: [panels, pairs, 32, 2]
+  if (packed.dim() == 4) {  // bf16 and int8: [panels, pairs, 32, 2]
     return packed.permute({0, 2, 1, 3}).reshape({-1, 2 * packed.size(1)}).narrow(0, 0, out).narrow(1, 0, in).contiguous();
   }
   return packed.transpose(1, 2).reshape({-1, in}).narrow(0, 0, out).contiguous();
@@ -148,9 +164,11 @@ inline at::Tensor unpack_panels(const at::Tensor& packed, int64_t out, int64_t i
 
 // Which loops packed_product() runs.
 enum class PackedLoops : uint8_t {
-  best,      // the fastest this CPU has: AVX-512 with bf16 dot products where it has AVX512-BF16,
-             // else AVX-512, else AVX2 with FMA, else portable C++
-  avx512,    // AVX-512 with bf16 weights widened to fp32 (the same sums), where the CPU has AVX-512
+  best,      // the fastest this CPU has: AVX-512 with bf16 dot products where it has AVX512-BF16
+             // and int16 dot products where it has AVX512-VNNI, else AVX-512, else AVX2 with FMA,
+             // else portable C++
+  avx512,    // AVX-512 with bf16 weights widened to fp32 and int16 products multiplied and added
+             // (the same sums), where the CPU has AVX-512
   avx2,      // AVX2 with FMA, bf16 weights widened to fp32 (the same sums), where the CPU has them
   portable,  // portable C++ (the same sums)
 };
@@ -162,6 +180,10 @@ inline std::string packed_product_isa(WeightFormat format) {
     if (!cpu_has_avx2_fma()) return "portable loops: this CPU has neither AVX-512 nor AVX2 with FMA, slower";
     if (format != WeightFormat::bf16) return "avx2 loops: this CPU has no AVX-512";
     return "avx2 loops: this CPU has no AVX-512, bf16 products widened to fp32";
+  }
+  if (format == WeightFormat::i8) {
+    return cpu_has_avx512_vnni() ? "avx512 loops, int16 dot products"
+                                 : "avx512 loops: this CPU has no AVX512-VNNI, int16 products multiplied and added";
   }
   if (format != WeightFormat::bf16) return "avx512 loops";
   return cpu_has_avx512_bf16() ? "avx512 loops, bf16 dot products"
@@ -175,38 +197,42 @@ namespace packed {
 inline constexpr int kRegisterRows = 12;
 
 // The AVX2/FMA loops. With 16 vector registers of 8 lanes, a panel's 32 sums take 4 registers a
-// row, so a pass keeps kAvx2Rows<F> rows in registers (3 for fp32 and int8: 12 sums, their 3
-// broadcast inputs and a widened weight; 2 for bf16, whose rows each need two broadcasts, an
-// input pair's halves). More rows go through a panel in blocks of kAvx2BlockBytes: every group of
-// rows runs over the block before the next block starts, the first group reading it from memory
-// (with the software prefetch of the AVX-512 loops), the others from the first-level cache. For
-// int8 weights and more rows than one group, each block is widened once to fp32 and the groups run
-// the fp32 loop over it (avx2_widens): widening in every group cost 8 rows 16% more time on a
-// 2-core AMD EPYC (Zen 1). The same for bf16 (each pair as two fp32 inputs) cost 3 and 4 rows 20%
-// more than widening in every group, and saved nothing at 6 and 8, so bf16 widens in its loop.
+// row, so a pass keeps kAvx2Rows<F> rows in registers (3 for fp32: 12 sums, their 3 broadcast
+// inputs and a weight; 2 for bf16, whose rows each need two broadcasts, an input pair's halves;
+// 2 for int8, whose loop widens a pair's 4 weight vectors before its multiplies: with 3 rows the
+// compiler kept 8 of the 12 sums on the stack, and a row cost 0.018 ns per weight against 0.014
+// with 2, on one core of an AMD EPYC (Zen 4), a block in the first-level cache). More rows go
+// through a panel in blocks of kAvx2BlockBytes: every group of rows runs over the block before the
+// next block starts, the first group reading it from memory (with the software prefetch of the
+// AVX-512 loops), the others from the first-level cache. Widening bf16 once per block for every
+// group (each pair as two fp32 inputs) cost 3 and 4 rows 20% more than widening in every group,
+// and saved nothing at 6 and 8, so bf16 widens in its loop. An int8 block is one chunk of its
+// activations' steps (kInt8ChunkPairs pairs of inputs).
 template <WeightFormat F>
-inline constexpr int kAvx2Rows = F == WeightFormat::bf16 ? 2 : 3;
+inline constexpr int kAvx2Rows = F == WeightFormat::f32 ? 3 : 2;
 inline constexpr int64_t kAvx2BlockBytes = 4096;
 
-// Whether the AVX2 loops widen each block of a `format` panel to fp32 for `rows` rows.
-inline bool avx2_widens(WeightFormat format, int64_t rows) {
-  return format == WeightFormat::i8 && rows > kAvx2Rows<WeightFormat::i8>;
-}
+// Pairs of inputs per chunk of an int8 product's activations (128 inputs: see the top of this
+// file). A chunk's int32 sums stay far from overflow: 64 pairs of products of at most 128 x
+// 32768 in magnitude sum to at most 2^29.
+inline constexpr int64_t kInt8ChunkPairs = 64;
+static_assert(kAvx2BlockBytes == kInt8ChunkPairs * kPanelWidth * 2, "an AVX2 int8 block is one chunk");
 
-// The fp32 value of element e of an f32 or i8 panel row (bf16 panels hold pairs: bf16_panel_*).
-template <WeightFormat F>
-inline float element(const void* data, int64_t e) {
-  static_assert(F != WeightFormat::bf16);
-  if constexpr (F == WeightFormat::f32) {
-    return static_cast<const float*>(data)[e];
-  } else {
-    return static_cast<float>(static_cast<const int8_t*>(data)[e]);
-  }
-}
+// The largest magnitude an int8 product's activations are quantized to.
+inline constexpr float kInt16Steps = 32767.0F;
+
+// The fp32 value of element e of an f32 panel row (bf16 and i8 panels hold pairs).
+inline float element(const void* data, int64_t e) { return static_cast<const float*>(data)[e]; }
 
 template <WeightFormat F>
 constexpr int64_t element_bytes() {
   return F == WeightFormat::f32 ? 4 : F == WeightFormat::bf16 ? 2 : 1;
+}
+
+// Bytes per unit of a panel: one input of fp32, one pair of inputs of bf16 or int8.
+template <WeightFormat F>
+constexpr int64_t unit_bytes() {
+  return kPanelWidth * element_bytes<F>() * (F == WeightFormat::f32 ? 1 : 2);
 }
 
 // The 32 outputs of panel p from the sums `acc` [rows, 32]: scaled, biased, and the columns that
@@ -223,16 +249,15 @@ inline void store_panel(const PackedWeight& w, int64_t p, const float* acc, int6
   }
 }
 
-// Portable: panel p times `rows` rows of x, given transposed (xt [in, rows]), into `acc`
+// Portable: fp32 panel p times `rows` rows of x, given transposed (xt [in, rows]), into `acc`
 // [rows, 32].
-template <WeightFormat F>
 inline void panel_portable(const PackedWeight& w, int64_t p, const float* xt, int64_t rows, float* acc) {
-  const char* panel = static_cast<const char*>(w.data) + p * w.in * kPanelWidth * element_bytes<F>();
+  const char* panel = static_cast<const char*>(w.data) + p * w.in * kPanelWidth * 4;
   std::fill(acc, acc + rows * kPanelWidth, 0.0F);
   for (int64_t i = 0; i < w.in; ++i) {
     float weights[kPanelWidth];
-    const char* line = panel + i * kPanelWidth * element_bytes<F>();
-    for (int64_t j = 0; j < kPanelWidth; ++j) weights[j] = element<F>(line, j);
+    const char* line = panel + i * kPanelWidth * 4;
+    for (int64_t j = 0; j < kPanelWidth; ++j) weights[j] = element(line, j);
     for (int64_t r = 0; r < rows; ++r) {
       const float v = xt[i * rows + r];
       float* sums = acc + r * kPanelWidth;
@@ -262,7 +287,9 @@ inline float widen_bf16(uint32_t bits) noexcept {
 #ifdef SPECDEC_X86_KERNELS
 // round_to_bf16 of each of `n` floats of `row`, 16 a step, into bits[0, n).
 SPECDEC_TARGET_AVX512 inline void round_to_bf16_avx512(const float* row, int64_t n, uint16_t* bits) {
-  constexpr __mmask16 kAll = 0xFFFF;  // the zero-masked shifts: see load16
+  // The zero-masked forms of the shifts (all 16 lanes kept): GCC 12 warns of an uninitialised
+  // variable inside the unmasked ones' definitions (so do the widening loops below).
+  constexpr __mmask16 kAll = 0xFFFF;
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
   const __m512i quiet = _mm512_set1_epi32(0x00400000);  // a NaN's bit 6 of its upper half
@@ -294,6 +321,124 @@ inline void round_pairs(const float* row, int64_t in, uint16_t* bits, bool vecto
   for (int64_t i = 0; i < in; ++i) bits[i] = round_to_bf16(row[i]);
 }
 
+// The int16 value of x times `inv` (a chunk's 32767 / max |x|), rounded to the nearest, ties to
+// even, as `vcvtps2dq` rounds under the default rounding mode.
+inline int16_t quantize_int16(float x, float inv) noexcept {
+  return static_cast<int16_t>(std::clamp(std::nearbyint(x * inv), -32768.0F, 32767.0F));
+}
+
+// A chunk's largest magnitude as the bits of a float, by integer comparison (exact and the same
+// in every version; at or above 0x7F800000 where the chunk holds NaN or infinity).
+inline uint32_t largest_bits(const float* x, int64_t n, uint32_t largest) noexcept {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    largest = std::max(largest, bits & 0x7FFFFFFFU);
+  }
+  return largest;
+}
+
+// A chunk's step from its largest magnitude's bits, and the factor its activations are
+// multiplied by before rounding (0 where they all quantize to 0): NaN for a chunk that holds NaN
+// or infinity; 0 for one whose largest magnitude is below 2^-100 (32767 over it would overflow a
+// float; what such a chunk adds is below any fp32 sum's last bit that a real activation makes).
+struct ChunkScale {
+  float step = 0.0F;
+  float inv = 0.0F;
+};
+inline ChunkScale chunk_scale(uint32_t largest) noexcept {
+  if (largest >= 0x7F800000U) return {.step = std::numeric_limits<float>::quiet_NaN(), .inv = 0.0F};
+  float value;
+  std::memcpy(&value, &largest, sizeof value);
+  if (value < 0x1p-100F) return {};
+  return {.step = value / kInt16Steps, .inv = kInt16Steps / value};
+}
+
+#ifdef SPECDEC_X86_KERNELS
+// quantize_row_int16 by AVX2, 8 activations a step (the same values: an exact maximum, one
+// rounding of the same product).
+SPECDEC_TARGET_AVX2 inline void quantize_chunk_avx2(const float* x, int64_t n, int16_t* q, float* step) {
+  const int64_t whole = n / 8 * 8;
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  __m256i most = _mm256_setzero_si256();
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    most = _mm256_max_epi32(most, _mm256_and_si256(bits, magnitude));
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), most);
+  const ChunkScale scale = chunk_scale(largest_bits(x + whole, n - whole, *std::max_element(lanes, lanes + 8)));
+  *step = scale.step;
+  if (scale.inv == 0.0F) {
+    std::fill(q, q + n, int16_t{0});
+    return;
+  }
+  const __m256 inv = _mm256_set1_ps(scale.inv);
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256i rounded = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(rounded, rounded), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(packed));
+  }
+  for (int64_t i = whole; i < n; ++i) q[i] = quantize_int16(x[i], scale.inv);
+}
+#endif
+
+// One row of `in` activations quantized for an int8 product (see the top of this file): the
+// int16 values into q[0, in), q[in] = 0 where `in` is odd (a pair's zero pad), and chunk c's
+// step into steps[c * stride]. 8 at a step where `vector` (the CPU has AVX2).
+inline void quantize_row_int16(const float* row, int64_t in, int16_t* q, float* steps, int64_t stride, bool vector) {
+  if (in % 2 == 1) q[in] = 0;
+  constexpr int64_t kChunk = 2 * kInt8ChunkPairs;
+  for (int64_t first = 0, c = 0; first < in; first += kChunk, ++c) {
+    const int64_t n = std::min(kChunk, in - first);
+#ifdef SPECDEC_X86_KERNELS
+    if (vector) {
+      quantize_chunk_avx2(row + first, n, q + first, steps + c * stride);
+      continue;
+    }
+#else
+    (void)vector;
+#endif
+    const ChunkScale scale = chunk_scale(largest_bits(row + first, n, 0));
+    steps[c * stride] = scale.step;
+    if (scale.inv == 0.0F) {
+      std::fill(q + first, q + first + n, int16_t{0});
+      continue;
+    }
+    for (int64_t i = 0; i < n; ++i) q[first + i] = quantize_int16(row[first + i], scale.inv);
+  }
+}
+
+// Portable: int8 panel p times `rows` rows of int16 activations given as pairs (xp [pairs, rows]:
+// a row's inputs 2j and 2j + 1 in the low and high halves of xp[j * rows + r]) with their chunks'
+// steps (steps [chunks, rows]), into `acc` [rows, 32]: each chunk's products summed in int32,
+// then acc = fma(float(sum), step, acc).
+inline void int8_panel_portable(const PackedWeight& w, int64_t p, const uint32_t* xp, const float* steps, int64_t rows,
+                                float* acc) {
+  const int64_t pairs = (w.in + 1) / 2;
+  const int8_t* panel = static_cast<const int8_t*>(w.data) + p * pairs * kPanelWidth * 2;
+  std::fill(acc, acc + rows * kPanelWidth, 0.0F);
+  int32_t sums[kRegisterRows * kPanelWidth];
+  for (int64_t first = 0; first < pairs; first += kInt8ChunkPairs) {
+    std::fill(sums, sums + rows * kPanelWidth, 0);
+    for (int64_t j = first; j < std::min(pairs, first + kInt8ChunkPairs); ++j) {
+      const int8_t* line = panel + j * kPanelWidth * 2;
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint32_t pair = xp[j * rows + r];
+        const int32_t even = static_cast<int16_t>(pair & 0xFFFFU), odd = static_cast<int16_t>(pair >> 16);
+        int32_t* row = sums + r * kPanelWidth;
+        for (int64_t k = 0; k < kPanelWidth; ++k) row[k] += line[2 * k] * even + line[2 * k + 1] * odd;
+      }
+    }
+    const float* step = steps + first / kInt8ChunkPairs * rows;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t k = 0; k < kPanelWidth; ++k) {
+        acc[r * kPanelWidth + k] = std::fma(static_cast<float>(sums[r * kPanelWidth + k]), step[r], acc[r * kPanelWidth + k]);
+      }
+    }
+  }
+}
+
 // Portable: bf16 panel p times `rows` rows of x given as pairs (xp [pairs, rows]: a row's inputs
 // 2j and 2j + 1 rounded to bf16 in the low and high halves of xp[j * rows + r]), into `acc`
 // [rows, 32]: per pair, sum = (sum + x[2j+1] w[2j+1]) + x[2j] w[2j] (both products exact).
@@ -318,20 +463,6 @@ inline void bf16_panel_portable(const PackedWeight& w, int64_t p, const uint32_t
 }
 
 #ifdef SPECDEC_X86_KERNELS
-// 16 weights of an f32 or i8 panel from `data`, widened to fp32.
-template <WeightFormat F>
-SPECDEC_TARGET_AVX512 inline __m512 load16(const char* data) {
-  static_assert(F != WeightFormat::bf16);
-  // The zero-masked forms of the widening instructions (all 16 lanes kept): GCC 12 warns of an
-  // uninitialised variable inside the unmasked ones' definitions.
-  constexpr __mmask16 kAll = 0xFFFF;
-  if constexpr (F == WeightFormat::f32) {
-    return _mm512_loadu_ps(data);
-  } else {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data));
-    return _mm512_maskz_cvtepi32_ps(kAll, _mm512_maskz_cvtepi8_epi32(kAll, bytes));
-  }
-}
 
 // How far ahead of its loads a stream asks for its weights (software prefetch). The hardware
 // prefetchers alone left the loads waiting on memory whenever the arithmetic between them grew:
@@ -366,13 +497,13 @@ struct PanelSums {
   }
 };
 
-// P panels (P streams from P places in memory) times R rows of x, given transposed (xt [in, R]:
-// each input's R values side by side), into acc[j] [R, 32] for panel panels[j]: the 2PR sums in
-// registers over every input.
-template <WeightFormat F, int R, int P>
+// P fp32 panels (P streams from P places in memory) times R rows of x, given transposed (xt
+// [in, R]: each input's R values side by side), into acc[j] [R, 32] for panel panels[j]: the 2PR
+// sums in registers over every input.
+template <int R, int P>
 SPECDEC_TARGET_AVX512 inline void panels_avx512(const PackedWeight& w, const int64_t* panels, const float* xt,
                                                 float* const* acc) {
-  constexpr int64_t kStep = kPanelWidth * element_bytes<F>();  // bytes per input in a panel
+  constexpr int64_t kStep = kPanelWidth * 4;  // bytes per input in a panel
   const char* line[P];
   PanelSums<R, P> sums;
 #pragma GCC unroll 2
@@ -389,8 +520,8 @@ SPECDEC_TARGET_AVX512 inline void panels_avx512(const PackedWeight& w, const int
       } else if ((i & (64 / kStep - 1)) == 0) {
         _mm_prefetch(line[j] + kPrefetchBytes, _MM_HINT_T0);
       }
-      a[j] = load16<F>(line[j]);
-      b[j] = load16<F>(line[j] + kStep / 2);
+      a[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(line[j]));
+      b[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(line[j] + kStep / 2));
       line[j] += kStep;
     }
 #pragma GCC unroll 12
@@ -458,7 +589,7 @@ SPECDEC_TARGET_AVX512_BF16 inline void bf16_panels_dot(const PackedWeight& w, co
 template <int R, int P>
 SPECDEC_TARGET_AVX512 inline void bf16_panels_widened(const PackedWeight& w, const int64_t* panels, const uint32_t* xp,
                                                       float* const* acc) {
-  constexpr __mmask16 kAll = 0xFFFF;  // the zero-masked shift: see load16
+  constexpr __mmask16 kAll = 0xFFFF;  // the zero-masked shift: see round_to_bf16_avx512
   const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xFFFF0000U));
   Bf16Stream stream[P];
   const int64_t pairs = Bf16Stream::start(stream, w, panels);
@@ -485,14 +616,113 @@ SPECDEC_TARGET_AVX512 inline void bf16_panels_widened(const PackedWeight& w, con
   sums.store(acc);
 }
 
-// 8 weights of an f32 or i8 panel from `data`, widened to fp32.
-template <WeightFormat F>
-SPECDEC_TARGET_AVX2 inline __m256 load8(const char* data) {
-  static_assert(F != WeightFormat::bf16);
-  if constexpr (F == WeightFormat::f32) {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(data));
-  } else {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(data))));
+// The int8 panels' prefetch, loads and pointer step for one pair of inputs (64 bytes: 32
+// outputs' two weights), each 16-output half widened to int16.
+struct Int8Stream {
+  static constexpr int64_t kStep = kPanelWidth * 2;  // bytes per pair of inputs in a panel
+  const char* line = nullptr;
+
+  // Starts the streams of panels[0 .. P) of w; returns the pairs of inputs each holds.
+  template <int P>
+  static int64_t start(Int8Stream (&stream)[P], const PackedWeight& w, const int64_t* panels) {
+    const int64_t pairs = (w.in + 1) / 2;
+    for (int j = 0; j < P; ++j) stream[j].line = static_cast<const char*>(w.data) + panels[j] * pairs * kStep;
+    return pairs;
+  }
+
+  SPECDEC_TARGET_AVX512 __attribute__((always_inline)) inline void next(__m512i& low, __m512i& high) {
+    constexpr __mmask32 kAll = 0xFFFFFFFFU;  // the zero-masked widening: see round_to_bf16_avx512
+    _mm_prefetch(line + kPrefetchBytes, _MM_HINT_T0);
+    low = _mm512_maskz_cvtepi8_epi16(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
+    high = _mm512_maskz_cvtepi8_epi16(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32)));
+    line += kStep;
+  }
+};
+
+// The int32 sums of one chunk of P int8 panels over R rows (each row's 32 sums as two vectors),
+// in registers: made zero, then added to acc[j] [R, 32] as fma(float(sum), step, acc).
+template <int R, int P>
+struct Int8Sums {
+  __m512i lo[P][R], hi[P][R];
+
+  SPECDEC_TARGET_AVX512 __attribute__((always_inline)) inline Int8Sums() {
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j) {
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) lo[j][r] = hi[j][r] = _mm512_setzero_si512();
+    }
+  }
+
+  // step [R]: the rows' steps for this chunk.
+  SPECDEC_TARGET_AVX512 __attribute__((always_inline)) inline void add_to(float* const* acc, const float* step) const {
+    constexpr __mmask16 kAll = 0xFFFF;  // the zero-masked conversion: see round_to_bf16_avx512
+#pragma GCC unroll 2
+    for (int j = 0; j < P; ++j) {
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        const __m512 scale = _mm512_set1_ps(step[r]);
+        float* const out = acc[j] + r * kPanelWidth;
+        const __m512 low = _mm512_maskz_cvtepi32_ps(kAll, lo[j][r]), high = _mm512_maskz_cvtepi32_ps(kAll, hi[j][r]);
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(low, scale, _mm512_loadu_ps(out)));
+        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(high, scale, _mm512_loadu_ps(out + 16)));
+      }
+    }
+  }
+};
+
+// P int8 panels times R rows of int16 activations given as pairs (xp [pairs, R], see
+// int8_panel_portable) with their chunks' steps (steps [chunks, R]) into acc[j] [R, 32], by
+// AVX512-VNNI's dot products (`vpdpwssd`: 32 multiply-adds an instruction, a lane's two products
+// added to its int32 sum), chunk by chunk, as int8_panel_portable adds them.
+template <int R, int P>
+SPECDEC_TARGET_AVX512_VNNI inline void int8_panels_dot(const PackedWeight& w, const int64_t* panels, const uint32_t* xp,
+                                                       const float* steps, float* const* acc) {
+  Int8Stream stream[P];
+  const int64_t pairs = Int8Stream::start(stream, w, panels);
+  for (int j = 0; j < P; ++j) std::fill(acc[j], acc[j] + R * kPanelWidth, 0.0F);
+  for (int64_t first = 0; first < pairs; first += kInt8ChunkPairs, steps += R) {
+    Int8Sums<R, P> sums;
+    for (int64_t i = first; i < std::min(pairs, first + kInt8ChunkPairs); ++i, xp += R) {
+#pragma GCC unroll 2
+      for (int j = 0; j < P; ++j) {
+        __m512i a, b;
+        stream[j].next(a, b);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_set1_epi32(static_cast<int>(xp[r]));
+          sums.lo[j][r] = _mm512_dpwssd_epi32(sums.lo[j][r], a, x);
+          sums.hi[j][r] = _mm512_dpwssd_epi32(sums.hi[j][r], b, x);
+        }
+      }
+    }
+    sums.add_to(acc, steps);
+  }
+}
+
+// int8_panels_dot's sums on a CPU without AVX512-VNNI: `vpmaddwd` and an add (the same int32
+// sums: no pair of products here comes near overflow).
+template <int R, int P>
+SPECDEC_TARGET_AVX512 inline void int8_panels_madd(const PackedWeight& w, const int64_t* panels, const uint32_t* xp,
+                                                   const float* steps, float* const* acc) {
+  Int8Stream stream[P];
+  const int64_t pairs = Int8Stream::start(stream, w, panels);
+  for (int j = 0; j < P; ++j) std::fill(acc[j], acc[j] + R * kPanelWidth, 0.0F);
+  for (int64_t first = 0; first < pairs; first += kInt8ChunkPairs, steps += R) {
+    Int8Sums<R, P> sums;
+    for (int64_t i = first; i < std::min(pairs, first + kInt8ChunkPairs); ++i, xp += R) {
+#pragma GCC unroll 2
+      for (int j = 0; j < P; ++j) {
+        __m512i a, b;
+        stream[j].next(a, b);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_set1_epi32(static_cast<int>(xp[r]));
+          sums.lo[j][r] = _mm512_add_epi32(sums.lo[j][r], _mm512_madd_epi16(a, x));
+          sums.hi[j][r] = _mm512_add_epi32(sums.hi[j][r], _mm512_madd_epi16(b, x));
+        }
+      }
+    }
+    sums.add_to(acc, steps);
   }
 }
 
@@ -531,21 +761,20 @@ struct Avx2Sums {
   }
 };
 
-// `count` inputs of an f32 or i8 panel from `line` times R rows (input i's R values side by side
-// at xt + i * stride) added to acc [R, 32]; the weights prefetched where `kStream` (a block in
-// memory, not one widened in the cache).
-template <WeightFormat F, int R, bool kStream = true>
+// `count` inputs of an fp32 panel from `line` times R rows (input i's R values side by side at
+// xt + i * stride) added to acc [R, 32].
+template <int R>
 SPECDEC_TARGET_AVX2 inline void block_avx2(const char* line, int64_t count, const float* xt, int64_t stride, float* acc) {
-  constexpr int64_t kStep = kPanelWidth * element_bytes<F>();
+  constexpr int64_t kStep = kPanelWidth * 4;
   Avx2Sums<R> sums(acc);
   for (int64_t i = 0; i < count; ++i, line += kStep, xt += stride) {
-    if constexpr (kStream) prefetch_ahead<kStep>(line, i);
+    prefetch_ahead<kStep>(line, i);
     __m256 x[R];
 #pragma GCC unroll 3
     for (int r = 0; r < R; ++r) x[r] = _mm256_broadcast_ss(xt + r);
 #pragma GCC unroll 4
     for (int g = 0; g < 4; ++g) {
-      const __m256 weights = load8<F>(line + g * kStep / 4);
+      const __m256 weights = _mm256_loadu_ps(reinterpret_cast<const float*>(line + g * kStep / 4));
 #pragma GCC unroll 3
       for (int r = 0; r < R; ++r) sums.v[r][g] = _mm256_fmadd_ps(x[r], weights, sums.v[r][g]);
     }
@@ -585,60 +814,84 @@ SPECDEC_TARGET_AVX2 inline void bf16_block_avx2(const char* line, int64_t count,
   sums.store(acc);
 }
 
-// `count` inputs of an i8 panel from `line` widened to fp32 into `out` [count, 32] (an f32
-// panel's layout), reading them as block_avx2 does.
-SPECDEC_TARGET_AVX2 inline void widen_block_avx2(const char* line, int64_t count, float* out) {
-  for (int64_t i = 0; i < count; ++i, line += kPanelWidth, out += kPanelWidth) {
-    prefetch_ahead<kPanelWidth>(line, i);
+// `count` pairs of an int8 panel from `line` (at most one chunk) times R rows of int16
+// activations given as pairs (pair j's R values side by side at xp + j * stride), the rows'
+// steps for this chunk at step[0, R): the products summed in int32 (`vpmaddwd`: a lane's two
+// products added), then added to acc [R, 32] as fma(float(sum), step, acc), as
+// int8_panel_portable adds them.
+template <int R>
+SPECDEC_TARGET_AVX2 inline void int8_block_avx2(const char* line, int64_t count, const uint32_t* xp, int64_t stride,
+                                                const float* step, float* acc) {
+  constexpr int64_t kStep = kPanelWidth * 2;
+  __m256i sums[R][4];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(out + 8 * g, load8<WeightFormat::i8>(line + 8 * g));
+    for (int g = 0; g < 4; ++g) sums[r][g] = _mm256_setzero_si256();
   }
-}
-
-// `rows` rows of fp32 inputs (input i's values side by side at xt + i * rows) times `count` inputs
-// of an f32 or i8 panel block (`line`; for kStream false, a block widened in the cache), in
-// groups of kAvx2Rows<F>, added to acc [rows, 32].
-template <WeightFormat F, bool kStream>
-inline void groups_avx2(const char* line, int64_t count, const float* xt, int64_t rows, float* acc) {
-  constexpr int kRows = kAvx2Rows<F>;
-  for (int64_t first = 0; first < rows; first += kRows) {
-    float* const sums = acc + first * kPanelWidth;
-    switch (std::min<int64_t>(kRows, rows - first)) {
-      case 1: block_avx2<F, 1, kStream>(line, count, xt + first, rows, sums); break;
-      case 2: block_avx2<F, 2, kStream>(line, count, xt + first, rows, sums); break;
-      default: block_avx2<F, 3, kStream>(line, count, xt + first, rows, sums); break;
+  for (int64_t i = 0; i < count; ++i, line += kStep, xp += stride) {
+    prefetch_ahead<kStep>(line, i);
+    __m256i x[R];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) x[r] = _mm256_set1_epi32(static_cast<int>(xp[r]));
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      // 8 outputs' pairs of weights, widened to int16.
+      const __m256i weights = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * g)));
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) sums[r][g] = _mm256_add_epi32(sums[r][g], _mm256_madd_epi16(weights, x[r]));
+    }
+  }
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
+    const __m256 scale = _mm256_set1_ps(step[r]);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      float* const out = acc + r * kPanelWidth + 8 * g;
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][g]), scale, _mm256_loadu_ps(out)));
     }
   }
 }
 
-// Panel p times `rows` rows (xt: fp32 [in, rows], or bf16 pairs [pairs, rows]) into acc
-// [rows, 32] by the AVX2 loops, block by block (see kAvx2Rows).
+// Panel p times `rows` rows (xt: fp32 [in, rows]; bf16 or int16 pairs [pairs, rows], with the
+// int16 chunks' steps [chunks, rows]) into acc [rows, 32] by the AVX2 loops, block by block (see
+// kAvx2Rows).
 template <WeightFormat F>
-inline void panel_avx2(const PackedWeight& w, int64_t p, const void* xt, int64_t rows, float* acc) {
-  constexpr int64_t kStep = kPanelWidth * element_bytes<F>() * (F == WeightFormat::bf16 ? 2 : 1);  // bytes a unit
-  constexpr int64_t kBlock = kAvx2BlockBytes / kStep;  // units (inputs; pairs for bf16) a block
-  const int64_t units = F == WeightFormat::bf16 ? (w.in + 1) / 2 : w.in;
+inline void panel_avx2(const PackedWeight& w, int64_t p, const void* xt, const float* steps, int64_t rows, float* acc) {
+  constexpr int64_t kStep = unit_bytes<F>();
+  constexpr int64_t kBlock = kAvx2BlockBytes / kStep;  // units (inputs; pairs for bf16 and int8) a block
+  const int64_t units = F == WeightFormat::f32 ? w.in : (w.in + 1) / 2;
   const char* panel = static_cast<const char*>(w.data) + p * units * kStep;
   std::fill(acc, acc + rows * kPanelWidth, 0.0F);
   for (int64_t start = 0; start < units; start += kBlock) {
     const int64_t count = std::min(kBlock, units - start);
     const char* line = panel + start * kStep;
-    if constexpr (F == WeightFormat::bf16) {
-      const uint32_t* xp = static_cast<const uint32_t*>(xt) + start * rows;
-      for (int64_t first = 0; first < rows; first += kAvx2Rows<F>) {
-        if (rows - first >= 2) {
-          bf16_block_avx2<2>(line, count, xp + first, rows, acc + first * kPanelWidth);
+    for (int64_t first = 0; first < rows; first += kAvx2Rows<F>) {
+      float* const sums = acc + first * kPanelWidth;
+      const int64_t group = std::min<int64_t>(kAvx2Rows<F>, rows - first);
+      if constexpr (F == WeightFormat::bf16) {
+        const uint32_t* xp = static_cast<const uint32_t*>(xt) + start * rows + first;
+        if (group == 2) {
+          bf16_block_avx2<2>(line, count, xp, rows, sums);
         } else {
-          bf16_block_avx2<1>(line, count, xp + first, rows, acc + first * kPanelWidth);
+          bf16_block_avx2<1>(line, count, xp, rows, sums);
+        }
+      } else if constexpr (F == WeightFormat::i8) {
+        const uint32_t* xp = static_cast<const uint32_t*>(xt) + start * rows + first;
+        const float* step = steps + start / kInt8ChunkPairs * rows + first;
+        if (group == 2) {
+          int8_block_avx2<2>(line, count, xp, rows, step, sums);
+        } else {
+          int8_block_avx2<1>(line, count, xp, rows, step, sums);
+        }
+      } else {
+        const float* x = static_cast<const float*>(xt) + start * rows + first;
+        switch (group) {
+          case 1: block_avx2<1>(line, count, x, rows, sums); break;
+          case 2: block_avx2<2>(line, count, x, rows, sums); break;
+          default: block_avx2<3>(line, count, x, rows, sums); break;
         }
       }
-    } else if (avx2_widens(F, rows)) {
-      alignas(32) float widened[kBlock * kPanelWidth];
-      widen_block_avx2(line, count, widened);
-      groups_avx2<WeightFormat::f32, false>(reinterpret_cast<const char*>(widened), count,
-                                            static_cast<const float*>(xt) + start * rows, rows, acc);
-    } else {
-      groups_avx2<F, true>(line, count, static_cast<const float*>(xt) + start * rows, rows, acc);
     }
   }
 }
@@ -651,13 +904,21 @@ inline void with_row_count(int64_t rows, Run&& run) {
   with_count<P == 1 ? kRegisterRows : kRegisterRows / 2>(rows, std::forward<Run>(run));
 }
 
-// P panels times `rows` rows of x (xt: fp32 [in, rows], or bf16 pairs [pairs, rows] for a bf16
-// weight) by the AVX-512 loops: for bf16 the dot products where `dot`, else widened.
+// P panels times `rows` rows of x (xt: fp32 [in, rows]; bf16 pairs [pairs, rows] for a bf16
+// weight; int16 pairs [pairs, rows] and their chunks' steps for an int8 one) by the AVX-512
+// loops: for bf16 and int8 the dot products where `dot`, else widened or multiplied and added.
 template <WeightFormat F, int P>
-inline void panels_rows_avx512(const PackedWeight& w, const int64_t* panels, const void* xt, int64_t rows,
-                               float* const* acc, bool dot) {
+inline void panels_rows_avx512(const PackedWeight& w, const int64_t* panels, const void* xt, const float* steps,
+                               int64_t rows, float* const* acc, bool dot) {
   with_row_count<P>(rows, [&]<int R>() {
-    if constexpr (F == WeightFormat::bf16) {
+    if constexpr (F == WeightFormat::i8) {
+      const auto* xp = static_cast<const uint32_t*>(xt);
+      if (dot) {
+        int8_panels_dot<R, P>(w, panels, xp, steps, acc);
+      } else {
+        int8_panels_madd<R, P>(w, panels, xp, steps, acc);
+      }
+    } else if constexpr (F == WeightFormat::bf16) {
       const auto* xp = static_cast<const uint32_t*>(xt);
       if (dot) {
         bf16_panels_dot<R, P>(w, panels, xp, acc);
@@ -665,14 +926,14 @@ inline void panels_rows_avx512(const PackedWeight& w, const int64_t* panels, con
         bf16_panels_widened<R, P>(w, panels, xp, acc);
       }
     } else {
-      panels_avx512<F, R, P>(w, panels, static_cast<const float*>(xt), acc);
+      panels_avx512<R, P>(w, panels, static_cast<const float*>(xt), acc);
     }
   });
 }
 #endif
 
-// How a call's panels are computed: the instruction set of the loops, and for bf16 on AVX-512
-// whether by its dot products.
+// How a call's panels are computed: the instruction set of the loops, and for bf16 and int8 on
+// AVX-512 whether by their dot products (AVX512-BF16, AVX512-VNNI).
 enum class Isa : uint8_t { portable, avx2, avx512 };
 struct Loops {
   Isa isa = Isa::portable;
@@ -681,19 +942,23 @@ struct Loops {
 
 // Panel p times the rows into `acc` [rows, 32] by the portable loops.
 template <WeightFormat F>
-inline void panel_portable_any(const PackedWeight& w, int64_t p, const void* xt, int64_t rows, float* acc) {
+inline void panel_portable_any(const PackedWeight& w, int64_t p, const void* xt, const float* steps, int64_t rows,
+                               float* acc) {
   if constexpr (F == WeightFormat::bf16) {
     bf16_panel_portable(w, p, static_cast<const uint32_t*>(xt), rows, acc);
+  } else if constexpr (F == WeightFormat::i8) {
+    int8_panel_portable(w, p, static_cast<const uint32_t*>(xt), steps, rows, acc);
   } else {
-    panel_portable<F>(w, p, static_cast<const float*>(xt), rows, acc);
+    panel_portable(w, p, static_cast<const float*>(xt), rows, acc);
   }
 }
 
-// y[r][32p, 32p + 32) for the `rows` (<= kRegisterRows) rows of xt (fp32 [in, rows], or bf16
-// pairs [pairs, rows] for a bf16 weight) and every panel p in [p0, p1), y's rows w.out apart.
+// y[r][32p, 32p + 32) for the `rows` (<= kRegisterRows) rows of xt (fp32 [in, rows]; bf16 pairs
+// [pairs, rows] for a bf16 weight; int16 pairs [pairs, rows] and their chunks' steps [chunks,
+// rows] for an int8 weight) and every panel p in [p0, p1), y's rows w.out apart.
 template <WeightFormat F>
-inline void product_panels(const PackedWeight& w, const void* xt, int64_t rows, float* y, const float* bias, int64_t p0,
-                           int64_t p1, Loops loops) {
+inline void product_panels(const PackedWeight& w, const void* xt, const float* steps, int64_t rows, float* y,
+                           const float* bias, int64_t p0, int64_t p1, Loops loops) {
   float acc[kRegisterRows * kPanelWidth];
 #ifdef SPECDEC_X86_KERNELS
   if (loops.isa == Isa::avx512 && rows <= kRegisterRows / 2) {
@@ -704,7 +969,7 @@ inline void product_panels(const PackedWeight& w, const void* xt, int64_t rows, 
     const int64_t half = (p1 - p0) / 2;
     for (int64_t p = p0; p < p0 + half; ++p) {
       const int64_t panels[2] = {p, p + half};
-      panels_rows_avx512<F, 2>(w, panels, xt, rows, both, loops.dot);
+      panels_rows_avx512<F, 2>(w, panels, xt, steps, rows, both, loops.dot);
       store_panel(w, p, acc, rows, y, bias);
       store_panel(w, p + half, other, rows, y, bias);
     }
@@ -715,14 +980,14 @@ inline void product_panels(const PackedWeight& w, const void* xt, int64_t rows, 
 #ifdef SPECDEC_X86_KERNELS
     if (loops.isa == Isa::avx512) {
       float* const one[1] = {acc};
-      panels_rows_avx512<F, 1>(w, &p, xt, rows, one, loops.dot);
+      panels_rows_avx512<F, 1>(w, &p, xt, steps, rows, one, loops.dot);
     } else if (loops.isa == Isa::avx2) {
-      panel_avx2<F>(w, p, xt, rows, acc);
+      panel_avx2<F>(w, p, xt, steps, rows, acc);
     } else {
-      panel_portable_any<F>(w, p, xt, rows, acc);
+      panel_portable_any<F>(w, p, xt, steps, rows, acc);
     }
 #else
-    panel_portable_any<F>(w, p, xt, rows, acc);
+    panel_portable_any<F>(w, p, xt, steps, rows, acc);
 #endif
     store_panel(w, p, acc, rows, y, bias);
   }
@@ -732,7 +997,8 @@ inline void product_panels(const PackedWeight& w, const void* xt, int64_t rows, 
 
 // y [rows, w.out] = x [rows, w.in] times W transposed, times the per-output scales (int8), plus
 // `bias` [out] where not null, for x and y contiguous fp32 rows that do not overlap; for a bf16 W,
-// with x rounded to bf16 (see the top of this file). Each panel of W is read from memory once per
+// with x rounded to bf16, for an int8 W with x quantized to int16 per chunk (see the top of this
+// file). Each panel of W is read from memory once per
 // call for up to kRegisterRows rows (each thread its share of the panels, in one sequential
 // stream); meant for the few rows of a decoding forward, where the weights' bytes, not the
 // arithmetic, bound the time. `loops` picks the version (PackedLoops; one the CPU lacks falls back
@@ -742,25 +1008,34 @@ inline void packed_product(const PackedWeight& w, const float* x, int64_t rows, 
                            PackedLoops loops = PackedLoops::best) {
   const bool vector = (loops == PackedLoops::best || loops == PackedLoops::avx512) && cpu_has_avx512();
   const bool avx2 = !vector && loops != PackedLoops::portable && cpu_has_avx2_fma();
+  const bool dot = w.format == WeightFormat::bf16 ? cpu_has_avx512_bf16()
+                   : w.format == WeightFormat::i8 ? cpu_has_avx512_vnni()
+                                                  : false;
   const packed::Loops chosen{.isa = vector ? packed::Isa::avx512 : avx2 ? packed::Isa::avx2 : packed::Isa::portable,
-                             .dot = vector && loops == PackedLoops::best && cpu_has_avx512_bf16()};
+                             .dot = vector && loops == PackedLoops::best && dot};
   const int64_t panels = (w.out + kPanelWidth - 1) / kPanelWidth;
   const int64_t element = w.format == WeightFormat::f32 ? 4 : w.format == WeightFormat::bf16 ? 2 : 1;
   const int64_t pairs = (w.in + 1) / 2;
+  const int64_t chunks = (pairs + packed::kInt8ChunkPairs - 1) / packed::kInt8ChunkPairs;
+  const bool in_pairs = w.format != WeightFormat::f32;
   // A thread's share is worth its start where it streams at least 256 KiB of weights.
-  const int64_t panel_bytes = kPanelWidth * (w.format == WeightFormat::bf16 ? 2 * pairs : w.in) * element;
+  const int64_t panel_bytes = kPanelWidth * (in_pairs ? 2 * pairs : w.in) * element;
   const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / std::max<int64_t>(1, panel_bytes));
   // Up to kRegisterRows rows per pass over W, each pass's rows transposed first: a panel's
   // input i (pair j for bf16) then needs the rows' values side by side (rows of x lie a power of
   // two apart in real models, and would share the first-level cache's sets).
   thread_local std::vector<float> transposed;
   thread_local std::vector<uint32_t> transposed_pairs;
-  thread_local std::vector<uint16_t> rounded_rows;  // bf16: each row rounded, in order
+  thread_local std::vector<uint16_t> rounded_rows;  // bf16 and int8: each row rounded, in order
+  thread_local std::vector<float> steps;            // int8: the chunks' steps [chunks, rows]
   // Each grows only for the layout it holds: a bf16 model never touches the fp32 buffer.
-  if (w.format == WeightFormat::bf16) {
+  if (in_pairs) {
     if (transposed_pairs.size() < static_cast<size_t>(pairs * packed::kRegisterRows)) {
       transposed_pairs.resize(static_cast<size_t>(pairs * packed::kRegisterRows));
       rounded_rows.resize(static_cast<size_t>(2 * pairs * packed::kRegisterRows));
+    }
+    if (w.format == WeightFormat::i8 && steps.size() < static_cast<size_t>(chunks * packed::kRegisterRows)) {
+      steps.resize(static_cast<size_t>(chunks * packed::kRegisterRows));
     }
   } else if (transposed.size() < static_cast<size_t>(w.in * packed::kRegisterRows)) {
     transposed.resize(static_cast<size_t>(w.in * packed::kRegisterRows));
@@ -768,10 +1043,17 @@ inline void packed_product(const PackedWeight& w, const float* x, int64_t rows, 
   for (int64_t first = 0; first < rows; first += packed::kRegisterRows) {
     const int64_t count = std::min<int64_t>(packed::kRegisterRows, rows - first);
     const void* xt = nullptr;
-    if (w.format == WeightFormat::bf16) {
-      // Each row rounded in order (16 activations a step), then its pairs laid beside the others'.
+    if (in_pairs) {
+      // Each row rounded in order (16 activations a step for bf16, 8 for int8), then its pairs
+      // laid beside the others'.
       for (int64_t r = 0; r < count; ++r) {
-        packed::round_pairs(x + (first + r) * w.in, w.in, rounded_rows.data() + r * 2 * pairs, vector);
+        uint16_t* const rounded = rounded_rows.data() + r * 2 * pairs;
+        if (w.format == WeightFormat::bf16) {
+          packed::round_pairs(x + (first + r) * w.in, w.in, rounded, vector);
+        } else {
+          packed::quantize_row_int16(x + (first + r) * w.in, w.in, reinterpret_cast<int16_t*>(rounded),
+                                     steps.data() + r, count, chosen.isa != packed::Isa::portable);
+        }
       }
       uint32_t* const xp = transposed_pairs.data();
       for (int64_t j = 0; j < pairs; ++j) {
@@ -787,11 +1069,19 @@ inline void packed_product(const PackedWeight& w, const float* x, int64_t rows, 
       xt = xf;
     }
     float* const ys = y + first * w.out;
+    // Taken here: in the threads of parallel_for, `steps` names their own (empty) buffers.
+    const float* const chunk_steps = steps.data();
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       switch (w.format) {
-        case WeightFormat::f32: packed::product_panels<WeightFormat::f32>(w, xt, count, ys, bias, begin, end, chosen); break;
-        case WeightFormat::bf16: packed::product_panels<WeightFormat::bf16>(w, xt, count, ys, bias, begin, end, chosen); break;
-        case WeightFormat::i8: packed::product_panels<WeightFormat::i8>(w, xt, count, ys, bias, begin, end, chosen); break;
+        case WeightFormat::f32:
+          packed::product_panels<WeightFormat::f32>(w, xt, nullptr, count, ys, bias, begin, end, chosen);
+          break;
+        case WeightFormat::bf16:
+          packed::product_panels<WeightFormat::bf16>(w, xt, nullptr, count, ys, bias, begin, end, chosen);
+          break;
+        case WeightFormat::i8:
+          packed::product_panels<WeightFormat::i8>(w, xt, chunk_steps, count, ys, bias, begin, end, chosen);
+          break;
       }
     });
   }

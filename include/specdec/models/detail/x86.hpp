@@ -14,6 +14,7 @@
 #define SPECDEC_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define SPECDEC_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define SPECDEC_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+#define SPECDEC_TARGET_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
 #endif
 
 namespace specdec::detail {
@@ -56,6 +57,17 @@ inline bool cpu_has_avx512_bf16() {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     return cpu_has_avx512() && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && (eax & (1U << 5)) != 0;
   }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+// Whether this CPU also has AVX512-VNNI's integer dot products (`vpdpwssd`: two int16 products
+// added to an int32 lane; asked once per process).
+inline bool cpu_has_avx512_vnni() {
+#ifdef SPECDEC_X86_KERNELS
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
   return has;
 #else
   return false;
