@@ -241,7 +241,9 @@ class LlamaModel {
   //    over the output's weights, each weight rounded to the nearest step; a quarter of fp32).
   // Each forward then reads every weight once, in one sequential stream per thread, whatever the
   // number of new tokens: what a target larger than the CPU's caches needs (docs/performance.md).
-  // The activations stay fp32 whatever the format. The layers' float matrices are released:
+  // The residual stream, norms and attention stay fp32 whatever the format; a bf16 product rounds
+  // its input activations to bf16, an int8 product quantizes them to int16 per chunk of 128
+  // inputs (packed_product.hpp says how). The layers' float matrices are released:
   // weights().layers then holds the norms and biases only; the embedding and the float
   // classifier stay (heads share them), though forwards multiply by the packed classifier.
   // Forwards that the CPU loops do not run (sliding windows that hide keys,
