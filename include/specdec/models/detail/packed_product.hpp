@@ -19,13 +19,13 @@
 // (s = max |x| over the chunk / 32767, each x rounded to the nearest multiple of s, ties to even),
 // each chunk's products of int8 weights and int16 activations are summed exactly in int32, and
 // the chunk's sum is added to the output's fp32 sum as fma(float(sum), s, total), chunk after
-// chunk. A chunk's step is at most 1/65534 of its largest activation, so an outlier costs the
-// precision of its own 128 inputs only; a chunk holding NaN or infinity gives NaN. The pair of
-// inputs (2j, 2j + 1) of an output is one lane of `vpdpwssd` (AVX512-VNNI: 32 multiply-adds an
-// instruction into int32 sums) or of `vpmaddwd` and an add elsewhere: an int8 panel holds each
-// output's weights for inputs 2j and 2j + 1 side by side, as a bf16 panel does. Before, int8
-// weights were widened to fp32 and multiplied as fp32 weights, two conversions per 16 weights
-// before the multiply-adds: on a 2-core AMD EPYC (Zen 4) a forward of 8 tokens on a
+// chunk. An activation's rounding error is at most 1/65534 of its chunk's largest, so an outlier
+// costs the precision of its own 128 inputs only; a chunk holding NaN or infinity gives NaN. The
+// pair of inputs (2j, 2j + 1) of an output is one lane of `vpdpwssd` (AVX512-VNNI: 32
+// multiply-adds an instruction into int32 sums) or of `vpmaddwd` and an add elsewhere: an int8
+// panel holds each output's weights for inputs 2j and 2j + 1 side by side, as a bf16 panel does.
+// Before, int8 weights were widened to fp32 and multiplied as fp32 weights, two conversions per
+// 16 weights before the multiply-adds: on a 2-core AMD EPYC (Zen 4) a forward of 8 tokens on a
 // 1B-parameter target took 89 to 93 ms that way and 45 to 49 by these dot products (one token:
 // 21 to 31 ms either way, the memory's time); the AVX2 loops on one of its cores, a block in the
 // first-level cache, cost 0.017 ns per weight for one row against 0.034 widened. A bf16 product is
@@ -341,7 +341,7 @@ inline uint32_t largest_bits(const float* x, int64_t n, uint32_t largest) noexce
 // A chunk's step from its largest magnitude's bits, and the factor its activations are
 // multiplied by before rounding (0 where they all quantize to 0): NaN for a chunk that holds NaN
 // or infinity; 0 for one whose largest magnitude is below 2^-100 (32767 over it would overflow a
-// float; what such a chunk adds is below any fp32 sum's last bit that a real activation makes).
+// float; such a chunk would add less than 2^-86 times the weights' scale: counted as zero).
 struct ChunkScale {
   float step = 0.0F;
   float inv = 0.0F;
@@ -431,10 +431,8 @@ inline void int8_panel_portable(const PackedWeight& w, int64_t p, const uint32_t
       }
     }
     const float* step = steps + first / kInt8ChunkPairs * rows;
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t k = 0; k < kPanelWidth; ++k) {
-        acc[r * kPanelWidth + k] = std::fma(static_cast<float>(sums[r * kPanelWidth + k]), step[r], acc[r * kPanelWidth + k]);
-      }
+    for (int64_t e = 0; e < rows * kPanelWidth; ++e) {
+      acc[e] = std::fma(static_cast<float>(sums[e]), step[e / kPanelWidth], acc[e]);
     }
   }
 }
