@@ -183,19 +183,18 @@ class ForwardQueue {
           }
         }
       }
-      const size_t take = std::min(verifications_.size(), size);
-      std::vector<Ticket*> round(verifications_.begin(), verifications_.begin() + static_cast<std::ptrdiff_t>(take));
-      verifications_.erase(verifications_.begin(), verifications_.begin() + static_cast<std::ptrdiff_t>(take));
+      const auto take = static_cast<std::ptrdiff_t>(std::min(verifications_.size(), size));
+      round_.assign(verifications_.begin(), verifications_.begin() + take);
+      verifications_.erase(verifications_.begin(), verifications_.begin() + take);
       lock.unlock();
-      std::vector<Job*> jobs;
-      jobs.reserve(round.size());
-      for (const Ticket* ticket : round) jobs.push_back(ticket->job);
-      const std::exception_ptr error = call([&] { rounds_.verify(std::span<Job* const>(jobs)); });
+      jobs_.clear();
+      for (const Ticket* ticket : round_) jobs_.push_back(ticket->job);
+      const std::exception_ptr error = call([&] { rounds_.verify(std::span<Job* const>(jobs_)); });
       lock.lock();
-      stats_.verifications += static_cast<int64_t>(round.size());
+      stats_.verifications += static_cast<int64_t>(round_.size());
       ++stats_.forwards;
-      stats_.largest_batch = std::max(stats_.largest_batch, static_cast<int64_t>(round.size()));
-      for (Ticket* ticket : round) {
+      stats_.largest_batch = std::max(stats_.largest_batch, static_cast<int64_t>(round_.size()));
+      for (Ticket* ticket : round_) {
         ticket->error = error;
         ticket->done = true;
       }
@@ -239,6 +238,9 @@ class ForwardQueue {
   bool stopping_ = false;
   std::thread::id serving_{};  // the queue's thread, once it runs
   ForwardQueueStats stats_;
+  // The round being served and its jobs: the queue's thread's alone, kept from round to round.
+  std::vector<Ticket*> round_;
+  std::vector<Job*> jobs_;
   std::mutex join_mutex_;  // one stop() joins the thread, the others wait for it
   std::thread thread_{};   // started last by the constructor
 };
