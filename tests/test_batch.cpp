@@ -923,10 +923,10 @@ TEST(ForwardQueue, AHandlerThatThrowsFailsOnlyTheWorkOfItsRound) {
                            }};
   Queue queue({.max_batch = 1}, rounds);
   Job task{1}, ok_task{4}, failing{2}, ok{3};
-  // `hand_over` rethrows what the handler threw for its round, and nothing else.
-  const auto expect_rethrown = [](const auto& hand_over, const char* message) {
+  // `give` (a task or a verification) rethrows what the handler threw for its round.
+  const auto expect_rethrown = [](const auto& give, const char* message) {
     try {
-      hand_over();
+      give();
       ADD_FAILURE() << "no exception; expected: " << message;
     } catch (const std::runtime_error& e) {
       EXPECT_STREQ(e.what(), message);

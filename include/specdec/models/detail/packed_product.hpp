@@ -27,9 +27,9 @@
 // Before, int8 weights were widened to fp32 and multiplied as fp32 weights, two conversions per
 // 16 weights before the multiply-adds: on a 2-core AMD EPYC (Zen 4) a forward of 8 tokens on a
 // 1B-parameter target took 89 to 93 ms that way and 45 to 49 by these dot products (one token:
-// 21 to 31 ms either way, the memory's time); the AVX2 loops on one of its cores, a block in the
-// first-level cache, cost 0.017 ns per weight for one row against 0.034 widened. A bf16 product is
-// a bf16 product: the activations are rounded to bfloat16 (to the nearest, ties to even) and each
+// 21 to 31 ms either way, the memory's time; bench_cpu_target at d35f8cd and 9911f0e).
+//
+// A bf16 product is a bf16 product: the activations are rounded to bfloat16 (to the nearest, ties to even) and each
 // pair of inputs (2j, 2j + 1) is added to the fp32 sum as AVX512-BF16's dot product adds it,
 // sum = (sum + x[2j+1] w[2j+1]) + x[2j] w[2j], each step rounded once (a product of two bf16
 // values is exact in fp32). Its panels hold each output's weights for inputs 2j and 2j + 1 side by
@@ -199,9 +199,8 @@ inline constexpr int kRegisterRows = 12;
 // The AVX2/FMA loops. With 16 vector registers of 8 lanes, a panel's 32 sums take 4 registers a
 // row, so a pass keeps kAvx2Rows<F> rows in registers (3 for fp32: 12 sums, their 3 broadcast
 // inputs and a weight; 2 for bf16, whose rows each need two broadcasts, an input pair's halves;
-// 2 for int8, whose loop widens a pair's 4 weight vectors before its multiplies: with 3 rows the
-// compiler kept 8 of the 12 sums on the stack, and a row cost 0.018 ns per weight against 0.014
-// with 2, on one core of an AMD EPYC (Zen 4), a block in the first-level cache). More rows go
+// 2 for int8, whose loop widens a pair's 4 weight vectors before its multiplies: with 3 rows GCC
+// 12 kept 8 of the 12 sums on the stack, loading and storing them at every pair). More rows go
 // through a panel in blocks of kAvx2BlockBytes: every group of rows runs over the block before the
 // next block starts, the first group reading it from memory (with the software prefetch of the
 // AVX-512 loops), the others from the first-level cache. Widening bf16 once per block for every
@@ -220,9 +219,6 @@ static_assert(kAvx2BlockBytes == kInt8ChunkPairs * kPanelWidth * 2, "an AVX2 int
 
 // The largest magnitude an int8 product's activations are quantized to.
 inline constexpr float kInt16Steps = 32767.0F;
-
-// The fp32 value of element e of an f32 panel row (bf16 and i8 panels hold pairs).
-inline float element(const void* data, int64_t e) { return static_cast<const float*>(data)[e]; }
 
 template <WeightFormat F>
 constexpr int64_t element_bytes() {
@@ -252,12 +248,10 @@ inline void store_panel(const PackedWeight& w, int64_t p, const float* acc, int6
 // Portable: fp32 panel p times `rows` rows of x, given transposed (xt [in, rows]), into `acc`
 // [rows, 32].
 inline void panel_portable(const PackedWeight& w, int64_t p, const float* xt, int64_t rows, float* acc) {
-  const char* panel = static_cast<const char*>(w.data) + p * w.in * kPanelWidth * 4;
+  const float* panel = static_cast<const float*>(w.data) + p * w.in * kPanelWidth;
   std::fill(acc, acc + rows * kPanelWidth, 0.0F);
   for (int64_t i = 0; i < w.in; ++i) {
-    float weights[kPanelWidth];
-    const char* line = panel + i * kPanelWidth * 4;
-    for (int64_t j = 0; j < kPanelWidth; ++j) weights[j] = element(line, j);
+    const float* weights = panel + i * kPanelWidth;
     for (int64_t r = 0; r < rows; ++r) {
       const float v = xt[i * rows + r];
       float* sums = acc + r * kPanelWidth;
@@ -355,9 +349,8 @@ inline ChunkScale chunk_scale(uint32_t largest) noexcept {
 }
 
 #ifdef SPECDEC_X86_KERNELS
-// quantize_row_int16 by AVX2, 8 activations a step (the same values: an exact maximum, one
-// rounding of the same product).
-SPECDEC_TARGET_AVX2 inline void quantize_chunk_avx2(const float* x, int64_t n, int16_t* q, float* step) {
+// largest_bits by AVX2, 8 activations a step (the tail by largest_bits).
+SPECDEC_TARGET_AVX2 inline uint32_t largest_bits_avx2(const float* x, int64_t n) {
   const int64_t whole = n / 8 * 8;
   const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
   __m256i most = _mm256_setzero_si256();
@@ -367,19 +360,20 @@ SPECDEC_TARGET_AVX2 inline void quantize_chunk_avx2(const float* x, int64_t n, i
   }
   alignas(32) uint32_t lanes[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), most);
-  const ChunkScale scale = chunk_scale(largest_bits(x + whole, n - whole, *std::max_element(lanes, lanes + 8)));
-  *step = scale.step;
-  if (scale.inv == 0.0F) {
-    std::fill(q, q + n, int16_t{0});
-    return;
-  }
-  const __m256 inv = _mm256_set1_ps(scale.inv);
+  return largest_bits(x + whole, n - whole, *std::max_element(lanes, lanes + 8));
+}
+
+// quantize_int16 of each of `n` activations by AVX2, 8 a step (the same rounding of the same
+// product; the tail by quantize_int16).
+SPECDEC_TARGET_AVX2 inline void quantize_avx2(const float* x, int64_t n, float inv, int16_t* q) {
+  const int64_t whole = n / 8 * 8;
+  const __m256 factor = _mm256_set1_ps(inv);
   for (int64_t i = 0; i < whole; i += 8) {
-    const __m256i rounded = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    const __m256i rounded = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), factor));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(rounded, rounded), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(packed));
   }
-  for (int64_t i = whole; i < n; ++i) q[i] = quantize_int16(x[i], scale.inv);
+  for (int64_t i = whole; i < n; ++i) q[i] = quantize_int16(x[i], inv);
 }
 #endif
 
@@ -391,21 +385,26 @@ inline void quantize_row_int16(const float* row, int64_t in, int16_t* q, float* 
   constexpr int64_t kChunk = 2 * kInt8ChunkPairs;
   for (int64_t first = 0, c = 0; first < in; first += kChunk, ++c) {
     const int64_t n = std::min(kChunk, in - first);
+    const float* const x = row + first;
+    int16_t* const out = q + first;
 #ifdef SPECDEC_X86_KERNELS
-    if (vector) {
-      quantize_chunk_avx2(row + first, n, q + first, steps + c * stride);
-      continue;
-    }
+    const ChunkScale scale = chunk_scale(vector ? largest_bits_avx2(x, n) : largest_bits(x, n, 0));
 #else
     (void)vector;
+    const ChunkScale scale = chunk_scale(largest_bits(x, n, 0));
 #endif
-    const ChunkScale scale = chunk_scale(largest_bits(row + first, n, 0));
     steps[c * stride] = scale.step;
-    if (scale.inv == 0.0F) {
-      std::fill(q + first, q + first + n, int16_t{0});
+    if (scale.inv == 0.0F) {  // zeros, or NaN or infinity (whose step makes the sums NaN)
+      std::fill(out, out + n, int16_t{0});
       continue;
     }
-    for (int64_t i = 0; i < n; ++i) q[first + i] = quantize_int16(row[first + i], scale.inv);
+#ifdef SPECDEC_X86_KERNELS
+    if (vector) {
+      quantize_avx2(x, n, scale.inv, out);
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < n; ++i) out[i] = quantize_int16(x[i], scale.inv);
   }
 }
 
@@ -461,7 +460,6 @@ inline void bf16_panel_portable(const PackedWeight& w, int64_t p, const uint32_t
 }
 
 #ifdef SPECDEC_X86_KERNELS
-
 // How far ahead of its loads a stream asks for its weights (software prefetch). The hardware
 // prefetchers alone left the loads waiting on memory whenever the arithmetic between them grew:
 // on a 1B-parameter target's products (2 threads, Intel Xeon with AVX-512) 4 KiB ahead took
@@ -985,6 +983,7 @@ inline void product_panels(const PackedWeight& w, const void* xt, const float* s
       panel_portable_any<F>(w, p, xt, steps, rows, acc);
     }
 #else
+    (void)loops;  // portable loops only
     panel_portable_any<F>(w, p, xt, steps, rows, acc);
 #endif
     store_panel(w, p, acc, rows, y, bias);
@@ -996,9 +995,8 @@ inline void product_panels(const PackedWeight& w, const void* xt, const float* s
 // y [rows, w.out] = x [rows, w.in] times W transposed, times the per-output scales (int8), plus
 // `bias` [out] where not null, for x and y contiguous fp32 rows that do not overlap; for a bf16 W,
 // with x rounded to bf16, for an int8 W with x quantized to int16 per chunk (see the top of this
-// file). Each panel of W is read from memory once per
-// call for up to kRegisterRows rows (each thread its share of the panels, in one sequential
-// stream); meant for the few rows of a decoding forward, where the weights' bytes, not the
+// file). Each panel of W is read from memory once per call for up to kRegisterRows rows (each
+// thread its share of the panels, in one sequential stream); meant for the few rows of a decoding forward, where the weights' bytes, not the
 // arithmetic, bound the time. `loops` picks the version (PackedLoops; one the CPU lacks falls back
 // to the next); every version computes the same sums.
 // Requires: w.in, w.out >= 1; w.scales given exactly for i8.
