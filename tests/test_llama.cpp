@@ -441,7 +441,8 @@ TEST(CpuLinear, EveryRouteComputesTheProductOnEveryLayout) {
   for (const at::Tensor& b : {at::Tensor(), bias}) {
     for (const CpuLinear& product : {CpuLinear(weight, b), CpuLinear(weight.t().contiguous().t(), b),
                                      CpuLinear::packed(weight, b, specdec::detail::WeightFormat::f32, "weight")}) {
-      EXPECT_EQ(product.has_onednn(), specdec::detail::kOneDnnBuilt && !product.has_packed());
+      EXPECT_EQ(product.has_onednn(), specdec::detail::kOneDnnBuilt && product.has_blas());
+      EXPECT_TRUE(product.has_packed());  // a weight this small keeps a packed copy beside itself
       for (const int64_t rows : {1, 5, 200}) {
         const at::Tensor x = at::randn({rows, 40});
         at::Tensor expected = at::mm(x.to(at::kDouble), weight.t().to(at::kDouble));
@@ -455,6 +456,22 @@ TEST(CpuLinear, EveryRouteComputesTheProductOnEveryLayout) {
       }
     }
   }
+  // Measured, a product takes one of the routes it has, and keeps it for its shape and row count.
+  const CpuLinear small(weight, bias);
+  const at::Tensor few = at::randn({3, 40});
+  at::Tensor out = at::empty({3, 96});
+  const ProductRoute chosen =
+      small.route_for(few.data_ptr<float>(), 3, out.data_ptr<float>(), specdec::detail::ProductChoice::automatic);
+  EXPECT_TRUE(small.has(chosen)) << to_string(chosen);
+  EXPECT_EQ(CpuLinear(weight, bias).route_for(few.data_ptr<float>(), 3, out.data_ptr<float>(),
+                                              specdec::detail::ProductChoice::automatic),
+            chosen);
+  // A weight larger than kPackedBesideBytes keeps no second copy; its dense weight is the one given.
+  const at::Tensor large = at::randn({CpuLinear::kPackedBesideBytes / 4 / 64 + 1, 64});
+  const CpuLinear big(large, at::Tensor());
+  EXPECT_FALSE(big.has_packed());
+  EXPECT_TRUE(big.has_blas());
+  EXPECT_EQ(small.dense().data_ptr(), weight.data_ptr());
   // A wrong operand does not pass: the product with the bias left out differs.
   const at::Tensor x = at::randn({5, 40});
   EXPECT_FALSE(at::allclose(CpuLinear(weight, at::Tensor())(x, ProductRoute::blas),

@@ -370,9 +370,10 @@ class LlamaModel {
 
   // Whether the CPU loops' weight products may run through oneDNN's matmul (true by default where
   // specdec was built with oneDNN, see models/detail/cpu_linear.hpp; false runs them all as BLAS
-  // products). Where they may, each product of up to 16 rows takes the route measured faster for
-  // its shape and row count on this machine, once per process (detail::ProductRoutes); longer ones
-  // take oneDNN. onednn() is false where oneDNN is not built in or the model is not CPU fp32.
+  // products). Where they may, each product of up to 16 rows takes the route measured fastest for
+  // its shape and row count on this machine, once per process (detail::ProductRoutes), of BLAS,
+  // oneDNN and, for weights of at most 1 MiB, a packed copy; longer ones take oneDNN. onednn() is
+  // false where oneDNN is not built in or the model is not CPU fp32.
   void use_onednn(bool enabled) noexcept {
     products_ = enabled ? detail::ProductChoice::automatic : detail::ProductChoice::blas;
   }
@@ -381,8 +382,9 @@ class LlamaModel {
   }
 
   // Which route the CPU loops' weight products take (models/detail/cpu_linear.hpp): automatic
-  // (the default: packed weights take the packed route, others the faster of BLAS and oneDNN,
-  // measured for each shape and row count), or blas or onednn where the weights are not packed.
+  // (the default: packed weights take the packed route, others the fastest of BLAS, oneDNN and,
+  // for weights of at most 1 MiB, a packed copy, measured for each shape and row count), or blas,
+  // onednn or packed where the product has that route.
   // For tests and benchmarks.
   void use_products(detail::ProductChoice choice) noexcept { products_ = choice; }
   [[nodiscard]] detail::ProductChoice products() const noexcept { return products_; }

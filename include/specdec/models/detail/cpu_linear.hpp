@@ -3,7 +3,8 @@
 //  - packed: detail::packed_product (packed_product.hpp) over a copy of the weight packed in
 //    panels, which streams the weight once per call whatever the row count; the only route for
 //    bf16 and int8 weights, and one a model takes once its weights are packed
-//    (LlamaModel::pack_weights);
+//    (LlamaModel::pack_weights). An fp32 weight of at most kPackedBesideBytes also keeps a packed
+//    copy beside itself, so that its few-row products may take whichever route is faster;
 //  - onednn: oneDNN's matmul, where specdec was built with oneDNN (its CMake defines
 //    SPECDEC_HAVE_ONEDNN when it finds the library; Debian: libdnnl-dev);
 //  - blas: a BLAS product (at::mm / at::addmm).
@@ -19,8 +20,10 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <compare>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -66,15 +69,16 @@ inline const char* to_string(ProductRoute route) noexcept {
 // (where the product has it; otherwise the measured fastest of the others).
 enum class ProductChoice : uint8_t { automatic, blas, onednn, packed };
 
-// Which route multiplies a few rows faster, BLAS or oneDNN, for products of one shape and layout:
-// measured once per process, on the first product of each row count, and kept for every
-// CpuLinear of that key, so that two models built alike compute alike (bit for bit) in one
-// process. No route wins everywhere: on one machine measured here BLAS on the pre-transposed
-// weight took 26 us for a layer's products at 1 and 2 rows against oneDNN's 29 and 38 us, and
-// oneDNN 39 us at 3 rows against BLAS's 47 (bench_forward, BM_SmallLinear); on another oneDNN was
-// 3-5x faster at every row count. The measurement runs on the weight itself, so a weight larger
-// than the caches is measured as it streams. Beyond kMeasuredRows rows (prefills) fp32 products take
-// oneDNN (or BLAS) unmeasured.
+// Which route multiplies a few rows fastest, of BLAS, oneDNN and the packed panels (those a
+// product has), for products of one shape and layout: measured once per process, on the first
+// product of each row count, and kept for every CpuLinear of that key, so that two models built
+// alike compute alike (bit for bit) in one process. No route wins everywhere: on one machine
+// measured here BLAS on the pre-transposed weight took 26 us for a layer's products at 1 and 2
+// rows against oneDNN's 29 and 38 us, and oneDNN 39 us at 3 rows against BLAS's 47 (bench_forward,
+// BM_SmallLinear); on another oneDNN was 3-5x faster at every row count; on an AVX-512 CPU the
+// packed panels took stories260K's one-token forward from 66 to 50 us. The measurement runs on
+// the weight itself, so a weight larger than the caches is measured as it streams. Beyond
+// kMeasuredRows rows (prefills) fp32 products take oneDNN (or BLAS) unmeasured.
 class ProductRoutes {
  public:
   static constexpr int64_t kMeasuredRows = 16;
@@ -112,11 +116,19 @@ class ProductRoutes {
 
 class CpuLinear {
  public:
+  // The largest fp32 weight that keeps a packed copy beside itself (its bytes): a second copy of
+  // a weight this small costs little memory (a model made of such weights has at most tens of
+  // millions of parameters), and it is at such sizes, where a product's call costs as much as its
+  // arithmetic, that the routes differ most. Larger weights are packed by
+  // LlamaModel::pack_weights, or not at all.
+  static constexpr int64_t kPackedBesideBytes = int64_t{1} << 20;
+
   CpuLinear() = default;
 
   // weight [out, in] fp32 on the CPU with any strides; bias [out] or undefined (kept as fp32). It
-  // has the BLAS route and the oneDNN route where its primitive can be created (not for an
-  // unusual layout or a CPU oneDNN does not support). A bf16 weight is packed (packed(), bf16):
+  // has the BLAS route, the oneDNN route where its primitive can be created (not for an unusual
+  // layout or a CPU oneDNN does not support), and the packed route, over a copy in fp32 panels,
+  // where the weight holds at most kPackedBesideBytes. A bf16 weight is packed (packed(), bf16):
   // the packed route is the only one for it.
   CpuLinear(at::Tensor weight, at::Tensor bias) {
     if (weight.scalar_type() != at::kFloat) {
@@ -128,6 +140,10 @@ class CpuLinear {
     in_ = weight_.size(1);
     if (bias.defined()) bias_ = bias.to(at::kFloat).contiguous();
     make_onednn();
+    if (weight_.numel() > 0 && weight_.numel() * 4 <= kPackedBesideBytes) {
+      packed_ = pack_panels(weight_, at::kFloat);
+      packed_weight_ = PackedWeight{.data = packed_.data_ptr(), .in = in_, .out = out_, .format = WeightFormat::f32};
+    }
   }
 
   // The product of `weight` [out, in] (fp32 or bf16, any strides) packed in panels in `format`
@@ -175,10 +191,10 @@ class CpuLinear {
   [[nodiscard]] WeightFormat format() const noexcept { return format_; }
   [[nodiscard]] int64_t in() const noexcept { return in_; }
   [[nodiscard]] int64_t out() const noexcept { return out_; }
-  // The weight as an fp32 [out, in] tensor: the one given (fp32, not packed), or unpacked from
+  // The weight as an fp32 [out, in] tensor: the one given (fp32, not packed()), or unpacked from
   // the panels (times the scales for int8; a copy), for forwards that multiply through ATen.
   [[nodiscard]] at::Tensor dense() const {
-    if (!has_packed()) return weight_;
+    if (has_blas()) return weight_;
     at::Tensor rows = unpack_panels(packed_, out_, in_).to(at::kFloat);
     return format_ == WeightFormat::i8 ? rows * scales_.unsqueeze(1) : rows;
   }
@@ -198,8 +214,8 @@ class CpuLinear {
   // y = x times the weight, transposed, plus the bias, for x `rows` contiguous rows of `in` floats
   // and y as many of `out`, on the CPU; x and y do not overlap. The route is the one `choice`
   // names where the product has it, otherwise the fastest it has, measured (ProductRoutes) for
-  // up to kMeasuredRows rows; beyond, oneDNN or BLAS for an unpacked weight. No tensor is made on
-  // the oneDNN and packed routes: the forward's products write into its own buffers.
+  // up to kMeasuredRows rows; beyond, oneDNN or BLAS where it has them. No tensor is made on the
+  // oneDNN and packed routes: the forward's products write into its own buffers.
   void into(const float* x, int64_t rows, float* y, ProductChoice choice = ProductChoice::automatic) const {
     run(x, rows, y, route_for(x, rows, y, choice));
   }
@@ -211,7 +227,7 @@ class CpuLinear {
       if (has(named)) return named;
     }
     if (!has_blas()) return ProductRoute::packed;
-    if (rows > ProductRoutes::kMeasuredRows || !has_onednn()) {
+    if (rows > ProductRoutes::kMeasuredRows || (!has_onednn() && !has_packed())) {
       return has_onednn() ? ProductRoute::onednn : ProductRoute::blas;
     }
     const ProductRoutes::Key key{.in = in_, .out = out_, .row_stride = weight_.stride(0),
@@ -242,20 +258,23 @@ class CpuLinear {
 #endif
   }
 
-  // Both unpacked routes on this input, alternated after one untimed run of each: the one with
-  // the best of five. y is overwritten.
+  // Every route the product has on this input, alternated after one untimed run of each: the
+  // one with the best of five (BLAS where they tie). y is overwritten.
   ProductRoute measure_fastest(const float* x, int64_t rows, float* y) const {
     using Clock = std::chrono::steady_clock;
-    double best[2] = {1e30, 1e30};
+    constexpr std::array kRoutes{ProductRoute::blas, ProductRoute::onednn, ProductRoute::packed};
+    std::array<double, kRoutes.size()> best{};
+    best.fill(std::numeric_limits<double>::infinity());
     for (int round = 0; round < 6; ++round) {
-      for (const ProductRoute route : {ProductRoute::blas, ProductRoute::onednn}) {
+      for (const ProductRoute route : kRoutes) {
+        if (!has(route)) continue;
         const auto start = Clock::now();
         run(x, rows, y, route);
         const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-        if (round > 0) best[static_cast<int>(route)] = std::min(best[static_cast<int>(route)], seconds);
+        if (round > 0) best[static_cast<size_t>(route)] = std::min(best[static_cast<size_t>(route)], seconds);
       }
     }
-    return best[1] < best[0] ? ProductRoute::onednn : ProductRoute::blas;
+    return kRoutes[static_cast<size_t>(std::ranges::min_element(best) - best.begin())];
   }
 
   void run(const float* x, int64_t rows, float* y, ProductRoute route) const {
@@ -298,7 +317,7 @@ class CpuLinear {
 #endif
   at::Tensor weight_;   // [out, in] fp32 (the BLAS and oneDNN routes), or undefined once packed
   at::Tensor bias_;     // [out] fp32, or undefined
-  at::Tensor packed_;   // the panels (pack_panels; the packed route), or undefined
+  at::Tensor packed_;   // the panels (pack_panels; the packed route, beside weight_ where small), or undefined
   at::Tensor scales_;   // [out] fp32 for int8 panels
   PackedWeight packed_weight_{};  // data null where the packed route does not apply
   WeightFormat format_ = WeightFormat::f32;
