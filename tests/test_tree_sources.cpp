@@ -671,8 +671,108 @@ TEST(DynamicTrees, TheLibrarysOwnWorkIsAFewAtenCallsPerRound) {
   EXPECT_GT(depth_6 - depth_5, 0) << "the counter sees the calls";
   EXPECT_LE(depth_6 - depth_5, 12) << "ATen calls per round";
   EXPECT_LE(depth_5, 75) << "ATen calls to grow a tree of 5 rounds";
-  EXPECT_LE(verify_5, 60) << "ATen calls to verify a tree";
+  EXPECT_LE(verify_5, 12) << "ATen calls to verify a tree greedily";
   EXPECT_LE(verify_wide, verify_5 + 2) << "verification does not grow with the children per node";
+}
+
+// GreedyProcessor under another type: TreeVerifier::score takes its general path for it (one-hot
+// distributions, uniforms, the residual), which its greedy shortcut must reproduce exactly.
+struct OneHotProcessor {
+  at::Tensor operator()(const at::Tensor& logits) const { return GreedyProcessor()(logits); }
+  at::Tensor sample(const at::Tensor& probs, at::Generator& gen) const { return GreedyProcessor().sample(probs, gen); }
+};
+
+// The greedy shortcut of tree verification gives the values of the general rules on one-hot
+// distributions, under every rule, for deterministic children and for children drawn from q (some
+// not drawable), with ties among the target's logits, on the host (fp32 logits) and through ATen
+// (fp64 logits, as on a device); a row that is not finite is reported either way. On the host it
+// is a handful of ATen calls where the general path makes dozens.
+TEST(TreeVerification, GreedyScoresAreTheGeneralRulesOnOneHotDistributions) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(21);
+  std::mt19937_64 random(21);
+  const int64_t vocab = 7, uncached = 3;
+  const std::vector<int64_t> parents{-1, -1, -1, 0, 0, 1, 3, 3, 6};
+  const auto n = static_cast<int64_t>(parents.size());
+  const int64_t width = 3;
+  at::Tensor children = at::full({n + 1, width}, -1, at::kLong);
+  std::vector<int64_t> used(static_cast<size_t>(n + 1), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t position = parents[static_cast<size_t>(i)] + 1;
+    children[position][used[static_cast<size_t>(position)]++] = i;
+  }
+  int64_t accepted = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    SCOPED_TRACE(::testing::Message() << "trial " << trial);
+    // Siblings are distinct tokens; the logits are small integers (many ties), and a position's
+    // largest is often one of its children.
+    at::Tensor ids = at::empty({n}, at::kLong);
+    for (int64_t position = 0; position <= n; ++position) {
+      const at::Tensor tokens = at::randperm(vocab, gen, at::TensorOptions().dtype(at::kLong));
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t node = children[position][j].item<int64_t>();
+        if (node >= 0) ids[node] = tokens[j];
+      }
+    }
+    at::Tensor logits = at::randint(0, 3, {uncached + n, vocab}, gen, at::TensorOptions().dtype(at::kFloat));
+    for (int64_t position = 0; position <= n; ++position) {
+      const int64_t node = children[position][static_cast<int64_t>(random() % width)].item<int64_t>();
+      if (node >= 0 && random() % 2 == 0) logits[uncached - 1 + position][ids[node].item<int64_t>()] = 3.0;
+    }
+    const bool spoiled = trial % 8 == 7;
+    if (spoiled) logits[uncached + static_cast<int64_t>(random() % n)][2] = NAN;
+    specdec::detail::TreeVerifier tree;
+    tree.start();
+    tree.set(ids, children);
+    if (trial % 2 == 1) {
+      const at::Tensor drawable = at::rand({n}, gen) < 0.7;
+      tree.set_sampled(drawable, at::softmax(at::randn({n + 1, vocab}, gen), 1));
+    }
+    for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+      for (const Rule rule : {Rule::exact, Rule::residual_ignores_q, Rule::with_replacement, Rule::no_residual}) {
+        const at::Tensor input = logits.to(dtype);
+        const at::Tensor fast = tree.score(input, uncached, GreedyProcessor(), gen, rule);
+        const at::Tensor general = tree.score(input, uncached, OneHotProcessor(), gen, rule);
+        ASSERT_EQ(fast.sizes(), general.sizes());
+        const int64_t finite_at = fast.numel() - 2;
+        EXPECT_EQ(fast[finite_at].item<double>(), spoiled ? 0.0 : 1.0);
+        EXPECT_EQ(general[finite_at].item<double>(), spoiled ? 0.0 : 1.0);
+        if (spoiled) continue;  // the tokens of a row that is not finite mean nothing
+        EXPECT_TRUE(at::equal(fast, general)) << "dtype " << dtype << ", rule " << static_cast<int>(rule) << "\n"
+                                              << fast << "\n" << general;
+        accepted += fast.narrow(0, 0, (n + 1) * width).sum().item<int64_t>();
+      }
+    }
+  }
+  EXPECT_GT(accepted, 100) << "the trees see acceptances";
+  // Counted on the host path.
+  at::Tensor logits = at::randn({uncached + n, vocab}, gen);
+  at::Tensor ids = at::randint(0, vocab, {n}, gen, at::TensorOptions().dtype(at::kLong));
+  specdec::detail::TreeVerifier tree;
+  tree.start();
+  tree.set(ids, children);
+  int64_t greedy_calls = 0, general_calls = 0;
+  {
+    AtenCallCounter counter;
+    (void)tree.score(logits, uncached, GreedyProcessor(), gen, Rule::exact);
+    greedy_calls = AtenCallCounter::calls();
+  }
+  {
+    AtenCallCounter counter;
+    (void)tree.score(logits, uncached, OneHotProcessor(), gen, Rule::exact);
+    general_calls = AtenCallCounter::calls();
+  }
+  int64_t device_calls = 0;
+  {
+    const at::Tensor wide = logits.to(at::kDouble);  // not read on the host: the device's way
+    AtenCallCounter counter;
+    (void)tree.score(wide, uncached, GreedyProcessor(), gen, Rule::exact);
+    device_calls = AtenCallCounter::calls();
+  }
+  std::cout << "greedy tree verification: " << greedy_calls << " ATen calls on the host, " << device_calls
+            << " on a device (general rule: " << general_calls << ")\n";
+  EXPECT_LT(device_calls, general_calls);
+  EXPECT_LE(greedy_calls, 10);
+  EXPECT_GT(general_calls, greedy_calls);
 }
 
 }  // namespace

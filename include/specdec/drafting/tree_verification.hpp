@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,6 +40,7 @@
 #include "specdec/logits_processor.hpp"
 #include "specdec/step.hpp"
 #include "specdec/tree.hpp"
+#include "specdec/verification.hpp"
 
 namespace specdec::detail {
 
@@ -252,6 +254,7 @@ class TreeVerifier {
   template <LogitsProcessor P>
   at::Tensor score(const at::Tensor& logits, int64_t uncached, const P& processor,
                    at::Generator& gen, ModelTreeRule rule) const {
+    if constexpr (std::is_same_v<P, GreedyProcessor>) return score_greedy(logits, uncached);
     const at::Device device = logits.device();
     const int64_t n = n_;
     const at::Tensor p = processor(logits.narrow(0, uncached - 1, n + 1));
@@ -278,6 +281,71 @@ class TreeVerifier {
                     children.to(at::kDouble).flatten(),
                     at::isfinite(p).all().to(at::kDouble).view({1}),
                     drafter_finite.to(at::kDouble)});
+  }
+
+  // score() for GreedyProcessor, the same values without a distribution: p is one-hot at each
+  // position's argmax (the first among ties), so under every rule a child is accepted exactly
+  // where it may be drawn and is that argmax, and the residual's token is the argmax (a
+  // position's children are distinct, or, drawn with replacement, the first copy is walked). No
+  // uniform is drawn. Logits the host reads where they lie (fp32 on the CPU, the tree on the
+  // CPU) are decoded in one pass over each row, as verify_greedy_on_host does for chains;
+  // elsewhere by a few operations on the logits' device.
+  at::Tensor score_greedy(const at::Tensor& logits, int64_t uncached) const {
+    check_logits(logits);
+    const int64_t n = n_, width = width_;
+    const at::Tensor rows = logits.narrow(0, uncached - 1, n + 1);
+    const at::Tensor drafter_finite =
+        finite_.empty() ? at::Tensor() : at::stack(finite_).all().view({1});
+    const bool on_host = host_readable(rows) && ids_.device().is_cpu() && children_.device().is_cpu() &&
+                         (!drawable_.defined() || drawable_.device().is_cpu()) &&
+                         (!drafter_finite.defined() || drafter_finite.device().is_cpu());
+    if (!on_host) {
+      const at::Device device = logits.device();
+      const at::Tensor children = children_.to(device);
+      const at::Tensor ids = ids_.to(device);
+      const at::Tensor flat = children.clamp_min(0).flatten();
+      at::Tensor valid = children.ge(0);
+      if (drawable_.defined() && n > 0) {
+        valid = valid.logical_and(drawable_.to(device).index_select(0, flat).view(children.sizes()));
+      }
+      const at::Tensor top = rows.argmax(1);  // [n + 1]
+      const at::Tensor accept =
+          n > 0 ? ids.index_select(0, flat).view(children.sizes()).eq(top.unsqueeze(1)).logical_and(valid)
+                : at::zeros_like(valid);
+      const at::Tensor drafter =
+          drafter_finite.defined() ? drafter_finite.to(device) : at::ones({1}, children.options().dtype(at::kBool));
+      return at::cat({accept.to(at::kDouble).flatten(), top.to(at::kDouble), ids.to(at::kDouble),
+                      children.to(at::kDouble).flatten(),
+                      at::isfinite(rows.amax(1)).all().to(at::kDouble).view({1}), drafter.to(at::kDouble)});
+    }
+    at::Tensor out = at::empty({(n + 1) * width * 2 + (n + 1) + n + 2}, at::TensorOptions().dtype(at::kDouble));
+    double* const accept = out.data_ptr<double>();
+    double* const tokens = accept + (n + 1) * width;
+    double* const ids = tokens + (n + 1);
+    double* const children = ids + n;
+    double* const finite = children + (n + 1) * width;
+    const at::Tensor id_values = ids_.to(at::kLong).contiguous();
+    const at::Tensor child_values = children_.to(at::kLong).contiguous();
+    const at::Tensor drawable = drawable_.defined() ? drawable_.to(at::kBool).contiguous() : at::Tensor();
+    const int64_t* const node_ids = id_values.data_ptr<int64_t>();
+    const int64_t* const below = child_values.data_ptr<int64_t>();
+    const bool* const may_draw = drawable.defined() ? drawable.data_ptr<bool>() : nullptr;
+    bool target_finite = true;
+    for (int64_t pos = 0; pos <= n; ++pos) {
+      const RowMax best = row_max(rows.data_ptr<float>() + pos * rows.stride(0), rows.size(1), rows.stride(1));
+      target_finite = target_finite && best.finite;
+      tokens[pos] = static_cast<double>(best.index);
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t node = below[pos * width + j];
+        const bool drawn = node >= 0 && (may_draw == nullptr || may_draw[node]);
+        accept[pos * width + j] = drawn && node_ids[node] == best.index ? 1.0 : 0.0;
+        children[pos * width + j] = static_cast<double>(node);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) ids[i] = static_cast<double>(node_ids[i]);
+    finite[0] = target_finite ? 1.0 : 0.0;
+    finite[1] = !drafter_finite.defined() || drafter_finite.item<bool>() ? 1.0 : 0.0;
+    return out;
   }
 
   // Walks score()'s host copy from the root along the first accepted child of every position.
