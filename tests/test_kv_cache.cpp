@@ -173,6 +173,45 @@ TEST(StaticKVCache, StackedUpdateEqualsUpdate) {
   EXPECT_EQ(stacked.length(), 5);
 }
 
+// update_stacked of new rows in the layouts a forward hands over (keys and values of a token side
+// by side in one row, a last dimension that is not contiguous, a double tensor), after rows
+// left the batch (the storage a view of its slots), equals update of the same values.
+TEST(StaticKVCache, StackedUpdateReadsEveryLayoutOfTheNewRows) {
+  StaticKVCache stacked = make_cache<StaticKVCache>();
+  StaticKVCache separate = make_cache<StaticKVCache>();
+  append(stacked, 3);
+  append(separate, 3);
+  const std::vector<int64_t> first{0};  // rows leave: each cache keeps row 0 in place
+  stacked.select_rows(first);
+  separate.select_rows(first);
+  int64_t written = 0;
+  for (int variant = 0; variant < 3; ++variant) {
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      const at::Tensor keys = entries(layer, 3 + written, 2, 5.0 + variant).narrow(0, 0, 1);
+      const at::Tensor values = entries(layer, 3 + written, 2, 9.0 + variant).narrow(0, 0, 1);
+      at::Tensor both;
+      if (variant == 0) {
+        both = at::stack({keys, values}, 3).permute({3, 0, 1, 2, 4});  // [2, 1, H, T, D], rows side by side
+      } else if (variant == 1) {
+        both = at::stack({keys, values}).transpose(3, 4).contiguous().transpose(3, 4);  // last dim strided
+      } else {
+        both = at::stack({keys, values}).to(at::kDouble);
+      }
+      ASSERT_EQ(both.sizes(), (std::vector<int64_t>{2, 1, kHeads, 2, kHeadDim}));
+      const auto [k, v] = stacked.update_stacked(layer, both);
+      const auto [k_ref, v_ref] = separate.update(layer, keys, values);
+      EXPECT_TRUE(at::equal(k, k_ref) && at::equal(v, v_ref)) << "variant " << variant << ", layer " << layer;
+    }
+    stacked.commit(2);
+    separate.commit(2);
+    written += 2;
+  }
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    EXPECT_TRUE(at::equal(stacked.keys(layer), separate.keys(layer)) && at::equal(stacked.values(layer), separate.values(layer)));
+  }
+  EXPECT_EQ(stacked.length(), 9);
+}
+
 TEST(StaticKVCache, ThrowsWhenCapacityIsExceeded) {
   StaticKVCache cache = make_cache<StaticKVCache>();
   append(cache, kCapacity - 1);

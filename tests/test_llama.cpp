@@ -783,13 +783,20 @@ TEST(LlamaCpuKernels, AttentionLoopsNeverReadSlotsNoRowSees) {
   }
 }
 
-// The SwiGLU loop against ATen's silu(gate) * up, over values that reach both tails of e^x.
+// The SwiGLU loop against ATen's silu(gate) * up, over values that reach both tails of e^x, for
+// widths with and without a part of a vector at the end (stories260K's is 172); nothing past the
+// last row is written.
 TEST(LlamaCpuKernels, SwigluLoopMatchesAten) {
-  const at::Tensor gate_up = at::cat({at::linspace(-120, 120, 3 * 40).view({3, 40}), at::randn({3, 40}) * 3}, 1);
-  at::Tensor out = at::empty({3, 40});
-  specdec::detail::swiglu_rows(gate_up.contiguous().data_ptr<float>(), 3, 40, out.data_ptr<float>());
-  const at::Tensor expected = at::silu(gate_up.narrow(1, 0, 40)) * gate_up.narrow(1, 40, 40);
-  EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-6)) << (out - expected).abs().max().item<float>();
+  for (const int64_t hidden : {40, 43, 5, 172}) {
+    const at::Tensor gate_up =
+        at::cat({at::linspace(-120, 120, 3 * hidden).view({3, hidden}), at::randn({3, hidden}) * 3}, 1).contiguous();
+    at::Tensor buffer = at::full({3 * hidden + 8}, 7.0F);
+    specdec::detail::swiglu_rows(gate_up.data_ptr<float>(), 3, hidden, buffer.data_ptr<float>());
+    const at::Tensor out = buffer.narrow(0, 0, 3 * hidden).view({3, hidden});
+    const at::Tensor expected = at::silu(gate_up.narrow(1, 0, hidden)) * gate_up.narrow(1, hidden, hidden);
+    EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-6)) << hidden << ": " << (out - expected).abs().max().item<float>();
+    EXPECT_TRUE(buffer.narrow(0, 3 * hidden, 8).eq(7.0F).all().item<bool>()) << hidden;
+  }
 }
 
 #ifdef SPECDEC_X86_KERNELS

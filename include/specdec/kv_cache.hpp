@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -717,9 +718,19 @@ class StaticKVCache {
     detail::check_layer(layer, shape_.num_layers);
     const int64_t count = keys_and_values.size(3);
     check_new_shape(keys_and_values.sizes().slice(1), count);
+    const int64_t end = length_ + count;
+    if (write_on_host(layer, keys_and_values)) {
+      // The layer's keys and values as views of the storage (two ATen calls where the general
+      // path makes seven: at decoding sizes on a CPU each costs what a small product does).
+      const auto view = [&](int64_t half) {
+        return storage_.as_strided({shape_.batch, shape_.kv_heads, end, shape_.head_dim},
+                                   {storage_.stride(2), storage_.stride(3), storage_.stride(4), storage_.stride(5)},
+                                   storage_.storage_offset() + layer * storage_.stride(0) + half * storage_.stride(1));
+      };
+      return {view(0), view(1)};
+    }
     const at::Tensor both = storage_[layer];
     both.narrow(3, length_, count).copy_(keys_and_values);
-    const int64_t end = length_ + count;
     return {both[0].narrow(2, 0, end), both[1].narrow(2, 0, end)};
   }
 
@@ -804,6 +815,34 @@ class StaticKVCache {
  private:
   // Throws unless new keys of `sizes` [batch, kv_heads, T, head_dim] match the storage and T more
   // positions fit (std::length_error).
+  // update_stacked's copy by the host, where both tensors are fp32 on the CPU with a contiguous
+  // last dimension, apart in memory, and outside autograd: each head's row of head_dim floats
+  // copied where it goes, without an ATen call. Returns false, having written nothing, for any
+  // other tensors.
+  bool write_on_host(int64_t layer, const at::Tensor& source) {
+    const at::Tensor& to = storage_;
+    if (!to.device().is_cpu() || !source.device().is_cpu() || to.scalar_type() != at::kFloat ||
+        source.scalar_type() != at::kFloat || to.stride(5) != 1 || source.stride(4) != 1 || source.requires_grad() ||
+        to.requires_grad() || source.is_alias_of(to)) {
+      return false;
+    }
+    const int64_t count = source.size(3), row_bytes = shape_.head_dim * static_cast<int64_t>(sizeof(float));
+    const float* const from = source.data_ptr<float>();
+    float* const base = to.data_ptr<float>() + layer * to.stride(0) + length_ * to.stride(4);
+    for (int64_t half = 0; half < 2; ++half) {
+      for (int64_t b = 0; b < shape_.batch; ++b) {
+        for (int64_t h = 0; h < shape_.kv_heads; ++h) {
+          for (int64_t t = 0; t < count; ++t) {
+            std::memcpy(base + half * to.stride(1) + b * to.stride(2) + h * to.stride(3) + t * to.stride(4),
+                        from + half * source.stride(0) + b * source.stride(1) + h * source.stride(2) + t * source.stride(3),
+                        static_cast<size_t>(row_bytes));
+          }
+        }
+      }
+    }
+    return true;
+  }
+
   void check_new_shape(at::IntArrayRef sizes, int64_t count) const {
     if (sizes[0] != shape_.batch || sizes[1] != shape_.kv_heads || sizes[3] != shape_.head_dim) {
       detail::throw_invalid_message("new keys ", sizes, " do not match the static cache's [", shape_.batch, ", ",

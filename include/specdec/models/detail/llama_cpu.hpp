@@ -170,18 +170,25 @@ SPECDEC_TARGET_AVX2 inline void store_exp_avx2(const float* x, float* out) {
   _mm256_storeu_ps(out, exp_avx2(_mm256_loadu_ps(x)));
 }
 
-// out[r][i] = silu(gate[r][i]) * up[r][i] for `rows` rows of gate | up ([rows, 2 * hidden]),
-// hidden a multiple of 8; silu(g) = g / (1 + e^-g).
+// out[r][i] = silu(gate[r][i]) * up[r][i] for `rows` rows of gate | up ([rows, 2 * hidden]);
+// silu(g) = g / (1 + e^-g). The last hidden % 8 elements of a row go through the same lane-wise
+// arithmetic under a mask (the lanes past the row neither read nor written).
+SPECDEC_TARGET_AVX2 inline __m256 swiglu_avx2(__m256 g, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.0F);
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g)))), u);
+}
 SPECDEC_TARGET_AVX2 inline void swiglu_rows_avx2(const float* gate_up, int64_t rows, int64_t hidden, float* out) {
-  const __m256 one = _mm256_set1_ps(1.0F), zero = _mm256_setzero_ps();
+  const int64_t whole = hidden / 8 * 8, tail = hidden - whole;
+  // Lane l is read and written where l < tail.
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (int64_t r = 0; r < rows; ++r) {
     const float* gate = gate_up + r * 2 * hidden;
     const float* up = gate + hidden;
     float* o = out + r * hidden;
-    for (int64_t i = 0; i < hidden; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(zero, g))));
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    for (int64_t i = 0; i < whole; i += 8) _mm256_storeu_ps(o + i, swiglu_avx2(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    if (tail > 0) {
+      _mm256_maskstore_ps(o + whole, mask,
+                          swiglu_avx2(_mm256_maskload_ps(gate + whole, mask), _mm256_maskload_ps(up + whole, mask)));
     }
   }
 }
@@ -350,7 +357,7 @@ inline void add_into(float* x, const float* y, int64_t n) {
 // AVX2 loop above where the CPU has it, through ATen's vectorised silu otherwise.
 inline void swiglu_rows(const float* gate_up, int64_t rows, int64_t hidden, float* out) {
 #ifdef SPECDEC_X86_KERNELS
-  if (cpu_has_avx2_fma() && hidden % 8 == 0) {
+  if (cpu_has_avx2_fma()) {
     swiglu_rows_avx2(gate_up, rows, hidden, out);
     return;
   }
