@@ -15,9 +15,10 @@
 //     straight to the target's own classifier.
 // Rotary embeddings rotate consecutive pairs (2i, 2i+1), as LlamaModel's do; a loader of Hugging
 // Face's rotate-half checkpoints permutes wq and wk (io/eagle.hpp). On the CPU in fp32 the head
-// runs as fused loops around oneDNN or BLAS products, as LlamaModel does (a draft step of ATen
-// operations would cost several of the target's own forwards); use_cpu_kernels(false) forces the
-// ATen forward, which every other device and dtype takes.
+// runs as fused loops around its products (their route measured as LlamaModel's are), with
+// LlamaModel's attention and SwiGLU loops (a draft step of ATen operations would cost several of
+// the target's own forwards); use_cpu_kernels(false) forces the ATen forward, which every other
+// device and dtype takes.
 //
 // The network only: drafting with it (EagleDraftSource's chains, EagleTreeSource's dynamic trees)
 // is drafting/eagle.hpp.
@@ -846,8 +847,7 @@ class EagleHead {
     p.qkv.into(input.data(), count, qkv.data(), onednn);
     const float* cos = p.cos.data_ptr<float>();
     const float* sin = p.sin.data_ptr<float>();
-    const float scale = 1.0F / std::sqrt(static_cast<float>(head_dim));
-    std::vector<float> scores;
+    std::vector<float> causal;  // [n, n]: 0 where token t sees new token u <= t, -inf after
     int64_t offset = 0;  // the segment's first token
     for (size_t segment = 0; segment < caches.size(); ++segment) {
       Cache& cache = caches[segment];
@@ -858,14 +858,23 @@ class EagleHead {
         detail::rotate_heads(rows + t * width, heads + kv_heads, head_dim, first + t, cos, sin);
       }
       cache.append_host(rows + q_width, rows + q_width + kv_width, width, n, kv_heads, head_dim);
-      const float* key = cache.key_buffer().template data_ptr<float>();
-      const float* value = cache.value_buffer().template data_ptr<float>();
-      const int64_t head_stride = cache.key_buffer().stride(0);  // between key/value heads; rows are head_dim apart
-      scores.resize(static_cast<size_t>(cache.length()));
-      for (int64_t t = 0; t < n; ++t) {
-        attend_cpu(rows + t * width, key, value, head_stride, first - cache.start() + t + 1, scale, scores,
-                   attended.data() + (offset + t) * q_width);
+      // The held positions [start, end) as the model's loops read a cache: [1, kv_heads, keys,
+      // head_dim], heads head_stride apart and rows head_dim apart; the segment's n tokens last.
+      const int64_t past = first - cache.start(), head_stride = cache.key_buffer().stride(0);
+      const auto held = [&](const at::Tensor& buffer) {
+        return at::from_blob(buffer.template data_ptr<float>(), {1, kv_heads, past + n, head_dim},
+                             {0, head_stride, head_dim, 1}, options);
+      };
+      if (n > 1) {
+        causal.assign(static_cast<size_t>(n * n), 0.0F);
+        for (int64_t t = 0; t < n; ++t) {
+          std::fill(causal.begin() + t * n + t + 1, causal.begin() + (t + 1) * n, -std::numeric_limits<float>::infinity());
+        }
       }
+      const detail::AttentionShape shape{
+          .batch = 1, .count = n, .past = past, .heads = heads, .kv_heads = kv_heads, .head_dim = head_dim};
+      detail::attend(shape, rows, width, held(cache.key_buffer()), held(cache.value_buffer()),
+                     n > 1 ? causal.data() : nullptr, attended.data() + offset * q_width);
       offset += n;
     }
     std::vector<float> projected(static_cast<size_t>(count * h));
@@ -873,43 +882,10 @@ class EagleHead {
     detail::add_into(x, projected.data(), count * h);
     detail::rms_norm_rows(x, w_.ffn_norm.data_ptr<float>(), normed.data(), count, h, c.norm_eps);
     p.gate_up.into(normed.data(), count, gate_up.data(), onednn);
-    for (int64_t t = 0; t < count; ++t) {
-      const float* g = gate_up.data() + t * 2 * ffn;
-      for (int64_t i = 0; i < ffn; ++i) act[static_cast<size_t>(t * ffn + i)] = g[i] / (1.0F + std::exp(-g[i])) * g[ffn + i];
-    }
+    detail::swiglu_rows(gate_up.data(), count, ffn, act.data());
     p.down.into(act.data(), count, projected.data(), onednn);
     detail::add_into(x, projected.data(), count * h);
     return out;
-  }
-
-  // One token's attention in forward_cpu(): each query head of the token's rotated q (qkv_row's
-  // first heads * head_dim floats) over the first `visible` keys and values of its key/value head
-  // (rows head_dim apart, heads head_stride apart); writes heads * head_dim floats at `out`.
-  void attend_cpu(const float* qkv_row, const float* key, const float* value, int64_t head_stride, int64_t visible,
-                  float scale, std::vector<float>& scores, float* out) const {
-    const LlamaConfig& c = config_.layer;
-    const int64_t heads = c.n_heads, group = heads / c.n_kv_heads, head_dim = c.head_dim();
-    for (int64_t head = 0; head < heads; ++head) {
-      const float* q = qkv_row + head * head_dim;
-      const float* k = key + (head / group) * head_stride;
-      const float* v = value + (head / group) * head_stride;
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < visible; ++j) {
-        scores[static_cast<size_t>(j)] = detail::dot(q, k + j * head_dim, head_dim) * scale;
-        best = std::max(best, scores[static_cast<size_t>(j)]);
-      }
-      float total = 0.0F;
-      for (int64_t j = 0; j < visible; ++j) {
-        total += scores[static_cast<size_t>(j)] = std::exp(scores[static_cast<size_t>(j)] - best);
-      }
-      float* o = out + head * head_dim;
-      std::fill_n(o, head_dim, 0.0F);
-      for (int64_t j = 0; j < visible; ++j) {
-        const float weight = scores[static_cast<size_t>(j)] / total;
-        const float* row = v + j * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) o[i] += weight * row[i];
-      }
-    }
   }
 
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
