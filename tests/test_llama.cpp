@@ -24,6 +24,7 @@
 
 #include "specdec/generate.hpp"
 #include "specdec/models/llama.hpp"
+#include "support/aten_calls.hpp"
 #include "support/expect_invalid.hpp"
 #include "support/llama_fixtures.hpp"
 
@@ -780,6 +781,34 @@ TEST(LlamaCpuKernels, AttentionLoopsNeverReadSlotsNoRowSees) {
     ASSERT_TRUE(out.isfinite().all().item<bool>()) << "head size " << head_dim;
     EXPECT_TRUE(at::allclose(out, expected, 1e-5, 1e-5))
         << "head size " << head_dim << ": max difference " << (out - expected).abs().max().item<float>();
+  }
+}
+
+// A decoding forward on the CPU is the loops' work and a handful of ATen calls: the embedding's
+// look-up, a reshape, the logits' allocation and the cache's two views a layer. A feed-forward
+// width that is not a multiple of 8 stays in the SwiGLU loop. (The products take the packed
+// route here, which makes no call; BLAS would add two a product.)
+TEST(LlamaCpuKernels, ADecodingForwardMakesAFewAtenCalls) {
+  LlamaConfig config = test::small_llama_config();
+  config.hidden_dim = 60;
+  LlamaModel<StaticKVCache> model(config, LlamaWeights::random(config, 3));
+  model.use_products(specdec::detail::ProductChoice::packed);
+  auto cache = model.make_cache(1);
+  (void)model.forward(at::randint(0, config.vocab_size, {1, 20}, at::kLong), cache);
+  for (const int64_t count : {1, 4}) {
+    const at::Tensor ids = at::randint(0, config.vocab_size, {1, count}, at::kLong);
+    (void)model.forward(ids, cache);  // the first forward of a count builds what later ones keep
+    cache.prune(count);
+    int64_t calls = 0;
+    {
+      test::AtenCallCounter counter;
+      (void)model.forward(ids, cache);
+      calls = test::AtenCallCounter::calls();
+    }
+    cache.prune(count);
+    std::cout << "[ figures  ] a forward of " << count << " new tokens, " << config.n_layers << " layers: " << calls
+              << " ATen calls\n";
+    EXPECT_LE(calls, 2 * config.n_layers + 4) << count << " new tokens";
   }
 }
 

@@ -813,8 +813,6 @@ class StaticKVCache {
   }
 
  private:
-  // Throws unless new keys of `sizes` [batch, kv_heads, T, head_dim] match the storage and T more
-  // positions fit (std::length_error).
   // update_stacked's copy by the host, where both tensors are fp32 on the CPU with a contiguous
   // last dimension, apart in memory, and outside autograd: each head's row of head_dim floats
   // copied where it goes, without an ATen call. Returns false, having written nothing, for any
@@ -843,6 +841,8 @@ class StaticKVCache {
     return true;
   }
 
+  // Throws unless new keys of `sizes` [batch, kv_heads, T, head_dim] match the storage and T more
+  // positions fit (std::length_error).
   void check_new_shape(at::IntArrayRef sizes, int64_t count) const {
     if (sizes[0] != shape_.batch || sizes[1] != shape_.kv_heads || sizes[3] != shape_.head_dim) {
       detail::throw_invalid_message("new keys ", sizes, " do not match the static cache's [", shape_.batch, ", ",

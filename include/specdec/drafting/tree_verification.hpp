@@ -256,31 +256,11 @@ class TreeVerifier {
                    at::Generator& gen, ModelTreeRule rule) const {
     if constexpr (std::is_same_v<P, GreedyProcessor>) return score_greedy(logits, uncached);
     const at::Device device = logits.device();
-    const int64_t n = n_;
-    const at::Tensor p = processor(logits.narrow(0, uncached - 1, n + 1));
-    const at::Tensor children = children_.to(device);
-    const at::Tensor ids = ids_.to(device);
-    const at::Tensor flat = children.clamp_min(0).flatten();
-    const at::Tensor child_tokens =
-        n > 0 ? ids.index_select(0, flat).view(children.sizes()) : at::zeros_like(children);
-    at::Tensor valid = children.ge(0);
-    at::Tensor q;
-    if (q_.defined()) {
-      if (n > 0) {
-        valid =
-            valid.logical_and(drawable_.to(device).index_select(0, flat).view(children.sizes()));
-      }
-      q = q_.to(device, p.scalar_type());
-    }
-    const auto [accept, token] =
-        verify_tree_children(p, child_tokens, valid, q, processor, gen, rule);
-    const at::Tensor drafter_finite =
-        finite_.empty() ? at::ones({1}, at::TensorOptions().dtype(at::kBool).device(device))
-                        : at::stack(finite_).all().view({1}).to(device);
-    return at::cat({accept.to(at::kDouble).flatten(), token.to(at::kDouble), ids.to(at::kDouble),
-                    children.to(at::kDouble).flatten(),
-                    at::isfinite(p).all().to(at::kDouble).view({1}),
-                    drafter_finite.to(at::kDouble)});
+    const at::Tensor p = processor(logits.narrow(0, uncached - 1, n_ + 1));
+    const DeviceTree tree = on_device(device);
+    const at::Tensor q = q_.defined() ? q_.to(device, p.scalar_type()) : at::Tensor();
+    const auto [accept, token] = verify_tree_children(p, tree.child_tokens, tree.valid, q, processor, gen, rule);
+    return scores(tree, accept, token, at::isfinite(p).all());
   }
 
   // score() for GreedyProcessor, the same values without a distribution: p is one-hot at each
@@ -294,29 +274,16 @@ class TreeVerifier {
     check_logits(logits);
     const int64_t n = n_, width = width_;
     const at::Tensor rows = logits.narrow(0, uncached - 1, n + 1);
-    const at::Tensor drafter_finite =
-        finite_.empty() ? at::Tensor() : at::stack(finite_).all().view({1});
     const bool on_host = host_readable(rows) && ids_.device().is_cpu() && children_.device().is_cpu() &&
                          (!drawable_.defined() || drawable_.device().is_cpu()) &&
-                         (!drafter_finite.defined() || drafter_finite.device().is_cpu());
+                         std::ranges::all_of(finite_, [](const at::Tensor& f) {
+                           return f.device().is_cpu() && f.scalar_type() == at::kBool;
+                         });
     if (!on_host) {
-      const at::Device device = logits.device();
-      const at::Tensor children = children_.to(device);
-      const at::Tensor ids = ids_.to(device);
-      const at::Tensor flat = children.clamp_min(0).flatten();
-      at::Tensor valid = children.ge(0);
-      if (drawable_.defined() && n > 0) {
-        valid = valid.logical_and(drawable_.to(device).index_select(0, flat).view(children.sizes()));
-      }
+      const DeviceTree tree = on_device(logits.device());
       const at::Tensor top = rows.argmax(1);  // [n + 1]
-      const at::Tensor accept =
-          n > 0 ? ids.index_select(0, flat).view(children.sizes()).eq(top.unsqueeze(1)).logical_and(valid)
-                : at::zeros_like(valid);
-      const at::Tensor drafter =
-          drafter_finite.defined() ? drafter_finite.to(device) : at::ones({1}, children.options().dtype(at::kBool));
-      return at::cat({accept.to(at::kDouble).flatten(), top.to(at::kDouble), ids.to(at::kDouble),
-                      children.to(at::kDouble).flatten(),
-                      at::isfinite(rows.amax(1)).all().to(at::kDouble).view({1}), drafter.to(at::kDouble)});
+      return scores(tree, tree.child_tokens.eq(top.unsqueeze(1)).logical_and(tree.valid), top,
+                    at::isfinite(rows.amax(1)).all());
     }
     at::Tensor out = at::empty({(n + 1) * width * 2 + (n + 1) + n + 2}, at::TensorOptions().dtype(at::kDouble));
     double* const accept = out.data_ptr<double>();
@@ -344,8 +311,40 @@ class TreeVerifier {
     }
     for (int64_t i = 0; i < n; ++i) ids[i] = static_cast<double>(node_ids[i]);
     finite[0] = target_finite ? 1.0 : 0.0;
-    finite[1] = !drafter_finite.defined() || drafter_finite.item<bool>() ? 1.0 : 0.0;
+    // Each recorded finiteness is a bool scalar on the host here: read where it lies.
+    finite[1] = std::ranges::all_of(finite_, [](const at::Tensor& f) { return *f.data_ptr<bool>(); }) ? 1.0 : 0.0;
     return out;
+  }
+
+  // The tree on `device`: children [n + 1, width], the nodes' ids [n], each child's token (0
+  // where none) and whether it exists and, for sampled children, may be drawn.
+  struct DeviceTree {
+    at::Tensor children, ids, child_tokens, valid;
+  };
+  [[nodiscard]] DeviceTree on_device(const at::Device& device) const {
+    const at::Tensor children = children_.to(device), ids = ids_.to(device);
+    const at::Tensor flat = children.clamp_min(0).flatten();
+    const at::IntArrayRef sizes = children.sizes();
+    at::Tensor valid = children.ge(0);
+    if (drawable_.defined() && n_ > 0) valid = valid.logical_and(drawable_.to(device).index_select(0, flat).view(sizes));
+    return DeviceTree{.children = children,
+                      .ids = ids,
+                      .child_tokens = n_ > 0 ? ids.index_select(0, flat).view(sizes) : at::zeros_like(children),
+                      .valid = valid};
+  }
+
+  // score()'s values as one float64 tensor for the step's copy (walk() reads them): each child's
+  // acceptance [n + 1, width], each position's residual token [n + 1], the tree's ids and
+  // children, whether the target's and the drafter's logits were finite.
+  [[nodiscard]] at::Tensor scores(const DeviceTree& tree, const at::Tensor& accept, const at::Tensor& token,
+                                  const at::Tensor& target_finite) const {
+    const at::Device device = tree.children.device();
+    const at::Tensor drafter_finite =
+        finite_.empty() ? at::ones({1}, at::TensorOptions().dtype(at::kBool).device(device))
+                        : at::stack(finite_).all().view({1}).to(device);
+    return at::cat({accept.to(at::kDouble).flatten(), token.to(at::kDouble), tree.ids.to(at::kDouble),
+                    tree.children.to(at::kDouble).flatten(), target_finite.to(at::kDouble).view({1}),
+                    drafter_finite.to(at::kDouble)});
   }
 
   // Walks score()'s host copy from the root along the first accepted child of every position.

@@ -170,13 +170,15 @@ SPECDEC_TARGET_AVX2 inline void store_exp_avx2(const float* x, float* out) {
   _mm256_storeu_ps(out, exp_avx2(_mm256_loadu_ps(x)));
 }
 
-// out[r][i] = silu(gate[r][i]) * up[r][i] for `rows` rows of gate | up ([rows, 2 * hidden]);
-// silu(g) = g / (1 + e^-g). The last hidden % 8 elements of a row go through the same lane-wise
-// arithmetic under a mask (the lanes past the row neither read nor written).
+// silu(g) * u lane by lane, silu(g) = g / (1 + e^-g).
 SPECDEC_TARGET_AVX2 inline __m256 swiglu_avx2(__m256 g, __m256 u) {
   const __m256 one = _mm256_set1_ps(1.0F);
   return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g)))), u);
 }
+
+// out[r][i] = silu(gate[r][i]) * up[r][i] for `rows` rows of gate | up ([rows, 2 * hidden]). The
+// last hidden % 8 elements of a row go through the same lane-wise arithmetic under a mask (the
+// lanes past the row neither read nor written).
 SPECDEC_TARGET_AVX2 inline void swiglu_rows_avx2(const float* gate_up, int64_t rows, int64_t hidden, float* out) {
   const int64_t whole = hidden / 8 * 8, tail = hidden - whole;
   // Lane l is read and written where l < tail.

@@ -29,10 +29,10 @@
 // 1B-parameter target took 89 to 93 ms that way and 45 to 49 by these dot products (one token:
 // 21 to 31 ms either way, the memory's time; bench_cpu_target at d35f8cd and 9911f0e).
 //
-// A bf16 product is a bf16 product: the activations are rounded to bfloat16 (to the nearest, ties to even) and each
-// pair of inputs (2j, 2j + 1) is added to the fp32 sum as AVX512-BF16's dot product adds it,
-// sum = (sum + x[2j+1] w[2j+1]) + x[2j] w[2j], each step rounded once (a product of two bf16
-// values is exact in fp32). Its panels hold each output's weights for inputs 2j and 2j + 1 side by
+// A bf16 product is a bf16 product: the activations are rounded to bfloat16 (to the nearest, ties
+// to even) and each pair of inputs (2j, 2j + 1) is added to the fp32 sum as AVX512-BF16's dot
+// product adds it, sum = (sum + x[2j+1] w[2j+1]) + x[2j] w[2j], each step rounded once (a product
+// of two bf16 values is exact in fp32). Its panels hold each output's weights for inputs 2j and 2j + 1 side by
 // side. Where the CPU has AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids on) the
 // products are `vdpbf16ps`, 32 multiply-adds an instruction against 16 for fp32: at 7 or more rows
 // the arithmetic, not the memory, bounded a bf16 forward with the weights widened to fp32 (a
@@ -996,8 +996,8 @@ inline void product_panels(const PackedWeight& w, const void* xt, const float* s
 // `bias` [out] where not null, for x and y contiguous fp32 rows that do not overlap; for a bf16 W,
 // with x rounded to bf16, for an int8 W with x quantized to int16 per chunk (see the top of this
 // file). Each panel of W is read from memory once per call for up to kRegisterRows rows (each
-// thread its share of the panels, in one sequential stream); meant for the few rows of a decoding forward, where the weights' bytes, not the
-// arithmetic, bound the time. `loops` picks the version (PackedLoops; one the CPU lacks falls back
+// thread its share of the panels, in one sequential stream); meant for the few rows of a decoding
+// forward, where the weights' bytes, not the arithmetic, bound the time. `loops` picks the version (PackedLoops; one the CPU lacks falls back
 // to the next); every version computes the same sums.
 // Requires: w.in, w.out >= 1; w.scales given exactly for i8.
 inline void packed_product(const PackedWeight& w, const float* x, int64_t rows, float* y, const float* bias,
