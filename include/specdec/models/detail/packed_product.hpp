@@ -460,12 +460,42 @@ inline void bf16_panel_portable(const PackedWeight& w, int64_t p, const uint32_t
 }
 
 #ifdef SPECDEC_X86_KERNELS
-// How far ahead of its loads a stream asks for its weights (software prefetch). The hardware
-// prefetchers alone left the loads waiting on memory whenever the arithmetic between them grew:
-// on a 1B-parameter target's products (2 threads, Intel Xeon with AVX-512) 4 KiB ahead took
-// 8 rows from 174 to 105 ms in bf16 and from 283 to 203 ms in fp32, and one row from 96 to 78
-// ms in bf16 and 58 to 48 ms in int8 (1 to 4 KiB ahead were within noise of each other).
+// How a stream asks for its weights ahead of its loads (software prefetch), by the rows R of its
+// pass. The hardware prefetchers alone left the loads waiting on memory whenever the arithmetic
+// between them grew: on a 1B-parameter target's products (2 threads, Intel Xeon with AVX-512)
+// each line into the first-level cache kPrefetchBytes ahead took 8 rows from 174 to 105 ms in
+// bf16 and from 283 to 203 ms in fp32, and one row from 96 to 78 ms in bf16 and 58 to 48 ms in
+// int8 (1 to 4 KiB ahead were within noise of each other). Passes of up to kRegisterRows / 2 rows
+// (two streams, bound by the memory) do that.
+//
+// Passes of more rows (one stream, the arithmetic about as long as the stream where the memory is
+// fast) ask for each line twice: into the first-level cache kNearBytes ahead and into the
+// second-level one kFarBytes ahead. Into the first level alone, the loads of 8 rows still waited:
+// the products of one forward of a 1B-parameter target of TinyLlama's shape (2 threads of a
+// 2-core AMD EPYC, Zen 4, in the moments its memory read about 65 GB/s) took 46.5 to 46.9 ms for
+// 8 rows in bf16 and 87.4 in fp32 that way (one row: 34.2 to 36.1 and 64.8 to 65.5), and 39.1 to
+// 39.4 and 75.5 to 76.1 with both levels. Where the memory read about 37 GB/s, the two ways were
+// within 3% of each other. Asking for the lines of one-row passes into the second level instead
+// made those slower (bf16 38.9 to 40.8 ms).
 inline constexpr int64_t kPrefetchBytes = 4096;
+inline constexpr int64_t kNearBytes = 2048;
+inline constexpr int64_t kFarBytes = 16384;
+
+// Asks for the `bytes` (a multiple of 64) of a stream at `line` ahead of its loads, as a pass of R
+// rows does (above).
+template <int R, int64_t bytes>
+SPECDEC_TARGET_AVX512 __attribute__((always_inline)) inline void prefetch_stream(const char* line) {
+  static_assert(bytes % 64 == 0);
+#pragma GCC unroll 2
+  for (int64_t c = 0; c < bytes; c += 64) {
+    if constexpr (R > kRegisterRows / 2) {
+      _mm_prefetch(line + kNearBytes + c, _MM_HINT_T0);
+      _mm_prefetch(line + kFarBytes + c, _MM_HINT_T1);
+    } else {
+      _mm_prefetch(line + kPrefetchBytes + c, _MM_HINT_T0);
+    }
+  }
+}
 
 // The 2PR sums of P panels over R rows (each row's 32 sums as two vectors), kept in registers by
 // the loops below: made zero, then stored to acc[j] [R, 32] for panel j.
@@ -508,14 +538,9 @@ SPECDEC_TARGET_AVX512 inline void panels_avx512(const PackedWeight& w, const int
     __m512 a[P], b[P];
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j) {
-      // Each cache line of the stream once, kPrefetchBytes ahead (past a panel's end: the next
-      // panel's start, or an address the prefetch ignores).
-      if constexpr (kStep >= 64) {
-#pragma GCC unroll 2
-        for (int64_t c = 0; c < kStep; c += 64) _mm_prefetch(line[j] + kPrefetchBytes + c, _MM_HINT_T0);
-      } else if ((i & (64 / kStep - 1)) == 0) {
-        _mm_prefetch(line[j] + kPrefetchBytes, _MM_HINT_T0);
-      }
+      // Each cache line of the stream ahead (past a panel's end: the next panel's start, or an
+      // address the prefetch ignores).
+      prefetch_stream<R, kStep>(line[j]);
       a[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(line[j]));
       b[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(line[j] + kStep / 2));
       line[j] += kStep;
@@ -547,9 +572,10 @@ struct Bf16Stream {
     return pairs;
   }
 
-  SPECDEC_TARGET_AVX512 inline void next(__m512i& low, __m512i& high) {
-    _mm_prefetch(line + kPrefetchBytes, _MM_HINT_T0);
-    _mm_prefetch(line + kPrefetchBytes + 64, _MM_HINT_T0);
+  // R: the rows of the pass (prefetch_stream).
+  template <int R>
+  SPECDEC_TARGET_AVX512 __attribute__((always_inline)) inline void next(__m512i& low, __m512i& high) {
+    prefetch_stream<R, kStep>(line);
     low = _mm512_loadu_si512(line);
     high = _mm512_loadu_si512(line + 64);
     line += kStep;
@@ -568,7 +594,7 @@ SPECDEC_TARGET_AVX512_BF16 inline void bf16_panels_dot(const PackedWeight& w, co
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j) {
       __m512i a, b;
-      stream[j].next(a, b);
+      stream[j].template next<R>(a, b);
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         const __m512i x = _mm512_set1_epi32(static_cast<int>(xp[r]));
@@ -594,7 +620,7 @@ SPECDEC_TARGET_AVX512 inline void bf16_panels_widened(const PackedWeight& w, con
 #pragma GCC unroll 2
     for (int j = 0; j < P; ++j) {
       __m512i a, b;
-      stream[j].next(a, b);
+      stream[j].template next<R>(a, b);
       const __m512 a_even = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, a, 16));
       const __m512 a_odd = _mm512_castsi512_ps(_mm512_and_si512(a, upper));
       const __m512 b_even = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll, b, 16));
@@ -626,9 +652,11 @@ struct Int8Stream {
     return pairs;
   }
 
+  // R: the rows of the pass (prefetch_stream).
+  template <int R>
   SPECDEC_TARGET_AVX512 __attribute__((always_inline)) inline void next(__m512i& low, __m512i& high) {
     constexpr __mmask32 kAll = 0xFFFFFFFFU;  // the zero-masked widening: see round_to_bf16_avx512
-    _mm_prefetch(line + kPrefetchBytes, _MM_HINT_T0);
+    prefetch_stream<R, kStep>(line);
     low = _mm512_maskz_cvtepi8_epi16(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
     high = _mm512_maskz_cvtepi8_epi16(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32)));
     line += kStep;
@@ -682,7 +710,7 @@ SPECDEC_TARGET_AVX512_VNNI inline void int8_panels_dot(const PackedWeight& w, co
 #pragma GCC unroll 2
       for (int j = 0; j < P; ++j) {
         __m512i a, b;
-        stream[j].next(a, b);
+        stream[j].template next<R>(a, b);
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
           const __m512i x = _mm512_set1_epi32(static_cast<int>(xp[r]));
@@ -709,7 +737,7 @@ SPECDEC_TARGET_AVX512 inline void int8_panels_madd(const PackedWeight& w, const 
 #pragma GCC unroll 2
       for (int j = 0; j < P; ++j) {
         __m512i a, b;
-        stream[j].next(a, b);
+        stream[j].template next<R>(a, b);
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
           const __m512i x = _mm512_set1_epi32(static_cast<int>(xp[r]));
