@@ -20,7 +20,10 @@
 //     without AVX-512; for int8, vpdpwssd where the CPU has AVX512-VNNI and the AVX2 loops'
 //     vpmaddwd without AVX-512, two products a lane) when nothing waits on memory (best of 5);
 //   BM_Forward/F/k: ms (one forward of k new tokens after 32 cached positions, best of the
-//     iterations), weight_gb_per_s (the products' weight bytes over that time),
+//     iterations), paired_ratio (k > 1: each iteration also runs a one-token forward just before
+//     its k-token one; the median over the iterations of t(k) over that t(1): where the memory's
+//     speed drifts between runs, as on some virtual machines, a ratio of two bests may take them
+//     from different speeds), weight_gb_per_s (the products' weight bytes over that time),
 //     floor_fraction (weight_gb_per_s over read_gb_per_s) and mac_fraction (the products'
 //     k x weights multiply-adds over that time, over BM_Ceiling's rate for the format): a
 //     forward is bound by the memory where floor_fraction nears 1, by the arithmetic where
@@ -386,14 +389,27 @@ void BM_Forward(benchmark::State& state) {
   const int64_t context = 32;
   (void)model.forward(at::randint(3, model.vocab_size(), {1, context}, at::kLong), cache);
   const at::Tensor ids = at::randint(3, model.vocab_size(), {1, k}, at::kLong);
+  const at::Tensor one = ids.narrow(1, 0, 1);
   (void)model.forward(ids, cache);  // warm-up
   cache.prune(k);
-  double best = 1e30;
-  for (auto _ : state) {
+  const auto timed = [&](const at::Tensor& tokens) {
     const auto start = Clock::now();
-    benchmark::DoNotOptimize(model.forward(ids, cache).data_ptr());
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
-    cache.prune(k);
+    benchmark::DoNotOptimize(model.forward(tokens, cache).data_ptr());
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    cache.prune(tokens.size(1));
+    return seconds;
+  };
+  double best = 1e30;
+  std::vector<double> ratios;  // k > 1: t(k) over the one-token forward just before it
+  for (auto _ : state) {
+    const double first = k > 1 ? timed(one) : 0.0;
+    const double seconds = timed(ids);
+    best = std::min(best, seconds);
+    if (k > 1) ratios.push_back(seconds / first);
+  }
+  if (!ratios.empty()) {
+    std::sort(ratios.begin(), ratios.end());
+    state.counters["paired_ratio"] = ratios[ratios.size() / 2];
   }
   const double rate = product_bytes(model, format) / best / 1e9;
   state.counters["ms"] = 1e3 * best;

@@ -172,17 +172,27 @@ def main():
             ms = best(ours.get(f"BM_Forward/{format_id}/{k}", []), "ms", smaller=True)
             if ms is not None:
                 ours_k[k] = ms / 1e3
-        forward_tables.append((precision, ours_k, llama_forward))
+        # Each round's median of t(k) over the one-token forward run just before it; the median
+        # over the rounds.
+        paired = {}
+        for k in range(2, 10):
+            values = sorted(e["paired_ratio"] for e in ours.get(f"BM_Forward/{format_id}/{k}", []) if "paired_ratio" in e)
+            if values:
+                paired[k] = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+        forward_tables.append((precision, ours_k, llama_forward, paired))
     unpacked = {k: best(ours.get(f"BM_Forward/0/{k}", []), "ms", smaller=True) for k in range(1, 10)}
     print("\nt(k)/t(1), the cost of a forward of k new tokens over one (k - 1 drafts verified), and t(1) in ms:\n")
     print("| precision | side | t(1) ms | " + " | ".join(f"k={k}" for k in range(2, 10)) + " |")
     print("|---|---|---|" + "---|" * 8)
-    for precision, ours_k, theirs_k in forward_tables:
+    for precision, ours_k, theirs_k, paired in forward_tables:
         for side, table in (("specdec", ours_k), ("llama.cpp", theirs_k)):
             if 1 not in table:
                 continue
             cells = " | ".join(fmt(table[k] / table[1]) if k in table else "—" for k in range(2, 10))
             print(f"| {precision} | {side} | {fmt(table[1] * 1e3, 1)} | {cells} |")
+        if paired:
+            cells = " | ".join(fmt(paired[k]) if k in paired else "—" for k in range(2, 10))
+            print(f"| {precision} | specdec, within pairs (t(k) over the t(1) run just before it) | | {cells} |")
     if unpacked.get(1):
         cells = " | ".join(fmt(unpacked[k] / unpacked[1]) if unpacked.get(k) else "—" for k in range(2, 10))
         print(f"| fp32 | specdec, unpacked (oneDNN/BLAS) | {fmt(unpacked[1], 1)} | {cells} |")
