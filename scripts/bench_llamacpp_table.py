@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import statistics
 import sys
 
 FORMATS = {"fp32": (1, "f32"), "bf16": (2, "BF16"), "8-bit": (3, "Q8_0")}  # specdec format, GGUF type
@@ -176,9 +177,9 @@ def main():
         # over the rounds.
         paired = {}
         for k in range(2, 10):
-            values = sorted(e["paired_ratio"] for e in ours.get(f"BM_Forward/{format_id}/{k}", []) if "paired_ratio" in e)
+            values = [e["paired_ratio"] for e in ours.get(f"BM_Forward/{format_id}/{k}", []) if "paired_ratio" in e]
             if values:
-                paired[k] = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+                paired[k] = statistics.median(values)
         forward_tables.append((precision, ours_k, llama_forward, paired))
     unpacked = {k: best(ours.get(f"BM_Forward/0/{k}", []), "ms", smaller=True) for k in range(1, 10)}
     print("\nt(k)/t(1), the cost of a forward of k new tokens over one (k - 1 drafts verified), and t(1) in ms:\n")

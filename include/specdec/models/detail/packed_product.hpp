@@ -32,13 +32,13 @@
 // A bf16 product is a bf16 product: the activations are rounded to bfloat16 (to the nearest, ties
 // to even) and each pair of inputs (2j, 2j + 1) is added to the fp32 sum as AVX512-BF16's dot
 // product adds it, sum = (sum + x[2j+1] w[2j+1]) + x[2j] w[2j], each step rounded once (a product
-// of two bf16 values is exact in fp32). Its panels hold each output's weights for inputs 2j and 2j + 1 side by
-// side. Where the CPU has AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids on) the
-// products are `vdpbf16ps`, 32 multiply-adds an instruction against 16 for fp32: at 7 or more rows
-// the arithmetic, not the memory, bounded a bf16 forward with the weights widened to fp32 (a
-// 1B-parameter target, 2 threads of an AMD EPYC: 8 rows at 98 ms against 76 ms for one). Elsewhere
-// the same sums come from fused multiply-adds on the widened values, bit for bit (what
-// PackedProduct's tests check on a CPU that has both).
+// of two bf16 values is exact in fp32). Its panels hold each output's weights for inputs 2j and
+// 2j + 1 side by side. Where the CPU has AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire
+// Rapids on) the products are `vdpbf16ps`, 32 multiply-adds an instruction against 16 for fp32: at
+// 7 or more rows the arithmetic, not the memory, bounded a bf16 forward with the weights widened
+// to fp32 (a 1B-parameter target, 2 threads of an AMD EPYC: 8 rows at 98 ms against 76 ms for
+// one). Elsewhere the same sums come from fused multiply-adds on the widened values, bit for bit
+// (what PackedProduct's tests check on a CPU that has both).
 //
 // The AVX-512 versions, and AVX2/FMA versions for CPUs without AVX-512 (bf16 widened there too),
 // are compiled for their instructions whatever the caller's flags and chosen at run time where the
@@ -482,9 +482,9 @@ inline constexpr int64_t kNearBytes = 2048;
 inline constexpr int64_t kFarBytes = 16384;
 
 // Asks for the `bytes` (a multiple of 64) of a stream at `line` ahead of its loads, as a pass of R
-// rows does (above).
+// rows does (above). The AVX2 loops' passes (at most kAvx2Rows rows) take the first-level way.
 template <int R, int64_t bytes>
-SPECDEC_TARGET_AVX512 __attribute__((always_inline)) inline void prefetch_stream(const char* line) {
+SPECDEC_TARGET_AVX2 __attribute__((always_inline)) inline void prefetch_stream(const char* line) {
   static_assert(bytes % 64 == 0);
 #pragma GCC unroll 2
   for (int64_t c = 0; c < bytes; c += 64) {
@@ -750,18 +750,6 @@ SPECDEC_TARGET_AVX512 inline void int8_panels_madd(const PackedWeight& w, const 
   }
 }
 
-// Asks for the cache lines of input `i`'s weights kPrefetchBytes ahead of `line` (kStep bytes an
-// input), each line once.
-template <int64_t kStep>
-SPECDEC_TARGET_AVX2 __attribute__((always_inline)) inline void prefetch_ahead(const char* line, int64_t i) {
-  if constexpr (kStep >= 64) {
-#pragma GCC unroll 2
-    for (int64_t c = 0; c < kStep; c += 64) _mm_prefetch(line + kPrefetchBytes + c, _MM_HINT_T0);
-  } else if ((i & (64 / kStep - 1)) == 0) {
-    _mm_prefetch(line + kPrefetchBytes, _MM_HINT_T0);
-  }
-}
-
 // R rows' 32 sums as 4 vectors each, in registers through the AVX2 loops: loaded from acc [R, 32]
 // and stored back.
 template <int R>
@@ -792,7 +780,7 @@ SPECDEC_TARGET_AVX2 inline void block_avx2(const char* line, int64_t count, cons
   constexpr int64_t kStep = kPanelWidth * 4;
   Avx2Sums<R> sums(acc);
   for (int64_t i = 0; i < count; ++i, line += kStep, xt += stride) {
-    prefetch_ahead<kStep>(line, i);
+    prefetch_stream<R, kStep>(line);
     __m256 x[R];
 #pragma GCC unroll 3
     for (int r = 0; r < R; ++r) x[r] = _mm256_broadcast_ss(xt + r);
@@ -816,7 +804,7 @@ SPECDEC_TARGET_AVX2 inline void bf16_block_avx2(const char* line, int64_t count,
   const __m256i upper = _mm256_set1_epi32(static_cast<int>(0xFFFF0000U));
   Avx2Sums<R> sums(acc);
   for (int64_t i = 0; i < count; ++i, line += kStep, xp += stride) {
-    prefetch_ahead<kStep>(line, i);
+    prefetch_stream<R, kStep>(line);
     __m256 x_even[R], x_odd[R];
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) {
@@ -854,7 +842,7 @@ SPECDEC_TARGET_AVX2 inline void int8_block_avx2(const char* line, int64_t count,
     for (int g = 0; g < 4; ++g) sums[r][g] = _mm256_setzero_si256();
   }
   for (int64_t i = 0; i < count; ++i, line += kStep, xp += stride) {
-    prefetch_ahead<kStep>(line, i);
+    prefetch_stream<R, kStep>(line);
     __m256i x[R];
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) x[r] = _mm256_set1_epi32(static_cast<int>(xp[r]));
@@ -1025,8 +1013,9 @@ inline void product_panels(const PackedWeight& w, const void* xt, const float* s
 // with x rounded to bf16, for an int8 W with x quantized to int16 per chunk (see the top of this
 // file). Each panel of W is read from memory once per call for up to kRegisterRows rows (each
 // thread its share of the panels, in one sequential stream); meant for the few rows of a decoding
-// forward, where the weights' bytes, not the arithmetic, bound the time. `loops` picks the version (PackedLoops; one the CPU lacks falls back
-// to the next); every version computes the same sums.
+// forward, where the weights' bytes, not the arithmetic, bound the time. `loops` picks the
+// version (PackedLoops; one the CPU lacks falls back to the next); every version computes the same
+// sums.
 // Requires: w.in, w.out >= 1; w.scales given exactly for i8.
 inline void packed_product(const PackedWeight& w, const float* x, int64_t rows, float* y, const float* bias,
                            PackedLoops loops = PackedLoops::best) {
