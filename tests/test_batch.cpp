@@ -418,8 +418,40 @@ TYPED_TEST(BatchLlama, JoinedCachesScoreEachRowAsItsOwnCache) {
       EXPECT_TRUE(at::allclose(split.keys(layer), own[r].keys(layer), 1e-9, 1e-9)) << "row " << r << " layer " << layer;
       EXPECT_TRUE(at::allclose(split.values(layer), own[r].values(layer), 1e-9, 1e-9)) << "row " << r << " layer " << layer;
     }
-    // The split row is a working cache of its own: one more token scores as on the row's own cache.
-    EXPECT_TRUE(at::allclose(model.forward(ids({15}), split), model.forward(ids({15}), own[r]), 1e-9, 1e-9)) << "row " << r;
+    if constexpr (requires { joined.split_row_into(row, split); }) {
+      // The same row copied into a cache that held something else (another row's positions, more
+      // of them than this row has): it holds this row's positions alone, as the split row does.
+      TypeParam into = joined.split_row((row + 1) % 3);
+      (void)model.forward(ids({3, 3, 3, 3, 3, 3, 3}), into);
+      joined.split_row_into(row, into);
+      into.prune(4 - count);
+      ASSERT_EQ(into.length(), own[r].length());
+      EXPECT_EQ(std::vector<int64_t>(into.row_lengths().begin(), into.row_lengths().end()),
+                std::vector<int64_t>{own[r].length()});
+      for (int64_t layer = 0; layer < config.n_layers; ++layer) {
+        EXPECT_TRUE(at::equal(into.keys(layer), split.keys(layer))) << "row " << r << " layer " << layer;
+        EXPECT_TRUE(at::equal(into.values(layer), split.values(layer))) << "row " << r << " layer " << layer;
+      }
+      EXPECT_TRUE(at::allclose(model.forward(ids({15}), into), model.forward(ids({15}), own[r]), 1e-9, 1e-9))
+          << "row " << r;
+      (void)model.forward(ids({15}), split);
+    } else {
+      // The split row is a working cache of its own: one more token scores as on the row's own cache.
+      EXPECT_TRUE(at::allclose(model.forward(ids({15}), split), model.forward(ids({15}), own[r]), 1e-9, 1e-9)) << "row " << r;
+    }
+  }
+  if constexpr (requires(TypeParam& c) { joined.split_row_into(0, c); }) {
+    TypeParam two_rows = model.make_cache(2);
+    test::expect_invalid([&] { joined.split_row_into(3, two_rows); }, {"split_row", "[0, 3)", "3"});
+    test::expect_invalid([&] { joined.split_row_into(0, two_rows); }, {"split_row_into", "one row", "got 2 rows"});
+    TypeParam small(StaticKVCacheShape{.num_layers = config.n_layers, .batch = 1, .kv_heads = config.n_kv_heads,
+                                       .capacity = 4, .head_dim = config.head_dim()},
+                    at::TensorOptions().dtype(at::kDouble));
+    test::expect_invalid([&] { joined.split_row_into(1, small); }, {"split_row_into", "capacity >= 13", "capacity 4"});
+    TypeParam floats(StaticKVCacheShape{.num_layers = config.n_layers, .batch = 1, .kv_heads = config.n_kv_heads,
+                                        .capacity = 64, .head_dim = config.head_dim()},
+                     at::TensorOptions().dtype(at::kFloat));
+    test::expect_invalid([&] { joined.split_row_into(1, floats); }, {"split_row_into", "into holds float", "this cache double"});
   }
   test::expect_invalid([&] { (void)TypeParam::join_rows(std::span<const TypeParam* const>()); }, {"join_rows", "none"});
   TypeParam two = model.make_cache(2);
@@ -550,8 +582,10 @@ struct FakeSession {
   std::unique_ptr<StaticKVCache> cache;
   std::optional<Session<Model>> session;
   remote::AnyProcessor processor;
-  FakeSession(Model& target, std::span<const int64_t> prompt, remote::AnyProcessor p)
-      : cache(std::make_unique<StaticKVCache>(target.make_cache(1))), processor(std::move(p)) {
+  Verification verification = Verification::rejection;
+  FakeSession(Model& target, std::span<const int64_t> prompt, remote::AnyProcessor p,
+              Verification mode = Verification::rejection)
+      : cache(std::make_unique<StaticKVCache>(target.make_cache(1))), processor(std::move(p)), verification(mode) {
     session.emplace(target, *cache);
     session->append(prompt);
     session->prefill();
@@ -561,7 +595,12 @@ struct FakeSession {
     const auto k = static_cast<int64_t>(drafts.size());
     return Step{.session = &*session, .cache = cache.get(), .processor = &processor, .drafts = std::move(drafts),
                 .q = std::move(q),
-                .options = {.max_new_tokens = k + 1, .seed = seed, .gamma = std::max<int64_t>(k, 1), .first_target = false}};
+                .options = {.max_new_tokens = k + 1,
+                            .seed = seed,
+                            .gamma = std::max<int64_t>(k, 1),
+                            .first_target = false,
+                            .verification = verification,
+                            .threshold = 0.05}};
   }
 };
 
@@ -573,22 +612,25 @@ at::Tensor q_for(std::span<const int64_t> drafts, int64_t vocab, double weight) 
   return q;
 }
 
-// Rounds of steps for sessions of mixed prompts, greedy and sampled, with 0 to 6 drafts (the
-// target's own continuation with every third round's last draft wrong) and one session rolled
-// back by a token now and then: served joined by one batcher and each alone by another, every
-// step's outcome and every session's tokens are the same, the joined rounds take one forward and
-// one device-to-host copy each, and the greedy sessions end with their autoregressive output.
+// Rounds of steps for sessions of mixed prompts, greedy and sampled (one by threshold
+// verification), with 0 to 6 drafts (the target's own continuation with every third round's last
+// draft wrong) and one session rolled back by a token now and then: served joined by one batcher
+// and each alone by another, every step's outcome and every session's tokens are the same, the
+// joined rounds take one forward and one device-to-host copy each, and the greedy sessions end
+// with their autoregressive output.
 TEST(SessionBatcher, JoinedStepsEqualEachSessionServedAlone) {
   const models::LlamaConfig config = test::small_llama_config();
   const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
   Model target(config, weights), alone_target(config, weights), reference(config, weights);
-  const auto prompts = mixed_prompts(5, config.vocab_size);
-  const std::vector<remote::AnyProcessor> processors{GreedyProcessor{}, MultinomialProcessor{0.8}, GreedyProcessor{},
-                                                     TopKProcessor{5, 1.2}, NucleusProcessor{0.9}};
+  const auto prompts = mixed_prompts(6, config.vocab_size);
+  const std::vector<remote::AnyProcessor> processors{GreedyProcessor{},      MultinomialProcessor{0.8},
+                                                     GreedyProcessor{},      TopKProcessor{5, 1.2},
+                                                     NucleusProcessor{0.9}, MultinomialProcessor{1.0}};
+  const auto mode = [](size_t r) { return r == 5 ? Verification::threshold : Verification::rejection; };
   std::vector<FakeSession> joined, alone;
   for (size_t r = 0; r < prompts.size(); ++r) {
-    joined.emplace_back(target, prompts[r], processors[r]);
-    alone.emplace_back(alone_target, prompts[r], processors[r]);
+    joined.emplace_back(target, prompts[r], processors[r], mode(r));
+    alone.emplace_back(alone_target, prompts[r], processors[r], mode(r));
   }
   remote::SessionBatcher<Model> batcher(target), single(alone_target);
   int64_t accepted = 0, drafted = 0;
@@ -605,7 +647,7 @@ TEST(SessionBatcher, JoinedStepsEqualEachSessionServedAlone) {
       drafts.resize(static_cast<size_t>(k));
       if (k > 0 && round % 3 == 0) drafts.back() = (drafts.back() + 1) % config.vocab_size;
       const bool greedy = std::holds_alternative<GreedyProcessor>(processors[r]);
-      const at::Tensor q = greedy || k == 0 ? at::Tensor() : q_for(drafts, config.vocab_size, 0.6);
+      const at::Tensor q = greedy || k == 0 || r == 5 ? at::Tensor() : q_for(drafts, config.vocab_size, 0.6);
       const auto seed = static_cast<uint64_t>(1000 * round + static_cast<int64_t>(r));
       steps.push_back(joined[r].step(drafts, q, seed));
       lone.push_back(alone[r].step(drafts, q, seed));
@@ -683,6 +725,44 @@ TEST(SessionBatcher, StepsThatWouldPassTheLimitTogetherAreServedApart) {
   ASSERT_EQ(se.error, remote::StepError::none) << se.message;
   EXPECT_EQ(sd.token, next(context, 1).front());
   EXPECT_EQ(se.accepted, 8);
+}
+
+// A joined step that takes its session to the target's limit (its row leaves the batch inside the
+// step) still gets its outcome, and its session keeps a cache that holds what it says: rolled back
+// by the client, its next step joined with another continues its autoregressive output.
+TEST(SessionBatcher, AJoinedStepThatReachesTheLimitLeavesItsSessionConsistent) {
+  models::LlamaConfig config = test::small_llama_config();
+  config.max_seq_len = 40;
+  const auto weights = models::LlamaWeights::random(config, 9, at::kDouble);
+  Model target(config, weights), reference(config, weights);
+  std::vector<int64_t> near(36), other{2, 7};
+  for (size_t i = 0; i < near.size(); ++i) near[i] = static_cast<int64_t>((3 * i + 2) % 48);
+  const auto next = [&](const std::vector<int64_t>& prompt, int64_t n) {
+    return autoregressive_generate(reference, prompt, {.max_new_tokens = n}).tokens;
+  };
+  const auto near_next = next(near, 4), other_next = next(other, 6);
+  FakeSession a(target, near, GreedyProcessor{}), b(target, other, GreedyProcessor{});
+  Step sa = a.step({near_next.begin(), near_next.begin() + 3}), sb = b.step({other_next.begin(), other_next.begin() + 2});
+  remote::SessionBatcher<Model> batcher(target);
+  batcher.run(std::vector<Step*>{&sa, &sb});
+  EXPECT_EQ(batcher.forwards(), 1);
+  ASSERT_EQ(sa.error, remote::StepError::none) << sa.message;
+  ASSERT_EQ(sb.error, remote::StepError::none) << sb.message;
+  EXPECT_EQ(sa.accepted, 3);
+  EXPECT_EQ(sa.token, near_next[3]);
+  EXPECT_EQ(a.session->length(), 40);
+  EXPECT_EQ(sb.accepted, 2);
+  EXPECT_EQ(sb.token, other_next[2]);
+  a.session->rollback(38);
+  Step again = a.step({near_next[2]}), more = b.step({other_next[3]});
+  batcher.run(std::vector<Step*>{&again, &more});
+  EXPECT_EQ(batcher.forwards(), 2);
+  ASSERT_EQ(again.error, remote::StepError::none) << again.message;
+  ASSERT_EQ(more.error, remote::StepError::none) << more.message;
+  EXPECT_EQ(again.accepted, 1);
+  EXPECT_EQ(again.token, near_next[3]);
+  EXPECT_EQ(more.accepted, 1);
+  EXPECT_EQ(more.token, other_next[4]);
 }
 
 // A step whose q holds NaN fails alone, naming the drafter's distribution; the steps beside it

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -417,6 +418,8 @@ struct RowOutcome {
   int64_t drafted = 0;   // drafts the target verified for it
   int64_t accepted = 0;  // of which it accepted (leading)
   std::optional<GenerationResult> result{};
+  // BatchCore::step_rows: why the row's verification failed (the row then took no step).
+  std::exception_ptr error{};
 };
 
 // What a step cost, for a draft-length rule to learn from.
@@ -446,6 +449,15 @@ class BatchCore {
                  .positions = &shared_.target_positions}),
         limit_(limit),
         gen_(make_generator(seed, target.device())) {}
+  // A batch over `cache`, whose row r holds the first cached[r] positions of the r-th row add()
+  // adds (the remote verifier's sessions, their caches joined: remote/session_batch.hpp).
+  BatchCore(T& target, typename T::cache_type cache, std::vector<int64_t> cached, int64_t limit)
+      : target_(target),
+        runner_(target, "target", std::move(cache), std::move(cached),
+                {.calls = &shared_.target_calls, .seconds = &shared_.target_seconds,
+                 .positions = &shared_.target_positions}),
+        limit_(limit),
+        gen_(make_generator(0, target.device())) {}
 
   // Gives back every row of the target's cache before the first add() (an engine starts empty,
   // its cache allocated for the rows it will hold).
@@ -459,6 +471,8 @@ class BatchCore {
   [[nodiscard]] at::Generator& generator() noexcept { return gen_; }
   // Counts of the forwards the rows shared (each row's stats count them whole).
   [[nodiscard]] const GenerationStats& shared() const noexcept { return shared_; }
+  // The target's batched cache: row i holds rows()[i]'s positions.
+  [[nodiscard]] typename T::cache_type& cache() noexcept { return runner_.cache(); }
   // The target's tapped states of the prompt that the last add() prefilled alone (see
   // BatchRunner::prefilled_features).
   [[nodiscard]] at::Tensor prefilled_features() const { return prefilled_ ? runner_.prefilled_features() : at::Tensor(); }
@@ -531,6 +545,103 @@ class BatchCore {
   template <class Drafting, LogitsProcessor P>
   StepCost step(Drafting& drafting, const P& processor, bool first_target, bool skip_sample_adjustment,
                 std::vector<RowOutcome>& out, int64_t draft_limit = std::numeric_limits<int64_t>::max()) {
+    BatchVerification<P> verification{*this, processor, skip_sample_adjustment};
+    return run_step(drafting, processor, first_target, out, draft_limit, verification);
+  }
+
+  // One step of every row as step() takes it, each row verified apart:
+  // verify(i, rows, drafts) -> PendingStep, for row i's logits rows [d + 1, V] and its d drafts
+  // (int64 [d], on the target's device), with the row's own processor, generator and mode
+  // (verify_chain). The whole step still costs one host copy. A row whose verdict the host
+  // refuses (read_step: std::invalid_argument, a draft its q makes impossible) takes no step: its
+  // outcome holds the error, its sequence stays as it was and its cache keeps it. Drafting is as
+  // step()'s, under no processor (the drafts must come from elsewhere: the remote verifier's
+  // clients).
+  template <class Drafting, class Verify>
+  StepCost step_rows(Drafting& drafting, Verify&& verify, std::vector<RowOutcome>& out) {
+    RowVerification<Verify> verification{std::forward<Verify>(verify)};
+    return run_step(drafting, GreedyProcessor{}, /*first_target=*/false, out, std::numeric_limits<int64_t>::max(),
+                    verification);
+  }
+
+ private:
+  // A row's verdict, read on the host: its accepted drafts and the target's token, or the error
+  // that stops it.
+  struct Verdict {
+    int64_t accepted = 0;
+    int64_t token = 0;
+    std::span<const int64_t> drafts{};
+    std::exception_ptr error{};
+  };
+
+  // Every row verified at once under the step's processor (verify_batch): a non-finite row fails
+  // the whole step.
+  template <LogitsProcessor P>
+  struct BatchVerification {
+    BatchCore& core;
+    const P& processor;
+    bool skip_sample_adjustment = false;
+    int64_t stride = 0;
+    at::Tensor target_rows{};
+
+    at::Tensor packed(const at::Tensor& rows, const at::Tensor& q, const at::Tensor& drafts,
+                      std::span<const int64_t> valid, const at::Tensor& drafter_finite) {
+      stride = 3 + drafts.size(1);
+      target_rows = rows;
+      const at::Tensor valid_rows = to_device<int64_t>(valid, {rows.size(0)}, core.target_.device());
+      return core.verify(rows, q, drafts, valid_rows, drafter_finite, processor, skip_sample_adjustment);
+    }
+    void read(const int64_t* values, std::vector<Verdict>& verdicts) const {
+      const auto b = target_rows.size(0);
+      for (int64_t i = 0; i < b; ++i) {
+        if (values[i * stride + 2] != kFinite) {
+          throw_step_non_finite("speculative_generate_batch", values[i * stride + 2], target_rows);
+        }
+      }
+      for (int64_t i = 0; i < b; ++i) {
+        const int64_t* row = values + i * stride;
+        verdicts.push_back({.accepted = row[0], .token = row[1], .drafts = {row + 3, static_cast<size_t>(stride - 3)}});
+      }
+    }
+  };
+
+  // Each row verified apart (step_rows).
+  template <class Verify>
+  struct RowVerification {
+    Verify verify;
+    std::vector<PendingStep> pending{};
+    std::vector<at::Tensor> rows{};
+    std::vector<VerifiedStep> steps{};
+
+    at::Tensor packed(const at::Tensor& target_rows, const at::Tensor& /*q*/, const at::Tensor& drafts,
+                      std::span<const int64_t> valid, const at::Tensor& /*drafter_finite*/) {
+      std::vector<at::Tensor> parts;
+      for (int64_t i = 0; i < target_rows.size(0); ++i) {
+        const int64_t d = valid[static_cast<size_t>(i)];
+        rows.push_back(target_rows[i].narrow(0, 0, d + 1));
+        pending.push_back(verify(i, rows.back(), drafts[i].narrow(0, 0, d)));
+        parts.push_back(pending.back().packed);
+      }
+      return at::cat(parts);
+    }
+    void read(const int64_t* values, std::vector<Verdict>& verdicts) {
+      steps.reserve(pending.size());  // the verdicts' drafts point into the steps
+      for (size_t i = 0; i < pending.size(); ++i) {
+        try {
+          steps.push_back(read_step(pending[i], values, rows[i]));
+          verdicts.push_back({.accepted = steps.back().accepted, .token = steps.back().token, .drafts = steps.back().drafts});
+        } catch (const std::invalid_argument&) {
+          steps.emplace_back();
+          verdicts.push_back({.error = std::current_exception()});
+        }
+        values += pending[i].size();
+      }
+    }
+  };
+
+  template <class Drafting, LogitsProcessor P, class Verification>
+  StepCost run_step(Drafting& drafting, const P& processor, bool first_target, std::vector<RowOutcome>& out,
+                    int64_t draft_limit, Verification& verification) {
     const c10::InferenceMode inference;  // no autograd in the loop (see run_generation)
     const auto b = static_cast<int64_t>(rows_.size());
     if (b == 0) return {};
@@ -569,24 +680,17 @@ class BatchCore {
     const int64_t calls_before = shared_.target_calls;
     const auto [logits, last] = runner_.forward(views_, k > 0 ? drafts.tokens : at::Tensor());
     const at::Tensor target_rows = rows_from(logits, last, k + 1);
-    const at::Tensor valid = to_device<int64_t>(rooms_, {b}, target_.device());
     const at::Tensor draft_tokens =
         k > 0 ? drafts.tokens : at::empty({b, 0}, at::TensorOptions().dtype(at::kLong).device(target_.device()));
     const at::Tensor q = k > 0 ? drafts.probs : at::Tensor();
-    const at::Tensor packed = verify(target_rows, q, draft_tokens, valid, drafts.finite, processor, skip_sample_adjustment);
-    const at::Tensor host = to_host(packed);
-    const int64_t* values = host.data_ptr<int64_t>();
-    const int64_t stride = 3 + k;
-    for (int64_t i = 0; i < b; ++i) {
-      if (values[i * stride + 2] != kFinite) {
-        throw_step_non_finite("speculative_generate_batch", values[i * stride + 2], target_rows);
-      }
-    }
+    const at::Tensor host = to_host(verification.packed(target_rows, q, draft_tokens, rooms_, drafts.finite));
+    verdicts_.clear();
+    verification.read(host.data_ptr<int64_t>(), verdicts_);
     prune_to_.clear();
     accepted_.clear();
     finished_.clear();
     for (int64_t i = 0; i < b; ++i) {
-      const int64_t* row = values + i * stride;
+      const Verdict& verdict = verdicts_[static_cast<size_t>(i)];
       BatchRow& batch_row = rows_[static_cast<size_t>(i)];
       GenerationState& state = *batch_row.state;
       GenerationStats& stats = state.stats();
@@ -595,14 +699,17 @@ class BatchCore {
       stats.target_seconds += shared_.target_seconds - target_before;
       stats.drafter_seconds += shared_.drafter_seconds - drafter_before;
       stats.drafter_calls += k > 0 ? drafts.valid[static_cast<size_t>(i)] : 0;
-      const int64_t made = rooms_[static_cast<size_t>(i)];
-      const std::span<const int64_t> row_drafts(row + 3, static_cast<size_t>(made));
-      EmittedStep emitted{.drafts = row_drafts, .accepted = row[0], .token = row[1]};
-      if (k > 0) emitted.gamma = made;
-      state.emit(emitted);
-      batch_row.stepped = true;
-      prune_to_.push_back(positions_[static_cast<size_t>(i)] + row[0]);
-      accepted_.push_back(row[0]);
+      prune_to_.push_back(positions_[static_cast<size_t>(i)] + verdict.accepted);
+      accepted_.push_back(verdict.accepted);
+      if (!verdict.error) {
+        const int64_t made = rooms_[static_cast<size_t>(i)];
+        EmittedStep emitted{.drafts = verdict.drafts.first(static_cast<size_t>(made)),
+                            .accepted = verdict.accepted,
+                            .token = verdict.token};
+        if (k > 0) emitted.gamma = made;
+        state.emit(emitted);
+        batch_row.stepped = true;
+      }
       finished_.push_back(state.finished() ? 1 : 0);
     }
     runner_.prune(prune_to_);
@@ -631,7 +738,8 @@ class BatchCore {
       RowOutcome outcome{.tag = row.tag,
                          .position = positions_[static_cast<size_t>(i)],
                          .drafted = rooms_[static_cast<size_t>(i)],
-                         .accepted = accepted_[static_cast<size_t>(i)]};
+                         .accepted = accepted_[static_cast<size_t>(i)],
+                         .error = verdicts_[static_cast<size_t>(i)].error};
       if (row.state->finished()) {
         outcome.result = std::move(*row.state).finish();
       } else {
@@ -646,7 +754,6 @@ class BatchCore {
                     .drafter_seconds = shared_.drafter_seconds - before.drafter_seconds};
   }
 
- private:
   template <LogitsProcessor P>
   at::Tensor verify(const at::Tensor& target_rows, const at::Tensor& q, const at::Tensor& drafts, const at::Tensor& valid,
                     const at::Tensor& drafter_finite, const P& processor, bool skip_sample_adjustment) {
@@ -665,7 +772,6 @@ class BatchCore {
                           drafter_finite, positions);
     }
   }
-
   T& target_;
   GenerationStats shared_;  // the forwards every row took part in: calls and times
   BatchRunner<T> runner_;
@@ -676,6 +782,7 @@ class BatchCore {
   std::vector<std::span<const int64_t>> views_;
   std::vector<int64_t> positions_, rooms_, prune_to_, accepted_, local_keep_;
   std::vector<uint8_t> finished_;
+  std::vector<Verdict> verdicts_;
 };
 
 // Generation of a fixed batch: every prompt joins before the first step, and the steps run until

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -676,6 +677,36 @@ class StaticKVCache {
     row.initialized_ = length;
     row.rows_.add(length);
     return row;
+  }
+
+  // split_row() without an allocation: row r's positions copied into `into`, a one-row cache of
+  // the same layers, heads, head size, dtype and device whose capacity holds them. `into` then
+  // holds those positions alone (what it held is dropped; its storage stays where it was). The
+  // remote verifier hands each session its cache back this way after a joined forward, so a
+  // round allocates no cache per session (remote/session_batch.hpp).
+  // Throws std::invalid_argument for a row out of range or an `into` that differs, naming it.
+  void split_row_into(int64_t r, StaticKVCache& into) const {
+    detail::check_split_row(r, rows_.rows());
+    const int64_t length = rows_.rows()[static_cast<size_t>(r)];
+    const StaticKVCacheShape& to = into.shape_;
+    if (to.batch != 1 || to.num_layers != shape_.num_layers || to.kv_heads != shape_.kv_heads ||
+        to.head_dim != shape_.head_dim || to.capacity < length) {
+      detail::throw_invalid_message("split_row_into: into must be one row of ", shape_.num_layers, " layers, ",
+                                    shape_.kv_heads, " kv heads of size ", shape_.head_dim, " and capacity >= ", length,
+                                    ", got ", to.batch, " rows of ", to.num_layers, " layers, ", to.kv_heads,
+                                    " kv heads of size ", to.head_dim, " and capacity ", to.capacity);
+    }
+    if (into.storage_.dtype() != storage_.dtype() || into.storage_.device() != storage_.device()) {
+      detail::throw_invalid_message("split_row_into: into holds ", into.storage_.dtype(), " on ", into.storage_.device(),
+                                    ", this cache ", storage_.dtype(), " on ", storage_.device());
+    }
+    if (&into != this && length > 0) {
+      into.storage_.narrow(4, 0, length).copy_(storage_.narrow(2, r, 1).narrow(4, 0, length));
+    }
+    into.length_ = length;
+    into.initialized_ = std::max(into.initialized_, length);
+    const std::array<int64_t, 1> lengths{length};
+    into.rows_.assign(lengths);
   }
 
   // Writes this layer's keys and values [batch, kv_heads, T, head_dim] in place after the

@@ -10,19 +10,21 @@
 // A step is a session whose tokens hold the step's context (its cache holds what it computed of
 // them), the client's drafts with their q, and the session's processor, seed and verification
 // mode. run() joins the sessions' caches into one batched cache (JoinableKVCache::join_rows) and
-// feeds every row its uncached tokens and its drafts in one forward through batch generation's
-// ragged forward (detail::BatchRunner, the one the Engine's steps run: each row's tokens first,
-// then the drafts, padded to the widest row), after the longest cached row. Each row is verified
-// by the step core's verify_chain with its own processor, generator (seeded by the step's
-// options) and mode; the whole batch costs one device-to-host copy; each row's cache keeps its
-// context and accepted drafts (split_row) and its session records the drafts it accepted and the
-// target's token. A row's result is the one it would get alone, up to the rounding of a batched
-// product.
+// runs one step of batch generation over it: the step the Engine and *_generate_batch run
+// (detail::BatchCore::step_rows), the clients' drafts as its drafting. Its one forward feeds
+// every row its uncached tokens and its drafts (each row's tokens first, then the drafts, padded
+// to the widest row), after the longest cached row. Each row is verified by the step core's
+// verify_chain with its own processor, generator (seeded by the step's options) and mode; the
+// whole batch costs one device-to-host copy; each row's cache keeps its context and accepted
+// drafts (copied back into the session's cache by split_row_into where the cache has it, else
+// split_row) and its session records the drafts it accepted and the target's token. A row's
+// result is the one it would get alone, up to the rounding of a batched product.
 //
 // The joined forward must fit under the target's limit as a whole: while it does not, the step
-// whose session caches the most (the one nearest the limit) is served alone first. A step alone
-// runs through the session's own generate(), as a Session does. A target whose cache is not a
-// JoinableKVCache serves each step alone.
+// whose session caches the most (the one nearest the limit) is served alone first; so is a step
+// whose drafts and token would take its session past the limit (its session refuses it). A step
+// alone runs through the session's own generate(), as a Session does. A target whose cache is
+// not a JoinableKVCache serves each step alone.
 //
 // Errors touch only the steps they belong to: a bad q (std::invalid_argument from the
 // verification) fails its own row with StepError::invalid; a forward that fails fails the steps
@@ -91,6 +93,27 @@ struct ClientDrafts {
   void verified(const VerifiedDrafts& /*verified*/) const noexcept {}
 };
 
+// The clients' drafts of a joined forward as batch drafting: tokens [b, k] (row r's counts[r]
+// first, zeros after), handed to the step as they are.
+struct ClientBatchDrafts {
+  at::Tensor tokens{};
+  std::vector<int64_t> counts{};
+  template <LogitsProcessor P>
+  specdec::detail::BatchDrafts draft(const std::vector<std::span<const int64_t>>& /*sequences*/,
+                                     std::span<const int64_t> rooms, int64_t k, const P& /*processor*/,
+                                     at::Generator& /*gen*/, GenerationStats& /*shared*/) const {
+    // run() joins only steps whose drafts fit, beside each other and under the limit.
+    for (size_t r = 0; r < counts.size(); ++r) {
+      if (rooms[r] != counts[r] || k != tokens.size(1)) {
+        throw std::logic_error("SessionBatcher: a joined forward had no room for a client's drafts");
+      }
+    }
+    return {.tokens = tokens, .valid = counts};
+  }
+  void after(const specdec::detail::BatchStep& /*step*/) const noexcept {}
+  void select(std::span<const int64_t> /*rows*/) const noexcept {}
+};
+
 }  // namespace detail
 
 template <Target T>
@@ -106,15 +129,24 @@ class SessionBatcher {
   void run(std::span<SessionStep<T>* const> steps) noexcept {
     try {
       if constexpr (kJoinable) {
-        std::vector<SessionStep<T>*> joined(steps.begin(), steps.end());
         const int64_t limit = specdec::detail::sequence_limit(target_);
+        // A step whose drafts and token would pass the limit is its session's own to refuse.
+        std::vector<SessionStep<T>*> joined;
+        for (SessionStep<T>* step : steps) {
+          if (step->session->length() + static_cast<int64_t>(step->drafts.size()) < limit) {
+            joined.push_back(step);
+          } else {
+            serve({&step, 1}, [&] { run_alone(*step); });
+          }
+        }
         while (joined.size() > 1) {
           const std::optional<size_t> nearest = nearest_over(joined, limit);
           if (!nearest) break;
           serve({joined.begin() + static_cast<std::ptrdiff_t>(*nearest), 1}, [&] { run_alone(*joined[*nearest]); });
           joined.erase(joined.begin() + static_cast<std::ptrdiff_t>(*nearest));
         }
-        serve(joined, [&] { joined.size() == 1 ? run_alone(*joined.front()) : run_joined(joined); });
+        if (joined.empty()) return;
+        serve(joined, [&] { joined.size() == 1 ? run_alone(*joined.front()) : run_joined(joined, limit); });
       } else {
         for (SessionStep<T>* step : steps) serve({&step, 1}, [&] { run_alone(*step); });
       }
@@ -196,8 +228,10 @@ class SessionBatcher {
     step.seconds = result.stats.target_seconds;
   }
 
-  // Many sessions' steps in one forward (see the top of this file).
-  void run_joined(std::span<SessionStep<T>* const> steps)
+  // Many sessions' steps in one forward (see the top of this file): batch generation's step
+  // (detail::BatchCore::step_rows) over their joined caches, each row verified by verify_chain
+  // with its own session's processor, generator and mode.
+  void run_joined(std::span<SessionStep<T>* const> steps, int64_t limit)
     requires kJoinable
   {
     const c10::InferenceMode inference;
@@ -205,68 +239,88 @@ class SessionBatcher {
     const at::Device device = target_.device();
     std::vector<const cache_type*> parts;
     std::vector<int64_t> cached;
-    std::vector<std::span<const int64_t>> sequences;
+    detail::ClientBatchDrafts drafts;
     int64_t k = 0;
     for (SessionStep<T>* step : steps) {
       const int64_t keep = joined_prefix(*step);
       prune_cache(*step->cache, step->cache->length() - keep);
       parts.push_back(step->cache);
       cached.push_back(keep);
-      sequences.push_back(step->session->tokens());
-      k = std::max(k, static_cast<int64_t>(step->drafts.size()));
+      drafts.counts.push_back(static_cast<int64_t>(step->drafts.size()));
+      k = std::max(k, drafts.counts.back());
     }
-    std::vector<int64_t> padded(static_cast<size_t>(b * k), 0);
-    for (int64_t r = 0; r < b; ++r) {
-      const std::vector<int64_t>& drafts = steps[static_cast<size_t>(r)]->drafts;
-      std::copy(drafts.begin(), drafts.end(), padded.begin() + r * k);
+    if (k > 0) {
+      std::vector<int64_t> padded(static_cast<size_t>(b * k), 0);
+      for (int64_t r = 0; r < b; ++r) {
+        const std::vector<int64_t>& mine = steps[static_cast<size_t>(r)]->drafts;
+        std::copy(mine.begin(), mine.end(), padded.begin() + r * k);
+      }
+      drafts.tokens = specdec::detail::to_device<int64_t>(padded, {b, k}, device);
     }
-    GenerationStats counts;
-    specdec::detail::BatchRunner<T> runner(
-        target_, "target", cache_type::join_rows(parts), cached,
-        {.calls = &counts.target_calls, .seconds = &counts.target_seconds, .positions = &counts.target_positions});
-    const at::Tensor tail = specdec::detail::to_device<int64_t>(padded, {b, k}, device);
-    ++forwards_;
-    const at::Tensor logits = runner.forward(sequences, k > 0 ? tail : at::Tensor()).first;
-    std::vector<specdec::detail::PendingStep> pending;
-    std::vector<at::Tensor> rows, packed;
+    specdec::detail::BatchCore<T> core(target_, cache_type::join_rows(parts), std::move(cached), limit);
+    // A session's row never ends inside the step but at the target's limit (run() serves alone
+    // the steps that would pass it): no end tokens, no stop sequences, the session's tokens as
+    // its prompt.
+    const GenerationOptions rows{.max_new_tokens = limit};
     for (int64_t r = 0; r < b; ++r) {
       const SessionStep<T>& step = *steps[static_cast<size_t>(r)];
-      const auto drafts = static_cast<int64_t>(step.drafts.size());
-      const int64_t fed = step.session->length() - cached[static_cast<size_t>(r)];
-      rows.push_back(logits[r].narrow(0, fed - 1, drafts + 1));
-      const at::Tensor draft_ids = tail[r].narrow(0, 0, drafts);  // uploaded with the input
+      if (core.add(r, step.session->tokens(), rows, drafts.counts[static_cast<size_t>(r)])) {
+        throw std::logic_error("SessionBatcher: a joined session had no room for its step");
+      }
+    }
+    const auto verify = [&](int64_t r, const at::Tensor& logits, const at::Tensor& draft_ids) {
+      const SessionStep<T>& step = *steps[static_cast<size_t>(r)];
       const at::Tensor q = step.q.defined() ? step.q.to(device) : at::Tensor();
       at::Generator gen = specdec::detail::make_generator(step.options.seed, device);
-      pending.push_back(std::visit(
+      return std::visit(
           [&](const auto& processor) {
-            return specdec::detail::verify_chain(rows.back(), q, draft_ids, processor, gen, step.options,
+            return specdec::detail::verify_chain(logits, q, draft_ids, processor, gen, step.options,
                                                  step.options.verification == Verification::threshold);
           },
-          *step.processor));
-      packed.push_back(pending.back().packed);
-    }
-    const at::Tensor host = specdec::detail::to_host(at::cat(packed));
-    const int64_t* values = host.data_ptr<int64_t>();
-    for (int64_t r = 0; r < b; ++r) {
-      SessionStep<T>& step = *steps[static_cast<size_t>(r)];
-      const specdec::detail::PendingStep& verifying = pending[static_cast<size_t>(r)];
-      try {
-        const VerifiedStep verified = specdec::detail::read_step(verifying, values, rows[static_cast<size_t>(r)]);
-        const int64_t length = step.session->length();
-        cache_type row = runner.cache().split_row(r);
-        prune_cache(row, row.length() - (length + verified.accepted));
-        *step.cache = std::move(row);
-        std::vector<int64_t> emitted(step.drafts.begin(), step.drafts.begin() + verified.accepted);
-        emitted.push_back(verified.token);
-        step.session->append(emitted);
-        step.session->rollback(step.session->length());  // records what the cache now holds
-        step.accepted = verified.accepted;
-        step.token = verified.token;
-        step.seconds = counts.target_seconds;
-      } catch (const std::invalid_argument& e) {
-        fail(step, StepError::invalid, e.what());
+          *step.processor);
+    };
+    ++forwards_;
+    std::vector<specdec::detail::RowOutcome> outcomes;
+    core.step_rows(drafts, verify, outcomes);
+    // The rows still in the batch hold their caches (a row that reached the limit left it, and its
+    // session keeps the cache it had: the next step computes the rest again). Each is copied into
+    // its session's own storage where the cache type can (split_row_into), and otherwise moved in
+    // at once, so that the cache it replaces is freed before the next is split.
+    std::vector<const specdec::detail::RowOutcome*> outcome_of(static_cast<size_t>(b));
+    for (const specdec::detail::RowOutcome& outcome : outcomes) outcome_of[static_cast<size_t>(outcome.tag)] = &outcome;
+    std::vector<std::vector<int64_t>> emitted(static_cast<size_t>(b));
+    const auto rows_left = core.rows();
+    for (size_t j = 0; j < rows_left.size(); ++j) {
+      const auto r = static_cast<size_t>(rows_left[j].tag);
+      if (outcome_of[r]->error) continue;
+      SessionStep<T>& step = *steps[r];
+      const auto row = static_cast<int64_t>(j);
+      if constexpr (requires { core.cache().split_row_into(row, *step.cache); }) {
+        core.cache().split_row_into(row, *step.cache);  // no allocation (StaticKVCache)
+      } else {
+        *step.cache = core.cache().split_row(row);
       }
-      values += verifying.size();
+      prune_cache(*step.cache, step.cache->length() - (step.session->length() + outcome_of[r]->accepted));
+      const auto sequence = rows_left[j].state->sequence();
+      emitted[r].assign(sequence.begin() + step.session->length(), sequence.end());
+    }
+    for (specdec::detail::RowOutcome& outcome : outcomes) {
+      SessionStep<T>& step = *steps[static_cast<size_t>(outcome.tag)];
+      if (outcome.error) {
+        try {
+          std::rethrow_exception(outcome.error);
+        } catch (const std::exception& e) {
+          fail(step, StepError::invalid, e.what());
+        }
+        continue;
+      }
+      std::vector<int64_t>& mine = emitted[static_cast<size_t>(outcome.tag)];
+      if (outcome.result) mine = std::move(outcome.result->tokens);
+      step.session->append(mine);
+      step.session->rollback(step.session->length());  // records what the cache now holds
+      step.accepted = outcome.accepted;
+      step.token = mine.back();
+      step.seconds = core.shared().target_seconds;
     }
   }
 
