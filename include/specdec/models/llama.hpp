@@ -26,6 +26,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <numbers>
@@ -608,6 +609,19 @@ class LlamaModel {
         features.narrow(-1, static_cast<int64_t>(j) * dim, dim).copy_(x);
       }
     }
+    // put() for the CPU loops' fp32 rows [batch * count, dim] of a model in fp32, by host copies:
+    // a forward that taps costs no ATen call per tap beyond the first tap's allocation.
+    void put_rows(int64_t index, const float* rows, int64_t batch, int64_t count, int64_t dim) {
+      const auto width = static_cast<int64_t>(taps.size()) * dim;
+      for (size_t j = 0; j < taps.size(); ++j) {
+        if (taps[j] != index) continue;
+        if (!features.defined()) features = at::empty({batch, count, width}, at::TensorOptions().dtype(at::kFloat));
+        float* out = features.data_ptr<float>() + static_cast<int64_t>(j) * dim;
+        for (int64_t r = 0; r < batch * count; ++r) {
+          std::memcpy(out + r * width, rows + r * dim, static_cast<size_t>(dim) * sizeof(float));
+        }
+      }
+    }
   };
 
   // Sets the taps of the forward that follows for the scope of a forward_features() call, after
@@ -798,8 +812,11 @@ class LlamaModel {
     const float* const sin = loop_sin_.data_ptr<float>();
     // The features a tap asks for, in the model's dtype.
     const auto tap = [&](int64_t index, const float* rows_of) {
-      const at::Tensor state = at::from_blob(const_cast<float*>(rows_of), {batch, count, dim}, fp32);
-      taps_->put(index, dtype() == at::kFloat ? state : state.to(dtype()));
+      if (dtype() == at::kFloat) {
+        taps_->put_rows(index, rows_of, batch, count, dim);
+        return;
+      }
+      taps_->put(index, at::from_blob(const_cast<float*>(rows_of), {batch, count, dim}, fp32).to(dtype()));
     };
     for (int64_t layer = 0; layer < config_.n_layers; ++layer) {
       const FusedLayer& fused = fused_[static_cast<size_t>(layer)];
