@@ -743,26 +743,23 @@ TEST(SessionBatcher, AJoinedStepThatReachesTheLimitLeavesItsSessionConsistent) {
   const auto near_next = next(near, 4), other_next = next(other, 6);
   FakeSession a(target, near, GreedyProcessor{}), b(target, other, GreedyProcessor{});
   Step sa = a.step({near_next.begin(), near_next.begin() + 3}), sb = b.step({other_next.begin(), other_next.begin() + 2});
+  const auto served = [](const Step& step, int64_t accepted, int64_t token) {
+    ASSERT_EQ(step.error, remote::StepError::none) << step.message;
+    EXPECT_EQ(step.accepted, accepted);
+    EXPECT_EQ(step.token, token);
+  };
   remote::SessionBatcher<Model> batcher(target);
   batcher.run(std::vector<Step*>{&sa, &sb});
   EXPECT_EQ(batcher.forwards(), 1);
-  ASSERT_EQ(sa.error, remote::StepError::none) << sa.message;
-  ASSERT_EQ(sb.error, remote::StepError::none) << sb.message;
-  EXPECT_EQ(sa.accepted, 3);
-  EXPECT_EQ(sa.token, near_next[3]);
+  served(sa, 3, near_next[3]);
+  served(sb, 2, other_next[2]);
   EXPECT_EQ(a.session->length(), 40);
-  EXPECT_EQ(sb.accepted, 2);
-  EXPECT_EQ(sb.token, other_next[2]);
   a.session->rollback(38);
   Step again = a.step({near_next[2]}), more = b.step({other_next[3]});
   batcher.run(std::vector<Step*>{&again, &more});
   EXPECT_EQ(batcher.forwards(), 2);
-  ASSERT_EQ(again.error, remote::StepError::none) << again.message;
-  ASSERT_EQ(more.error, remote::StepError::none) << more.message;
-  EXPECT_EQ(again.accepted, 1);
-  EXPECT_EQ(again.token, near_next[3]);
-  EXPECT_EQ(more.accepted, 1);
-  EXPECT_EQ(more.token, other_next[4]);
+  served(again, 1, near_next[3]);
+  served(more, 1, other_next[4]);
 }
 
 // A step whose q holds NaN fails alone, naming the drafter's distribution; the steps beside it

@@ -431,7 +431,7 @@ struct StepCost {
 };
 
 // The step of batched generation, for rows that join and leave between steps (the one step
-// that batch generation and the Engine share). Drafting: draft(active rows' sequences, rooms, k,
+// that batch generation, the Engine and the remote verifier's joined forwards share). Drafting: draft(active rows' sequences, rooms, k,
 // processor, gen, stats) -> BatchDrafts of at most k drafts per row (rooms[i] <= k: what row i
 // can verify; fewer columns where the drafter's own context allows fewer), after(BatchStep)
 // after every step, select(rows) when rows leave; with feature_taps(), the target's forwards tap
