@@ -616,8 +616,8 @@ at::Tensor q_for(std::span<const int64_t> drafts, int64_t vocab, double weight) 
 // verification), with 0 to 6 drafts (the target's own continuation with every third round's last
 // draft wrong) and one session rolled back by a token now and then: served joined by one batcher
 // and each alone by another, every step's outcome and every session's tokens are the same, the
-// joined rounds take one forward and one device-to-host copy each, and the greedy sessions end
-// with their autoregressive output.
+// joined rounds take one forward and one device-to-host copy each, each session's cache comes back
+// holding what it would alone, and the greedy sessions end with their autoregressive output.
 TEST(SessionBatcher, JoinedStepsEqualEachSessionServedAlone) {
   const models::LlamaConfig config = test::small_llama_config();
   const auto weights = models::LlamaWeights::random(config, 21, at::kDouble);
@@ -666,6 +666,11 @@ TEST(SessionBatcher, JoinedStepsEqualEachSessionServedAlone) {
       EXPECT_EQ(steps[r].token, lone[r].token) << "round " << round << " session " << r;
       EXPECT_EQ(std::vector<int64_t>(joined[r].session->tokens().begin(), joined[r].session->tokens().end()),
                 std::vector<int64_t>(alone[r].session->tokens().begin(), alone[r].session->tokens().end()));
+      // The joined row's cache came back holding every token but the target's, as alone.
+      ASSERT_EQ(joined[r].cache->length(), joined[r].session->length() - 1) << "round " << round << " session " << r;
+      ASSERT_EQ(alone[r].cache->length(), joined[r].cache->length()) << "round " << round << " session " << r;
+      EXPECT_TRUE(at::allclose(joined[r].cache->keys(0), alone[r].cache->keys(0), 1e-9, 1e-9))
+          << "round " << round << " session " << r;
       accepted += steps[r].accepted;
     }
   }

@@ -405,7 +405,7 @@ struct BatchStep {
 // the most drafts a step verifies for it.
 struct BatchRow {
   int64_t tag = 0;  // the caller's name for the row: a prompt's index, a request's id
-  std::unique_ptr<std::vector<int64_t>> sequence{};
+  std::unique_ptr<std::vector<int64_t>> sequence{};  // null where it generates onto the caller's
   std::unique_ptr<GenerationState> state{};
   int64_t gamma = 0;     // drafts per step; 0: the target alone
   bool stepped = false;  // whether it took a step (first_target keeps drafts from its first)
@@ -503,26 +503,16 @@ class BatchCore {
   template <class Options>
   std::optional<GenerationResult> add(int64_t tag, std::span<const int64_t> prompt, const Options& options,
                                       int64_t gamma, bool prefill_alone = false) {
-    BatchRow row{.tag = tag, .sequence = std::make_unique<std::vector<int64_t>>(prompt.begin(), prompt.end()),
-                 .gamma = gamma};
-    row.state = std::make_unique<GenerationState>(*row.sequence, options, limit_);
-    row.state->set_row(tag);
-    prefilled_ = false;
-    if (row.state->finished()) return std::move(*row.state).finish();
-    if (rows_.size() == runner_.lengths().size()) {
-      if constexpr (AppendableKVCache<typename T::cache_type>) {
-        if (prefill_alone) {
-          runner_.add_row_prefilled(prompt);
-          prefilled_ = true;
-        } else {
-          runner_.add_rows(1);
-        }
-      } else {
-        throw std::logic_error("BatchCore::add: the target's cache holds no free row and cannot append one");
-      }
-    }
-    rows_.push_back(std::move(row));
-    return std::nullopt;
+    auto owned = std::make_unique<std::vector<int64_t>>(prompt.begin(), prompt.end());
+    std::vector<int64_t>& sequence = *owned;
+    return join(BatchRow{.tag = tag, .sequence = std::move(owned), .gamma = gamma}, sequence, options, prefill_alone);
+  }
+  // add() onto the caller's `sequence`, which must outlive the row: the row's tokens are appended
+  // to it in place, nothing is copied (the remote verifier's sessions: remote/session_batch.hpp).
+  template <class Options>
+  std::optional<GenerationResult> add_onto(int64_t tag, std::vector<int64_t>& sequence, const Options& options,
+                                           int64_t gamma) {
+    return join(BatchRow{.tag = tag, .gamma = gamma}, sequence, options, /*prefill_alone=*/false);
   }
 
   // Keeps the rows `keep` (indices into rows(), increasing); the others leave without a result.
@@ -638,6 +628,30 @@ class BatchCore {
       }
     }
   };
+
+  // add() and add_onto(): `row` generates onto `sequence` (its own, or the caller's).
+  template <class Options>
+  std::optional<GenerationResult> join(BatchRow row, std::vector<int64_t>& sequence, const Options& options,
+                                       bool prefill_alone) {
+    row.state = std::make_unique<GenerationState>(sequence, options, limit_);
+    row.state->set_row(row.tag);
+    prefilled_ = false;
+    if (row.state->finished()) return std::move(*row.state).finish();
+    if (rows_.size() == runner_.lengths().size()) {
+      if constexpr (AppendableKVCache<typename T::cache_type>) {
+        if (prefill_alone) {
+          runner_.add_row_prefilled(sequence);
+          prefilled_ = true;
+        } else {
+          runner_.add_rows(1);
+        }
+      } else {
+        throw std::logic_error("BatchCore::add: the target's cache holds no free row and cannot append one");
+      }
+    }
+    rows_.push_back(std::move(row));
+    return std::nullopt;
+  }
 
   template <class Drafting, LogitsProcessor P, class Verification>
   StepCost run_step(Drafting& drafting, const P& processor, bool first_target, std::vector<RowOutcome>& out,

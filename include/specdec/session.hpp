@@ -30,6 +30,10 @@
 
 namespace specdec {
 
+namespace detail {
+struct SessionTokens;
+}  // namespace detail
+
 // The tokens of a conversation and the target's cache over them. Between calls the cache holds
 // every token but the last (the next forward needs one uncached token to predict from).
 template <Target T>
@@ -131,8 +135,23 @@ class Session {
     return detail::run_generation(runner_, tokens_, source, options, processor, limit, draft);
   }
 
+  friend struct detail::SessionTokens;
+
   detail::ModelRunner<T> runner_;
   std::vector<int64_t> tokens_;
 };
+
+namespace detail {
+
+// A session's tokens, for the remote verifier's joined steps (remote/session_batch.hpp), which
+// append a step's tokens to them in place and then record the cache with rollback(length()).
+struct SessionTokens {
+  template <Target T>
+  static std::vector<int64_t>& of(Session<T>& session) noexcept {
+    return session.tokens_;
+  }
+};
+
+}  // namespace detail
 
 }  // namespace specdec

@@ -130,10 +130,13 @@ class SessionBatcher {
     try {
       if constexpr (kJoinable) {
         const int64_t limit = specdec::detail::sequence_limit(target_);
-        // A step whose drafts and token would pass the limit is its session's own to refuse.
+        // A step whose drafts and token would pass its session's limit (the target's, or its
+        // cache's capacity where smaller) is its session's own to refuse: a joined row appends to
+        // the session's tokens unchecked.
         std::vector<SessionStep<T>*> joined;
         for (SessionStep<T>* step : steps) {
-          if (step->session->length() + static_cast<int64_t>(step->drafts.size()) < limit) {
+          const int64_t own = specdec::detail::sequence_limit(target_, *step->cache);
+          if (step->session->length() + static_cast<int64_t>(step->drafts.size()) < own) {
             joined.push_back(step);
           } else {
             serve({&step, 1}, [&] { run_alone(*step); });
@@ -258,13 +261,13 @@ class SessionBatcher {
       drafts.tokens = specdec::detail::to_device<int64_t>(padded, {b, k}, device);
     }
     specdec::detail::BatchCore<T> core(target_, cache_type::join_rows(parts), std::move(cached), limit);
-    // A session's row never ends inside the step but at the target's limit (run() serves alone
-    // the steps that would pass it): no end tokens, no stop sequences, the session's tokens as
-    // its prompt.
+    // A session's row generates onto the session's own tokens and never ends inside the step but
+    // at the target's limit (run() serves alone the steps that would pass it): no end tokens, no
+    // stop sequences.
     const GenerationOptions rows{.max_new_tokens = limit};
     for (int64_t r = 0; r < b; ++r) {
-      const SessionStep<T>& step = *steps[static_cast<size_t>(r)];
-      if (core.add(r, step.session->tokens(), rows, drafts.counts[static_cast<size_t>(r)])) {
+      Session<T>& session = *steps[static_cast<size_t>(r)]->session;
+      if (core.add_onto(r, specdec::detail::SessionTokens::of(session), rows, drafts.counts[static_cast<size_t>(r)])) {
         throw std::logic_error("SessionBatcher: a joined session had no room for its step");
       }
     }
@@ -282,29 +285,26 @@ class SessionBatcher {
     ++forwards_;
     std::vector<specdec::detail::RowOutcome> outcomes;
     core.step_rows(drafts, verify, outcomes);
-    // The rows still in the batch hold their caches (a row that reached the limit left it, and its
-    // session keeps the cache it had: the next step computes the rest again). Each is copied into
-    // its session's own storage where the cache type can (split_row_into), and otherwise moved in
-    // at once, so that the cache it replaces is freed before the next is split.
+    // Each session's tokens now end with what its row accepted and the target's token. The rows
+    // still in the batch hold their caches, each pruned to its row's kept positions: copied into
+    // the session's own storage where the cache type can (split_row_into), else split and moved
+    // in at once, so that the cache it replaces is freed before the next is split. A row that
+    // reached the limit left the batch, and its session keeps the cache it had (the next step
+    // computes the rest again); a row whose verification failed keeps its session as it was.
     std::vector<const specdec::detail::RowOutcome*> outcome_of(static_cast<size_t>(b));
     for (const specdec::detail::RowOutcome& outcome : outcomes) outcome_of[static_cast<size_t>(outcome.tag)] = &outcome;
-    std::vector<std::vector<int64_t>> emitted(static_cast<size_t>(b));
     const auto rows_left = core.rows();
     for (size_t j = 0; j < rows_left.size(); ++j) {
-      const auto r = static_cast<size_t>(rows_left[j].tag);
-      if (outcome_of[r]->error) continue;
-      SessionStep<T>& step = *steps[r];
+      SessionStep<T>& step = *steps[static_cast<size_t>(rows_left[j].tag)];
+      if (outcome_of[static_cast<size_t>(rows_left[j].tag)]->error) continue;
       const auto row = static_cast<int64_t>(j);
       if constexpr (requires { core.cache().split_row_into(row, *step.cache); }) {
         core.cache().split_row_into(row, *step.cache);  // no allocation (StaticKVCache)
       } else {
         *step.cache = core.cache().split_row(row);
       }
-      prune_cache(*step.cache, step.cache->length() - (step.session->length() + outcome_of[r]->accepted));
-      const auto sequence = rows_left[j].state->sequence();
-      emitted[r].assign(sequence.begin() + step.session->length(), sequence.end());
     }
-    for (specdec::detail::RowOutcome& outcome : outcomes) {
+    for (const specdec::detail::RowOutcome& outcome : outcomes) {
       SessionStep<T>& step = *steps[static_cast<size_t>(outcome.tag)];
       if (outcome.error) {
         try {
@@ -314,12 +314,9 @@ class SessionBatcher {
         }
         continue;
       }
-      std::vector<int64_t>& mine = emitted[static_cast<size_t>(outcome.tag)];
-      if (outcome.result) mine = std::move(outcome.result->tokens);
-      step.session->append(mine);
       step.session->rollback(step.session->length());  // records what the cache now holds
       step.accepted = outcome.accepted;
-      step.token = mine.back();
+      step.token = step.session->tokens().back();
       step.seconds = core.shared().target_seconds;
     }
   }
